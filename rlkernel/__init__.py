@@ -1,0 +1,39 @@
+"""rlkernel: strict ops whose numerics are a declared contract.
+
+The public API is flat. With no mode set every op runs its strict path on the
+device's default strict backend (`reference` on CPU); `rlkernel.mode("native")`
+runs the production ops instead, for ablations and negative controls.
+"""
+from .contract import Contract, FieldDiff, diff
+from .dispatch import OPS, BackendUnavailable, ExecutionPolicy, ProvenanceRecord, contract_for, current_policy, mode, record_provenance
+from .ops.attention import ATTN_CHUNK, attention_paged, attention_varlen, write_kv_cache
+from .ops.linear import linear
+from .ops.logprob import VOCAB_TILE, linear_logprob
+from .ops.norm import rms_norm
+from .ops.rope import rope, rope_table
+from .ops.swiglu import swiglu
+
+__all__ = [
+    "OPS",
+    "ATTN_CHUNK",
+    "VOCAB_TILE",
+    "BackendUnavailable",
+    "Contract",
+    "ExecutionPolicy",
+    "FieldDiff",
+    "ProvenanceRecord",
+    "attention_paged",
+    "attention_varlen",
+    "contract_for",
+    "current_policy",
+    "diff",
+    "linear",
+    "linear_logprob",
+    "mode",
+    "record_provenance",
+    "rms_norm",
+    "rope",
+    "rope_table",
+    "swiglu",
+    "write_kv_cache",
+]

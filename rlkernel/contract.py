@@ -1,0 +1,76 @@
+"""Numerical contracts: what an op's result is allowed to depend on, as data.
+
+What this module decides: the fields a contract has and how two contracts are
+compared. Fields follow the write-up's tuple — reduction domain D, partition Π,
+merge tree T, precision P, rounding points R, primitives A. Two execution paths
+whose contracts differ in any field are predicted to disagree in the last bits;
+`diff` says in which field, before anything runs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, fields
+
+__all__ = ["Contract", "FieldDiff", "diff"]
+
+
+def _freeze(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Contract:
+    op: str  # op name, as in rlkernel's public API ("linear", "attention", ...)
+    backend: str  # "reference", "native", "triton", ...
+    domain: str  # D: what is reduced ("K", "hidden", "visible keys", "vocab", "ranks")
+    partition: tuple = ()  # Π: (name, value) pairs, e.g. (("m_tile", 16), ("split_k", 1))
+    merge: str = ""  # T: the order partial results are combined in
+    precision: tuple = ()  # P: (name, dtype) pairs: inputs, accumulator, partials, output
+    rounding: tuple = ()  # R: the points where a value is rounded to a narrower dtype
+    primitives: tuple = ()  # A: (name, formula) pairs for exp/log/rsqrt/SiLU ...
+    invariant: tuple = ()  # invariances this backend claims (proved by tests)
+    version: int = 1  # bumped whenever the numerics change
+
+    def __post_init__(self):
+        for name in ("partition", "precision", "rounding", "primitives", "invariant"):
+            object.__setattr__(self, name, _freeze(getattr(self, name)))
+        if not self.op or not self.backend:
+            raise ValueError("a Contract needs an op and a backend")
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def contract_id(self) -> str:
+        """Stable short hash of every field: equal ids, equal numerics."""
+        blob = json.dumps(self.as_dict(), sort_keys=True, default=str)
+        return f"{self.op}/{self.backend}/v{self.version}/" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True, slots=True)
+class FieldDiff:
+    field: str  # the contract field that differs ("partition", "merge", ...)
+    left: object  # its value in the first contract
+    right: object  # its value in the second
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.left!r} != {self.right!r}"
+
+
+_NUMERIC_FIELDS = ("domain", "partition", "merge", "precision", "rounding", "primitives", "version")
+
+
+def diff(a: Contract, b: Contract) -> list[FieldDiff]:
+    """ΔC: the numeric fields in which two contracts of one op differ.
+
+    An empty list predicts bitwise agreement between the two paths; the
+    backend name itself is not numeric and is not compared.
+    """
+    if a.op != b.op:
+        raise ValueError(f"cannot diff contracts of different ops: {a.op!r} vs {b.op!r}")
+    return [FieldDiff(n, getattr(a, n), getattr(b, n)) for n in _NUMERIC_FIELDS if getattr(a, n) != getattr(b, n)]

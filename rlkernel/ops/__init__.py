@@ -1,0 +1,1 @@
+"""One module per reduction class; each registers its backends with `rlkernel.dispatch`."""

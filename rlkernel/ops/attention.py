@@ -1,0 +1,176 @@
+"""Causal GQA attention: packed variable-length prefill and paged-KV queries.
+
+Strict contract: keys are cut into chunks of ATTN_CHUNK by *absolute key
+position* (a fixed split size, never a fixed number of splits). For each chunk
+the scores are one fixed-shape fp32 tile GEMM (q rows in tiles of 16), scaled
+once; the running (m, l, o) is merged chunk by chunk, left to right, with the
+position-independent exp; o / l and one cast at the end. A query's value
+therefore depends only on its own q, its position and the keys it sees: packed
+prefill, token-by-token decode against a paged cache and chunked prefill at any
+boundary give the same bits. Chunks past a query's position are exact
+identities (exp(0) == 1, p == 0) so they may be skipped or not.
+
+Both entry points gather keys into position order and call one core,
+`_attend`; the paged cache layout [num_blocks, block_size, kv_heads, head_dim]
+is rlkernel's own (the strict backend owns both the write and the read).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .. import dispatch
+from ..contract import Contract
+from ..primitives import TILE_ROWS, strict_exp, tile_matmul, tree_sum
+
+ATTN_CHUNK = 32
+
+REFERENCE = Contract(
+    op="attention",
+    backend="reference",
+    domain="visible keys",
+    partition=(("kv_chunk", ATTN_CHUNK), ("chunk_anchor", "absolute key position"), ("q_tile", TILE_ROWS)),
+    merge="online softmax (m, l, o) over kv chunks, left to right; within a chunk: l by balanced tree, o by one fixed-shape GEMM",
+    precision=(("q,k,v", "widened to float32"), ("scores", "float32"), ("m,l,o", "float32"), ("output", "q.dtype")),
+    rounding=("scores = (q.k) * scale", "p = exp(s - m)", "o / l then one cast to q.dtype"),
+    primitives=(("exp", "Cody-Waite + degree-7 Horner, fp32"), ("max", "exact")),
+    invariant=("batch", "prefill == decode == chunked prefill", "block size/placement", "threads 1 vs 2", "run to run"),
+)
+NATIVE = Contract(
+    op="attention",
+    backend="native",
+    domain="visible keys",
+    partition=(("kv_split", "library (SDPA)"),),
+    merge="torch scaled_dot_product_attention",
+    precision=(("q,k,v", "input dtype"), ("output", "q.dtype")),
+    rounding=("library",),
+    primitives=(("exp", "library"),),
+)
+
+
+def _check(q, k, v):
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"attention: want q [T, Hq, D], k/v [T, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention: {q.shape[1]} query heads cannot share {k.shape[1]} kv heads of dim {k.shape[-1]}")
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[L, Hkv, D] -> [Hq, L, D], kv head h serving query heads h*groups .. h*groups+groups-1."""
+    x = x.transpose(0, 1)
+    hkv, L, d = x.shape
+    return x[:, None].expand(hkv, groups, L, d).reshape(hkv * groups, L, d)
+
+
+def _attend(q, qpos, k, v, scale):
+    """Core: q [n, Hq, D] at absolute positions qpos [n]; k/v [L, Hkv, D] at positions 0..L-1."""
+    n, hq, d = q.shape
+    groups = hq // k.shape[1]
+    last = int(qpos.max()) + 1
+    nchunks = -(-last // ATTN_CHUNK)
+    span = nchunks * ATTN_CHUNK
+    kf, vf = k[:last].float(), v[:last].float()
+    if span > last:
+        kf = F.pad(kf, (0, 0, 0, 0, 0, span - last))
+        vf = F.pad(vf, (0, 0, 0, 0, 0, span - last))
+    kf, vf = _expand_kv(kf, groups), _expand_kv(vf, groups)  # [Hq, span, D]
+    qf = q.float().transpose(0, 1)  # [Hq, n, D]
+    m = torch.full((hq, n), -math.inf, device=q.device)
+    l = torch.zeros((hq, n), device=q.device)
+    o = torch.zeros((hq, n, d), device=q.device)
+    for c in range(nchunks):
+        lo, hi = c * ATTN_CHUNK, (c + 1) * ATTN_CHUNK
+        s = tile_matmul(qf, kf[:, lo:hi].transpose(1, 2)) * scale  # [Hq, n, C]
+        kpos = torch.arange(lo, hi, device=q.device)
+        s = s.masked_fill((kpos[None, :] > qpos[:, None])[None], -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        alpha = strict_exp(m - m_new)
+        p = strict_exp(s - m_new[..., None])
+        l = l * alpha + tree_sum(p, dim=-1)
+        o = o * alpha[..., None] + tile_matmul(p, vf[:, lo:hi])
+        m = m_new
+    return (o / l[..., None]).transpose(0, 1).to(q.dtype)
+
+
+def _native_attend(q, qpos, k, v, scale):
+    n, hq, d = q.shape
+    last = int(qpos.max()) + 1
+    groups = hq // k.shape[1]
+    kk, vv = _expand_kv(k[:last], groups), _expand_kv(v[:last], groups)
+    mask = torch.arange(last, device=q.device)[None, :] <= qpos[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def _varlen(attend, q, k, v, cu_seqlens, scale):
+    outs = []
+    cu = cu_seqlens.tolist()
+    for b in range(len(cu) - 1):
+        lo, hi = cu[b], cu[b + 1]
+        if hi == lo:
+            continue
+        pos = torch.arange(hi - lo, device=q.device)
+        outs.append(attend(q[lo:hi], pos, k[lo:hi], v[lo:hi], scale))
+    return torch.cat(outs) if outs else q.new_zeros(q.shape)
+
+
+def _paged(attend, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+    block = k_cache.shape[1]
+    outs = []
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b in range(len(lens)):
+        lo, hi, L = qsl[b], qsl[b + 1], lens[b]
+        n = hi - lo
+        if n == 0:
+            continue
+        if n > L:
+            raise ValueError(f"attention_paged: request {b} has {n} queries but only {L} tokens")
+        blocks = block_tables[b, : -(-L // block)].long()
+        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:L]
+        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:L]
+        pos = torch.arange(L - n, L, device=q.device)
+        outs.append(attend(q[lo:hi], pos, k, v, scale))
+    return torch.cat(outs) if outs else q.new_zeros(q.shape)
+
+
+def _impl(attend):
+    def run(kind, *args):
+        return (_varlen if kind == "varlen" else _paged)(attend, *args)
+
+    return run
+
+
+dispatch.register("attention", "reference", REFERENCE)(_impl(_attend))
+dispatch.register("attention", "native", NATIVE)(_impl(_native_attend))
+
+
+def attention_varlen(q, k, v, cu_seqlens, *, scale: float | None = None, backend: str | None = None) -> torch.Tensor:
+    """Causal attention over packed sequences: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1] (int)."""
+    _check(q, k, v)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return dispatch.call("attention", backend, (q, k, v), "varlen", q, k, v, cu_seqlens, scale)
+
+
+def attention_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale: float | None = None, backend: str | None = None) -> torch.Tensor:
+    """Queries against a paged KV cache (decode and chunked prefill).
+
+    q [Tq, Hq, D]: request b owns rows query_start_loc[b]:query_start_loc[b+1], which are the
+    *last* tokens of its sequence of seq_lens[b] tokens (their keys must already be in the cache).
+    k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] (int).
+    """
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"attention_paged: want caches [blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
+    _check(q, k_cache[0], v_cache[0])
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return dispatch.call("attention", backend, (q, k_cache, v_cache), "paged", q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Copy k/v [T, Hkv, D] into the caches at flat slots (block * block_size + offset); exact copies."""
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    idx = slot_mapping.long()
+    flat_k[idx] = k.to(k_cache.dtype)
+    flat_v[idx] = v.to(v_cache.dtype)

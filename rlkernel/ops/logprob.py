@@ -1,0 +1,159 @@
+"""Linear-logprob: hidden x lm_head -> float32 logprob of chosen tokens.
+
+Strict contract: the true vocab [0, vocab_size) is cut into tiles of VOCAB_TILE
+rows of the lm_head (padding rows are never read); each tile's logits are one
+row-invariant fp32 GEMM, divided by the temperature, reduced to a per-tile
+(m, l) with l a balanced tree of position-independent exps; the tiles' (m, l)
+are merged by one balanced binary tree over tile index (identity-padded to a
+power of two — the same tree a vocab-parallel group reproduces, rank blocks
+being its subtrees); logprob = (z_target - m) - log(l). Only one tile of logits
+exists at a time, forward and backward (the backward recomputes each tile).
+
+`tile_stats` / `merge_ml` are public so the vocab-parallel collective reuses
+exactly these pieces.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import dispatch
+from ..contract import Contract
+from ..primitives import strict_exp, strict_log, tile_matmul, tree_sum
+
+VOCAB_TILE = 512
+
+REFERENCE = Contract(
+    op="linear_logprob",
+    backend="reference",
+    domain="vocab [0, vocab_size)",
+    partition=(("vocab_tile", VOCAB_TILE), ("m_tile", 16), ("padding_rows", "excluded")),
+    merge="per tile: m = max, l = balanced tree of exp(z - m); across tiles: balanced binary tree over tile index",
+    precision=(("hidden,weight", "widened to float32"), ("logits", "float32"), ("m,l", "float32"), ("output", "float32")),
+    rounding=("z = (h.w) / temperature", "lp = (z_t - m) - log(l)"),
+    primitives=(("exp", "Cody-Waite + degree-7 Horner, fp32"), ("log", "exponent split + atanh series, fp32")),
+    invariant=("batch", "row position", "threads 1 vs 2", "run to run"),
+)
+NATIVE = Contract(
+    op="linear_logprob",
+    backend="native",
+    domain="vocab [0, vocab_size)",
+    partition=(("vocab_tile", "whole vocab"),),
+    merge="torch log_softmax over full float32 logits",
+    precision=(("logits", "hidden dtype, then float32"), ("output", "float32")),
+    rounding=("logits rounded to hidden dtype by F.linear", "logits.float() / temperature"),
+    primitives=(("exp/log", "library"),),
+)
+
+
+def merge_ml(m1, l1, m2, l2):
+    """Merge two (max, sum-of-exp) pairs; (-inf, 0) is an exact identity."""
+    m = torch.maximum(m1, m2)
+    safe = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    return m, l1 * strict_exp(m1 - safe) + l2 * strict_exp(m2 - safe)
+
+
+def tree_merge_ml(ms: list, ls: list):
+    """Balanced binary tree over a list of (m, l), identity-padded to a power of two."""
+    n = len(ms)
+    p = 1 << max(n - 1, 0).bit_length()
+    ms = list(ms) + [torch.full_like(ms[0], -math.inf)] * (p - n)
+    ls = list(ls) + [torch.zeros_like(ls[0])] * (p - n)
+    while len(ms) > 1:
+        pairs = [merge_ml(ms[i], ls[i], ms[i + 1], ls[i + 1]) for i in range(0, len(ms), 2)]
+        ms, ls = [a for a, _ in pairs], [b for _, b in pairs]
+    return ms[0], ls[0]
+
+
+def tile_logits(h32, weight, lo, hi, temperature):
+    """float32 logits / temperature for vocab rows [lo, hi)."""
+    return tile_matmul(h32, weight[lo:hi].float().t()) / temperature
+
+
+def tile_stats(h32, weight, targets, lo, hi, temperature):
+    """(m, l, z_target or 0, owns_target) for one vocab tile."""
+    z = tile_logits(h32, weight, lo, hi, temperature)
+    m = z.amax(dim=-1)
+    l = tree_sum(strict_exp(z - m[:, None]), dim=-1)
+    own = (targets >= lo) & (targets < hi)
+    idx = (targets - lo).clamp(0, hi - lo - 1)
+    zt = torch.where(own, z.gather(1, idx[:, None])[:, 0], torch.zeros_like(m))
+    return m, l, zt, own
+
+
+def _tiles(vocab_size):
+    return [(lo, min(lo + VOCAB_TILE, vocab_size)) for lo in range(0, vocab_size, VOCAB_TILE)]
+
+
+def _forward(h32, weight, targets, temperature, vocab_size):
+    ms, ls = [], []
+    zt = torch.zeros(h32.shape[0], device=h32.device)
+    for lo, hi in _tiles(vocab_size):
+        m, l, z, own = tile_stats(h32, weight, targets, lo, hi, temperature)
+        ms.append(m)
+        ls.append(l)
+        zt = torch.where(own, z, zt)
+    m, l = tree_merge_ml(ms, ls)
+    return (zt - m) - strict_log(l), m, l
+
+
+class _LinearLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, vocab_size):
+        h32 = hidden.float()
+        lp, m, l = _forward(h32, weight, targets, temperature, vocab_size)
+        ctx.save_for_backward(hidden, weight, targets, m + strict_log(l))
+        ctx.temperature, ctx.vocab_size = temperature, vocab_size
+        return lp
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        t, h32 = ctx.temperature, hidden.float()
+        gh = torch.zeros_like(h32) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        g = g.float()
+        for lo, hi in _tiles(ctx.vocab_size):  # fixed tile order: a deterministic sum
+            z = tile_logits(h32, weight, lo, hi, t)
+            # d lp / d z_j = onehot_j - softmax_j; d z / d logits = 1 / t
+            gz = -strict_exp(z - lse[:, None])
+            own = (targets >= lo) & (targets < hi)
+            rows = own.nonzero()[:, 0]
+            gz[rows, targets[rows] - lo] += 1.0
+            gz = gz * g[:, None] / t
+            if gh is not None:
+                gh = gh + tile_matmul(gz, weight[lo:hi].float())
+            if gw is not None:
+                gw[lo:hi] = tile_matmul(gz.t(), h32)
+        return (gh.to(hidden.dtype) if gh is not None else None, gw.to(weight.dtype) if gw is not None else None, None, None, None)
+
+
+@dispatch.register("linear_logprob", "reference", REFERENCE)
+def _linear_logprob_reference(hidden, weight, targets, temperature, vocab_size):
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearLogprob.apply(hidden, weight, targets, temperature, vocab_size)
+    return _forward(hidden.float(), weight, targets, temperature, vocab_size)[0]
+
+
+@dispatch.register("linear_logprob", "native", NATIVE)
+def _linear_logprob_native(hidden, weight, targets, temperature, vocab_size):
+    logits = torch.nn.functional.linear(hidden, weight[:vocab_size]).float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+
+
+def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, vocab_size: int | None = None, backend: str | None = None) -> torch.Tensor:
+    """float32 log p(targets) under softmax(hidden @ weight[:vocab_size].T / temperature).
+
+    hidden [T, H]; weight [V_padded, H]; targets [T] int64 in [0, vocab_size).
+    """
+    vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"linear_logprob: want hidden [T, H] and targets [T]; got {tuple(hidden.shape)}, {tuple(targets.shape)}")
+    if not 0 < vocab_size <= weight.shape[0] or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"linear_logprob: weight {tuple(weight.shape)} does not fit hidden {hidden.shape[1]} / vocab_size {vocab_size}")
+    if not temperature > 0:
+        raise ValueError(f"linear_logprob: temperature must be > 0, got {temperature}")
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
+        raise ValueError(f"linear_logprob: targets outside [0, {vocab_size})")
+    return dispatch.call("linear_logprob", backend, (hidden, weight, targets), hidden, weight, targets.long(), float(temperature), vocab_size)

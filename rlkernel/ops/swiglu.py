@@ -1,0 +1,55 @@
+"""SwiGLU activation: silu(gate) * up.
+
+Strict contract: gate and up arrive materialised in the activation dtype (the
+outputs of the gate/up GEMM are rounded there: that is the materialisation
+boundary); SiLU is x / (1 + exp(-x)) in fp32 with the position-independent exp;
+the product is fp32; one rounding to the activation dtype. Native: torch's SiLU
+(vectorised body and scalar tail differ) and a multiply in the activation dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import dispatch
+from ..contract import Contract
+from ..primitives import strict_silu
+
+REFERENCE = Contract(
+    op="swiglu",
+    backend="reference",
+    domain="none (element-wise)",
+    partition=(("gate_up", "materialised in activation dtype before SiLU"),),
+    merge="none",
+    precision=(("input", "act dtype"), ("compute", "float32"), ("output", "act dtype")),
+    rounding=("gate/up rounded to act dtype by the GEMM", "one cast after silu(gate)*up in fp32"),
+    primitives=(("silu", "x / (1 + exp(-x))"), ("exp", "Cody-Waite + degree-7 Horner, fp32")),
+    invariant=("batch", "row position", "threads 1 vs 2", "run to run"),
+)
+NATIVE = Contract(
+    op="swiglu",
+    backend="native",
+    domain="none (element-wise)",
+    partition=(("gate_up", "materialised in activation dtype before SiLU"),),
+    merge="none",
+    precision=(("input", "act dtype"), ("compute", "library"), ("output", "act dtype")),
+    rounding=("silu rounded to act dtype", "product rounded to act dtype"),
+    primitives=(("silu", "torch vectorised silu (Sleef) / scalar tail"),),
+)
+
+
+@dispatch.register("swiglu", "reference", REFERENCE)
+def _swiglu_reference(gate, up):
+    return (strict_silu(gate) * up.float()).to(gate.dtype)
+
+
+@dispatch.register("swiglu", "native", NATIVE)
+def _swiglu_native(gate, up):
+    return F.silu(gate) * up
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """silu(gate) * up, element-wise; gate and up of equal shape."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    return dispatch.call("swiglu", backend, (gate, up), gate, up)
