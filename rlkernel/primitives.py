@@ -113,9 +113,11 @@ def strict_silu(x: torch.Tensor) -> torch.Tensor:
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Sum over `dim` by a balanced binary tree of element-wise adds.
 
-    The length is zero-padded to the next power of two, then halves are added
-    (a[:h] + a[h:]) until one element is left. Adding +0.0 never changes a
-    value's bits, so the result depends only on the summands and their index.
+    The length is zero-padded to the next power of two, then adjacent pairs
+    are added (a[0::2] + a[1::2]) until one element is left, so any aligned
+    power-of-two block of summands (a rank's block of canonical segments) is a
+    subtree. Adding +0.0 never changes a value's bits, so the result depends
+    only on the summands and their index.
     """
     x = x.movedim(dim, -1)
     n = x.shape[-1]
@@ -125,8 +127,7 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if p != n:
         x = torch.nn.functional.pad(x, (0, p - n))
     while x.shape[-1] > 1:
-        h = x.shape[-1] // 2
-        x = x[..., :h] + x[..., h:]
+        x = x[..., 0::2] + x[..., 1::2]
     return x[..., 0]
 
 

@@ -1,0 +1,254 @@
+"""Deterministic collectives: reductions over ranks whose bits do not depend on the world size.
+
+What this module decides: how a sum over ranks and the vocab-parallel logprob
+are reduced. Why: `dist.all_reduce` adds per-rank partial sums in whatever order
+the backend's algorithm picks (ring chunks start at different ranks, NCCL picks
+ring or tree by message size), and each rank's partial already fixed a grouping
+that depends on how many ranks share the work. So TP=2 and TP=4 round
+differently, and neither matches TP=1.
+
+The strict path reduces over *canonical segments*, not ranks: the payload is cut
+into S segments (S fixed by the model, not by the world size); rank r owns the
+contiguous block r*k .. r*k+k-1. Segments travel unchanged in their own dtype
+(all_gather, rank order — no arithmetic in transit), and every rank sums all S
+with one balanced binary tree over segment index, accumulating in float32 and
+rounding once. The result is a function of the segments alone: identical on
+every rank, for any world size dividing S, and equal to `canonical_tree_sum` in
+one process. The price is S/k times the traffic of a reduce-scatter; it is the
+reference path, correctness first.
+
+`vocab_parallel_logprob` applies the same idea to linear-logprob: vocab tiles are
+the canonical segments, so the (m, l) merge runs over the global tile list and
+reproduces `rlkernel.linear_logprob` bit for bit when shards are tile-aligned.
+
+Input checks that need other ranks' view (shapes, shard ranges) gather a small
+signature first, so a mismatch raises the same ValueError on every rank instead
+of hanging one of them inside a collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .contract import Contract
+from .ops import logprob as _lp
+from .primitives import strict_log, tree_sum
+
+__all__ = [
+    "ALL_REDUCE_REFERENCE",
+    "ALL_REDUCE_NATIVE",
+    "ALL_GATHER_REFERENCE",
+    "VOCAB_PARALLEL_LOGPROB_REFERENCE",
+    "canonical_tree_sum",
+    "tree_all_reduce",
+    "native_all_reduce",
+    "all_gather",
+    "vocab_parallel_logprob",
+]
+
+ALL_REDUCE_REFERENCE = Contract(
+    op="all_reduce",
+    backend="reference",
+    domain="ranks, as S canonical segments",
+    partition=(("segments", "S = world_size * k, fixed by the caller"), ("ownership", "rank r owns segments [r*k, r*k + k)"), ("transport", "all_gather, rank order")),
+    merge="balanced binary tree over canonical segment index (zero-padded to a power of two), run identically on every rank",
+    precision=(("payload", "segment dtype, sent unchanged"), ("accumulate", "float32 (float64 stays float64)"), ("output", "payload dtype")),
+    rounding=("one cast of the tree sum to the payload dtype",),
+    primitives=(("add", "IEEE element-wise"),),
+    invariant=("world size", "rank", "run to run"),
+)
+ALL_REDUCE_NATIVE = Contract(
+    op="all_reduce",
+    backend="native",
+    domain="ranks",
+    partition=(("segments", "one partial sum per rank"), ("ownership", "rank r owns segments [r*k, r*k + k)"), ("transport", "dist.all_reduce (backend algorithm)")),
+    merge="left-to-right sum of the rank's own segments, then the backend's reduction order (depends on world size, algorithm, chunk)",
+    precision=(("payload", "segment dtype"), ("accumulate", "payload dtype"), ("output", "payload dtype")),
+    rounding=("every add rounds to the payload dtype",),
+    primitives=(("add", "IEEE element-wise"),),
+)
+ALL_GATHER_REFERENCE = Contract(
+    op="all_gather",
+    backend="reference",
+    domain="ranks",
+    partition=(("ownership", "rank r owns block r"),),
+    merge="concatenation in rank order (no arithmetic)",
+    precision=(("payload", "input dtype, unchanged"),),
+    invariant=("rank", "run to run"),
+)
+# Numerically the single-process linear-logprob contract: only the op name and the
+# claimed invariance differ, which is the point (diff against it with op renamed is empty).
+VOCAB_PARALLEL_LOGPROB_REFERENCE = dataclasses.replace(
+    _lp.REFERENCE,
+    op="vocab_parallel_logprob",
+    invariant=_lp.REFERENCE.invariant + ("tensor-parallel world size (shard boundaries multiples of VOCAB_TILE)",),
+)
+
+
+def _world(group) -> tuple[int, int]:
+    """(world_size, rank); (1, 0) without an initialised process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _gather(t: torch.Tensor, group) -> torch.Tensor:
+    """[world, *t.shape]: every rank's t, stacked in rank order."""
+    world, _ = _world(group)
+    t = t.contiguous()
+    if world == 1:
+        return t.unsqueeze(0)
+    outs = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(outs, t, group=group)
+    return torch.stack(outs)
+
+
+def _gather_ints(values: Sequence[int], device: torch.device, group) -> list[list[int]]:
+    return _gather(torch.tensor(list(values), dtype=torch.int64, device=device), group).tolist()
+
+
+def _signature(shape, dtype) -> int:
+    # crc32, not hash(): str hashes are salted per process and would never agree.
+    return zlib.crc32(repr((tuple(shape), str(dtype))).encode())
+
+
+def _check_segments(segments: Sequence[torch.Tensor], who: str) -> None:
+    if not isinstance(segments, (list, tuple)) or len(segments) == 0:
+        raise ValueError(f"{who}: want a non-empty list of tensors, got {type(segments).__name__} of length {len(segments) if hasattr(segments, '__len__') else '?'}")
+    s0 = segments[0]
+    for i, s in enumerate(segments):
+        if not isinstance(s, torch.Tensor):
+            raise ValueError(f"{who}: segment {i} is a {type(s).__name__}, not a tensor")
+        if s.shape != s0.shape or s.dtype != s0.dtype or s.device != s0.device:
+            raise ValueError(f"{who}: segment {i} is {tuple(s.shape)} {s.dtype} on {s.device}, segment 0 is {tuple(s0.shape)} {s0.dtype} on {s0.device}; all segments must match")
+
+
+def _tree_reduce(stacked: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 by the canonical tree; float32 accumulation (wider dtypes keep theirs), one final cast."""
+    dtype = stacked.dtype
+    acc = torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else dtype
+    return tree_sum(stacked.to(acc), dim=0).to(dtype)
+
+
+def canonical_tree_sum(segments: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The single-process definition of the strict all-reduce: the canonical tree over `segments`."""
+    _check_segments(segments, "canonical_tree_sum")
+    return _tree_reduce(torch.stack(list(segments)))
+
+
+def tree_all_reduce(local_segments: Sequence[torch.Tensor], group=None) -> torch.Tensor:
+    """Sum of all ranks' canonical segments, bitwise equal on every rank to `canonical_tree_sum`.
+
+    local_segments: this rank's k segments (rank r owns r*k .. r*k+k-1), same
+    shape/dtype/device; every rank passes the same k. Returns the payload dtype.
+    Without a process group it is `canonical_tree_sum(local_segments)`.
+    """
+    _check_segments(local_segments, "tree_all_reduce")
+    s0 = local_segments[0]
+    sigs = _gather_ints([len(local_segments), _signature(s0.shape, s0.dtype)], s0.device, group)
+    if any(s != sigs[0] for s in sigs):
+        raise ValueError(f"tree_all_reduce: ranks disagree on segment count/shape/dtype: per-rank (k, signature) {sigs}; this rank has k={len(local_segments)} of {tuple(s0.shape)} {s0.dtype}")
+    gathered = _gather(torch.stack(list(local_segments)), group)  # [world, k, *shape], rank-major = segment order
+    return _tree_reduce(gathered.reshape(-1, *s0.shape))
+
+
+def native_all_reduce(local_segments: Sequence[torch.Tensor], group=None) -> torch.Tensor:
+    """The production path (ALL_REDUCE_NATIVE): local left-to-right sum, then dist.all_reduce. For ablations and negative controls."""
+    _check_segments(local_segments, "native_all_reduce")
+    out = local_segments[0].clone()
+    for s in local_segments[1:]:
+        out = out + s
+    if _world(group)[0] > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def all_gather(tensor: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along `dim` in rank order; shapes and dtypes must match across ranks."""
+    if tensor.dim() == 0 or not -tensor.dim() <= dim < tensor.dim():
+        raise ValueError(f"all_gather: dim {dim} out of range for a tensor of shape {tuple(tensor.shape)}")
+    sigs = _gather_ints([_signature(tensor.shape, tensor.dtype)], tensor.device, group)
+    if any(s != sigs[0] for s in sigs):
+        raise ValueError(f"all_gather: ranks disagree on shape/dtype (per-rank signatures {[s[0] for s in sigs]}); this rank has {tuple(tensor.shape)} {tensor.dtype}")
+    return torch.cat(_gather(tensor, group).unbind(0), dim=dim)
+
+
+def _check_shards(ranges: list[list[int]], vocab_size: int) -> None:
+    """Shards must tile [0, vocab_size) exactly once, every boundary on a VOCAB_TILE multiple (or at vocab_size)."""
+    tile = _lp.VOCAB_TILE
+    owned = sorted((lo, hi, r) for r, (lo, hi) in enumerate(ranges) if hi > lo)
+    end = 0
+    for lo, hi, r in owned:
+        if lo != end:
+            raise ValueError(f"vocab_parallel_logprob: shards must cover [0, {vocab_size}) once, contiguously; per-rank true-vocab ranges {ranges}")
+        for b in (lo, hi):
+            if b % tile and b != vocab_size:
+                raise ValueError(
+                    f"vocab_parallel_logprob: rank {r}'s shard boundary {b} is not a multiple of VOCAB_TILE={tile}; a tile "
+                    f"split across ranks would change the (m, l) merge tree (per-rank ranges {ranges})"
+                )
+        end = hi
+    if end != vocab_size:
+        raise ValueError(f"vocab_parallel_logprob: shards cover [0, {end}) but the vocab is [0, {vocab_size}); per-rank ranges {ranges}")
+
+
+@torch.no_grad()
+def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, vocab_size: int, temperature: float = 1.0, group=None) -> torch.Tensor:
+    """float32 log p(targets) with the lm_head split over ranks by vocab rows; forward only (no autograd).
+
+    hidden [T, H] and targets [T] are the same on every rank; weight_shard holds
+    lm_head rows [vocab_start, vocab_start + weight_shard.shape[0]) of a possibly
+    padded vocab, rows >= vocab_size are padding and never read. Each rank turns
+    its tiles (anchored at absolute multiples of VOCAB_TILE) into (m, l) and its
+    owned target logits; these are gathered and every rank merges the global
+    tile list in tile order — the tree of `rlkernel.linear_logprob`, so the result
+    is bitwise equal to it on every rank. Shard boundaries that are not tile
+    multiples raise ValueError on every rank.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or weight_shard.dim() != 2 or weight_shard.shape[1] != hidden.shape[1]:
+        raise ValueError(f"vocab_parallel_logprob: want hidden [T, H], targets [T], weight_shard [rows, H]; got {tuple(hidden.shape)}, {tuple(targets.shape)}, {tuple(weight_shard.shape)}")
+    if vocab_size <= 0 or vocab_start < 0 or not temperature > 0:
+        raise ValueError(f"vocab_parallel_logprob: need vocab_size > 0, vocab_start >= 0, temperature > 0; got {vocab_size}, {vocab_start}, {temperature}")
+    targets = targets.long()
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
+        raise ValueError(f"vocab_parallel_logprob: targets outside [0, {vocab_size})")
+    lo, hi = min(vocab_start, vocab_size), min(vocab_start + weight_shard.shape[0], vocab_size)
+    meta = _gather_ints([lo, hi, hidden.shape[0], vocab_size], hidden.device, group)
+    if any(m[2:] != meta[0][2:] for m in meta):
+        raise ValueError(f"vocab_parallel_logprob: ranks disagree on (tokens, vocab_size): {[m[2:] for m in meta]}")
+    _check_shards([m[:2] for m in meta], vocab_size)
+
+    tile = _lp.VOCAB_TILE
+    n_tiles = [-(-(end - start) // tile) for start, end, *_ in meta]
+    width = max(n_tiles)  # ranks own different tile counts: pad every rank's stats to the widest
+    h32, local_t = hidden.float(), targets - vocab_start
+    ms, ls = [], []
+    zt = torch.zeros(hidden.shape[0], device=hidden.device)
+    own_any = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+    for a in range(lo, hi, tile):
+        b = min(a + tile, vocab_size)
+        # Offsets relative to the shard select exactly the rows tile [a, b) has in the full lm_head.
+        m, l, z, own = _lp.tile_stats(h32, weight_shard, local_t, a - vocab_start, b - vocab_start, temperature)
+        ms.append(m)
+        ls.append(l)
+        zt, own_any = torch.where(own, z, zt), own_any | own
+    buf = torch.zeros(2 * width + 2, hidden.shape[0], device=hidden.device)
+    if ms:
+        buf[: len(ms)] = torch.stack(ms)
+        buf[width : width + len(ls)] = torch.stack(ls)
+    buf[2 * width], buf[2 * width + 1] = zt, own_any.float()
+    gathered = _gather(buf, group)  # [world, 2 * width + 2, T]
+
+    all_m, all_l = [], []
+    zt = torch.zeros(hidden.shape[0], device=hidden.device)
+    for r in sorted(range(len(meta)), key=lambda r: meta[r][0]):  # vocab order; _check_shards made it unambiguous
+        g = gathered[r]
+        all_m += list(g[: n_tiles[r]])
+        all_l += list(g[width : width + n_tiles[r]])
+        zt = torch.where(g[2 * width + 1] > 0, g[2 * width], zt)  # exactly one rank owns each target: a select, not a sum
+    m, l = _lp.tree_merge_ml(all_m, all_l)
+    return (zt - m) - strict_log(l)

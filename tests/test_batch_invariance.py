@@ -1,0 +1,114 @@
+"""Claim 1 (batch invariance): a row's strict result is bitwise identical whether it is
+computed alone or among M = 1, 2, 3, 7, 16, 64, 257 rows, at any position among them —
+for linear, rms_norm (with and without residual), swiglu, rope and linear_logprob, in
+fp32 and bf16, with sizes that are multiples of no tile.
+
+Negative controls on the same inputs: native fp32 linear and native fp32 linear_logprob
+change a row's bits with M; native SiLU changes bits with position at small widths. Where
+the native op happens to be invariant on this CPU (bf16 linear, rms_norm, SiLU at wide
+rows) a test records that fact instead of claiming a difference."""
+import pytest
+import torch
+
+import rlkernel as rk
+from helpers import row_failures
+
+DTYPES = [torch.float32, torch.bfloat16]
+K, N, I, V, H = 1000, 300, 1001, 1900, 72  # odd sizes: no tile divides them
+
+
+def _linear_case(dtype, backend):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    row = (torch.randn(1, K, generator=g).to(dtype),)
+    return row_failures(lambda x: rk.linear(x, w, backend=backend), row, lambda m, gen: (torch.randn(m, K, generator=gen).to(dtype),))
+
+
+def _norm_case(dtype, backend, residual):
+    g = torch.Generator().manual_seed(2)
+    w = (torch.rand(K, generator=g) + 0.5).to(dtype)
+
+    def fn(x, r):
+        out = rk.rms_norm(x, w, 1e-6, residual=r if residual else None, backend=backend)
+        return out[0] if residual else out
+
+    row = (torch.randn(1, K, generator=g).mul(3).to(dtype), torch.randn(1, K, generator=g).to(dtype))
+    return row_failures(fn, row, lambda m, gen: (torch.randn(m, K, generator=gen).mul(3).to(dtype), torch.randn(m, K, generator=gen).to(dtype)))
+
+
+def _swiglu_case(dtype, backend, width):
+    g = torch.Generator().manual_seed(3)
+    row = (torch.randn(1, width, generator=g).mul(4).to(dtype), torch.randn(1, width, generator=g).to(dtype))
+    return row_failures(lambda a, b: rk.swiglu(a, b, backend=backend), row,
+                        lambda m, gen: (torch.randn(m, width, generator=gen).mul(4).to(dtype), torch.randn(m, width, generator=gen).to(dtype)))
+
+
+def _logprob_case(dtype, backend):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(V + 60, H, generator=g).to(dtype)  # 60 padding rows
+    w[V:] = 1e4  # padding must never be read
+    row = (torch.randn(1, H, generator=g).to(dtype), torch.tensor([V - 3]))
+    return row_failures(lambda h, t: rk.linear_logprob(h, w, t, 0.7, vocab_size=V, backend=backend), row,
+                        lambda m, gen: (torch.randn(m, H, generator=gen).to(dtype), torch.randint(0, V, (m,), generator=gen)))
+
+
+def _rope_case(dtype, backend):
+    g = torch.Generator().manual_seed(5)
+    row = (torch.randn(1, 4, 64, generator=g).to(dtype), torch.tensor([1234]))
+    return row_failures(lambda x, p: rk.rope(x, p, 1e6, backend=backend), row,
+                        lambda m, gen: (torch.randn(m, 4, 64, generator=gen).to(dtype), torch.randint(0, 4000, (m,), generator=gen)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strict_linear_is_batch_invariant(dtype):
+    assert _linear_case(dtype, "reference") == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_strict_rms_norm_is_batch_invariant(dtype, residual):
+    assert _norm_case(dtype, "reference", residual) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [5, I])
+def test_strict_swiglu_is_batch_invariant(dtype, width):
+    assert _swiglu_case(dtype, "reference", width) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strict_linear_logprob_is_batch_invariant(dtype):
+    assert _logprob_case(dtype, "reference") == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strict_rope_is_batch_invariant(dtype):
+    assert _rope_case(dtype, "reference") == []
+
+
+def test_negative_control_native_fp32_linear_depends_on_batch():
+    assert len(_linear_case(torch.float32, "native")) > 0
+
+
+def test_negative_control_native_fp32_linear_logprob_depends_on_batch():
+    assert len(_logprob_case(torch.float32, "native")) > 0
+
+
+def test_negative_control_native_silu_depends_on_position_at_small_width():
+    """Native SiLU: 257 rows of width 5, each computed alone vs inside the batch."""
+    g = torch.Generator().manual_seed(6)
+    gate, up = torch.randn(257, 5, generator=g) * 4, torch.randn(257, 5, generator=g)
+    batched = rk.swiglu(gate, up, backend="native")
+    alone = torch.cat([rk.swiglu(gate[i:i + 1], up[i:i + 1], backend="native") for i in range(257)])
+    assert not torch.equal(batched, alone)
+    strict = rk.swiglu(gate, up)
+    assert torch.equal(strict, torch.cat([rk.swiglu(gate[i:i + 1], up[i:i + 1]) for i in range(257)]))
+
+
+def test_documented_native_ops_that_are_batch_invariant_on_this_cpu():
+    """Recorded facts (this CPU, torch 2.13): these native ops did not change a row's bits
+    with the batch. The strict path does not rely on them; a change here is news."""
+    assert _linear_case(torch.bfloat16, "native") == []
+    assert _norm_case(torch.float32, "native", False) == []
+    assert _swiglu_case(torch.float32, "native", I) == []
+    assert _rope_case(torch.float32, "native") == []

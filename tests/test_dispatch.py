@@ -1,0 +1,97 @@
+"""Claims about selection, contracts and provenance: no mode means strict; modes nest and
+are restored on exceptions; per-op overrides apply to that op only; strict never falls
+back silently; ΔC between strict and native names the differing fields; provenance
+records every call."""
+import threading
+
+import pytest
+import torch
+
+import rlkernel as rk
+from rlkernel import dispatch
+
+
+def test_default_is_strict_reference_on_cpu():
+    assert rk.current_policy().mode == "strict"
+    assert rk.contract_for("linear").backend == "reference"
+
+
+def test_modes_nest_and_restore_after_exceptions():
+    with rk.mode("native"):
+        assert rk.contract_for("attention").backend == "native"
+        with pytest.raises(KeyError):
+            with rk.mode("strict", ops={"attention": "native"}):
+                assert rk.contract_for("attention").backend == "native"
+                assert rk.contract_for("linear").backend == "reference"
+                raise KeyError("boom")
+        assert rk.current_policy().mode == "native"
+    assert rk.current_policy() == rk.ExecutionPolicy()
+
+
+def test_mode_does_not_leak_into_other_threads():
+    seen = []
+    with rk.mode("native"):
+        t = threading.Thread(target=lambda: seen.append(rk.current_policy().mode))
+        t.start()
+        t.join()
+    assert seen == ["strict"]
+
+
+def test_strict_never_falls_back():
+    x = torch.randn(2, 4)
+    with pytest.raises(rk.BackendUnavailable):
+        rk.linear(x, torch.randn(3, 4), backend="triton")
+    with rk.mode("strict", backend="triton"):
+        with pytest.raises(rk.BackendUnavailable):
+            rk.rms_norm(x, torch.ones(4))
+
+
+def test_bad_policy_is_rejected():
+    with pytest.raises(ValueError):
+        rk.ExecutionPolicy(mode="fast")
+    with pytest.raises(ValueError):
+        rk.ExecutionPolicy(ops={"softmax": "native"})
+
+
+def test_contract_diff_predicts_where_strict_and_native_differ():
+    for op in rk.OPS:
+        s, n = rk.contract_for(op, "reference"), rk.contract_for(op, "native")
+        fields = {d.field for d in rk.diff(s, n)}
+        assert fields, op
+        assert rk.diff(s, s) == []
+        assert s.contract_id != n.contract_id
+    lin = {d.field for d in rk.diff(rk.contract_for("linear", "reference"), rk.contract_for("linear", "native"))}
+    assert {"partition", "merge"} <= lin
+    with pytest.raises(ValueError):
+        rk.diff(rk.contract_for("linear"), rk.contract_for("rms_norm"))
+
+
+def test_contract_id_is_stable_and_field_sensitive():
+    a = rk.Contract(op="x", backend="reference", domain="K", partition=(("tile", 16),))
+    b = rk.Contract(op="x", backend="reference", domain="K", partition=(("tile", 32),))
+    assert a.contract_id == rk.Contract(op="x", backend="reference", domain="K", partition=(("tile", 16),)).contract_id
+    assert a.contract_id != b.contract_id
+    assert [d.field for d in rk.diff(a, b)] == ["partition"]
+
+
+def test_provenance_records_each_call():
+    x = torch.randn(5, 8)
+    with rk.record_provenance() as recs:
+        rk.linear(x, torch.randn(3, 8))
+        with rk.mode("native"):
+            rk.rms_norm(x, torch.ones(8))
+    assert [(r.op, r.backend) for r in recs] == [("linear", "reference"), ("rms_norm", "native")]
+    assert recs[0].shapes == ((5, 8), (3, 8)) and recs[0].device == "cpu" and recs[0].threads >= 1
+    assert recs[0].contract_id == rk.contract_for("linear").contract_id
+    with rk.record_provenance() as outer:
+        with rk.record_provenance() as inner:
+            rk.linear(x, torch.randn(3, 8))
+    assert len(inner) == 1 and outer == []
+
+
+def test_registry_rejects_mismatched_contracts():
+    c = rk.Contract(op="linear", backend="other", domain="K")
+    with pytest.raises(ValueError):
+        dispatch.register("linear", "reference2", c)
+    with pytest.raises(ValueError):
+        dispatch.register("softmax", "other", c)
