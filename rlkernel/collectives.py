@@ -180,17 +180,17 @@ def all_gather(tensor: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
 def _check_shards(ranges: list[list[int]], vocab_size: int) -> None:
     """Shards must tile [0, vocab_size) exactly once, every boundary on a VOCAB_TILE multiple (or at vocab_size)."""
     tile = _lp.VOCAB_TILE
-    owned = sorted((lo, hi, r) for r, (lo, hi) in enumerate(ranges) if hi > lo)
-    end = 0
-    for lo, hi, r in owned:
-        if lo != end:
-            raise ValueError(f"vocab_parallel_logprob: shards must cover [0, {vocab_size}) once, contiguously; per-rank true-vocab ranges {ranges}")
-        for b in (lo, hi):
+    for r, (lo, hi) in enumerate(ranges):
+        for b in (lo, hi) if hi > lo else ():
             if b % tile and b != vocab_size:
                 raise ValueError(
                     f"vocab_parallel_logprob: rank {r}'s shard boundary {b} is not a multiple of VOCAB_TILE={tile}; a tile "
                     f"split across ranks would change the (m, l) merge tree (per-rank ranges {ranges})"
                 )
+    end = 0
+    for lo, hi in sorted(rh for rh in ranges if rh[1] > rh[0]):
+        if lo != end:
+            raise ValueError(f"vocab_parallel_logprob: shards must cover [0, {vocab_size}) once, contiguously; per-rank true-vocab ranges {ranges}")
         end = hi
     if end != vocab_size:
         raise ValueError(f"vocab_parallel_logprob: shards cover [0, {end}) but the vocab is [0, {vocab_size}); per-rank ranges {ranges}")

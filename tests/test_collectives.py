@@ -1,0 +1,259 @@
+"""Deterministic collectives, proved with real gloo process groups (CPU, spawn, 1 thread per rank).
+
+Claims (every bitwise one asserted with torch.equal):
+1. tree_all_reduce gives every rank the same bits, equal to canonical_tree_sum of all
+   segments computed in one process (fp32 and bf16 payloads whose magnitudes make the
+   order of float additions visible).
+2. With the same S = 8 canonical segments, world sizes 1 (no process group), 2 and 4
+   give the same bits: the result does not depend on the world size.
+3. Negative control: the native path (each rank sums its own segments with +, then
+   dist.all_reduce) gives different bits at world 2 and world 4, and neither equals the
+   canonical sum. Measured here: gloo's world-4 all_reduce adds the four partials
+   neither as ((p0+p1)+(p2+p3)) nor left to right (ring chunks start at different ranks).
+4. all_gather concatenates in rank order: equal to torch.cat of the ranks' tensors.
+5. vocab_parallel_logprob with tile-aligned shards (uneven at world 2, one tile per rank
+   at world 4; vocab 3*VOCAB_TILE+37, padded rows filled with 1e30) equals the
+   single-process rlkernel.linear_logprob on every rank; a misaligned shard raises
+   ValueError on every rank (no rank is left hanging in a collective).
+6. Bad inputs raise ValueError: empty segment list, shape/dtype mismatch (locally and
+   across ranks).
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import rlkernel
+from rlkernel import collectives as C
+from rlkernel.contract import diff
+from rlkernel.ops import logprob as LP
+
+S = 8  # canonical segments, fixed; each rank owns S // world of them
+WORLDS = (2, 4)
+DTYPES = (("fp32", torch.float32), ("bf16", torch.bfloat16))
+TILE = LP.VOCAB_TILE
+VOCAB, VOCAB_PADDED, HID, TOKENS = 3 * TILE + 37, 4 * TILE, 32, 12
+LOGPROB_CASES = (("fp32", torch.float32, 0.7), ("bf16", torch.bfloat16, 1.0))
+# Shard boundaries (rows of the padded lm_head), rank r owns [b[r], b[r+1]).
+ALIGNED = {1: (0, VOCAB_PADDED), 2: (0, 3 * TILE, VOCAB_PADDED), 4: (0, TILE, 2 * TILE, 3 * TILE, VOCAB_PADDED)}
+MISALIGNED = {2: (0, 700, VOCAB_PADDED), 4: (0, TILE, 1000, 3 * TILE, VOCAB_PADDED)}
+
+
+def _segments(dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(S, 16, 64, generator=g) * 10.0 ** torch.randint(-6, 7, (S, 16, 64), generator=g).float()
+    # Element [0, 0]: tree order gives 0, left to right gives 1 (1e8 + 1 rounds back to 1e8).
+    x[:, 0, 0] = torch.tensor([1e8, 1, -1e8, 1] * 2)
+    return list(x.to(dtype).unbind(0))
+
+
+def _left_to_right(xs: list[torch.Tensor]) -> torch.Tensor:
+    out = xs[0].clone()
+    for x in xs[1:]:
+        out = out + x
+    return out
+
+
+def _gather_block(rank: int) -> torch.Tensor:
+    return torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * rank
+
+
+def _logprob_inputs(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(TOKENS, HID, generator=g).to(dtype)
+    weight = torch.randn(VOCAB_PADDED, HID, generator=g)
+    weight[VOCAB:] = 1e30  # padding rows: reading any of them would swamp the softmax
+    targets = torch.tensor([0, VOCAB - 1, TILE - 1, TILE, 2 * TILE + 5, 3 * TILE + 3] + torch.randint(0, VOCAB, (TOKENS - 6,), generator=g).tolist())
+    return hidden, weight.to(dtype), targets
+
+
+def _vocab_parallel(case, bounds, rank: int) -> torch.Tensor:
+    _, dtype, temperature = case
+    hidden, weight, targets = _logprob_inputs(dtype)
+    shard = weight[bounds[rank] : bounds[rank + 1]].clone()  # a rank's own tensor, as under TP
+    return C.vocab_parallel_logprob(hidden, shard, targets, vocab_start=bounds[rank], vocab_size=VOCAB, temperature=temperature)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "no error"
+
+
+def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        k, out = S // world, {}
+        for name, dtype in DTYPES:
+            local = _segments(dtype)[rank * k : (rank + 1) * k]
+            out[f"tree_{name}"] = C.tree_all_reduce(local)
+            out[f"native_{name}"] = C.native_all_reduce(local)
+        out["gather_dim0"] = C.all_gather(_gather_block(rank), dim=0)
+        out["gather_dim1"] = C.all_gather(_gather_block(rank), dim=-1)
+        for case in LOGPROB_CASES:
+            out[f"vp_{case[0]}"] = _vocab_parallel(case, ALIGNED[world], rank)
+        out["misaligned"] = _error(lambda: _vocab_parallel(LOGPROB_CASES[0], MISALIGNED[world], rank))
+        out["mismatch_tree"] = _error(lambda: C.tree_all_reduce([torch.zeros(3 + (rank > 0))] * k))
+        out["mismatch_gather"] = _error(lambda: C.all_gather(torch.zeros(2, 3 + rank)))
+        torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:  # hold all open at once so the ports are distinct
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, list[dict]]:
+    """Both worlds at once (their start-up overlaps): {world: [rank 0 results, rank 1 results, ...]}."""
+    ctx = mp.get_context("spawn")
+    jobs = []
+    for world, port in zip(WORLDS, _free_ports(len(WORLDS))):
+        outdir = str(tmp_path_factory.mktemp(f"world{world}"))
+        procs = [ctx.Process(target=_worker, args=(r, world, port, outdir)) for r in range(world)]
+        for p in procs:
+            p.start()
+        jobs.append((world, outdir, procs))
+    results = {}
+    for world, outdir, procs in jobs:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+        for r, p in enumerate(procs):
+            err = os.path.join(outdir, f"rank{r}.err")
+            assert p.exitcode == 0, f"world {world} rank {r} exit {p.exitcode}\n" + (open(err).read() if os.path.exists(err) else "")
+        results[world] = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
+    return results
+
+
+@pytest.mark.parametrize("name,dtype", DTYPES)
+def test_tree_all_reduce_is_canonical_on_every_rank(runs, name, dtype):
+    segs = _segments(dtype)
+    canonical = C.canonical_tree_sum(segs)
+    assert canonical.dtype == dtype
+    # The inputs make order visible: another order of the same adds gives other bits.
+    assert not torch.equal(canonical, _left_to_right([s.float() for s in segs]).to(dtype))
+    for world in WORLDS:
+        for rank, res in enumerate(runs[world]):
+            assert torch.equal(res[f"tree_{name}"], canonical), (world, rank)
+
+
+@pytest.mark.parametrize("name,dtype", DTYPES)
+def test_tree_all_reduce_does_not_depend_on_world_size(runs, name, dtype):
+    world1 = C.tree_all_reduce(_segments(dtype))  # no process group: all S segments local
+    assert not dist.is_initialized()
+    for world in WORLDS:
+        assert torch.equal(runs[world][0][f"tree_{name}"], world1), world
+
+
+@pytest.mark.parametrize("name,dtype", DTYPES)
+def test_native_all_reduce_depends_on_world_size(runs, name, dtype):
+    """Negative control: same segments, same ownership rule, plain + and dist.all_reduce."""
+    canonical = C.canonical_tree_sum(_segments(dtype))
+    native = {w: runs[w][0][f"native_{name}"] for w in WORLDS}
+    for w in WORLDS:  # gloo's all-gather phase hands every rank the same reduced chunk
+        for res in runs[w][1:]:
+            assert torch.equal(res[f"native_{name}"], native[w])
+    assert not torch.equal(native[2], native[4])
+    assert not torch.equal(native[2], canonical)
+    assert not torch.equal(native[4], canonical)
+    assert native[2][0, 0] != canonical[0, 0]  # the planted [1e8, 1, -1e8, 1, ...] element
+
+
+def test_gloo_world4_order_is_neither_tree_nor_left_to_right(runs):
+    """Documents this gloo: at world 2 it computes p0 + p1; at world 4 it is not a fixed rank order.
+
+    With fp32, S = 8 and k = 2, canonical_tree_sum is exactly ((p0+p1)+(p2+p3)) of
+    the native partials, so native world 4 differing from it is gloo's own order.
+    """
+    segs = _segments(torch.float32)
+    p2 = [_left_to_right(segs[r * 4 : r * 4 + 4]) for r in range(2)]
+    assert torch.equal(runs[2][0]["native_fp32"], p2[0] + p2[1])
+    p4 = [segs[2 * r] + segs[2 * r + 1] for r in range(4)]
+    native4 = runs[4][0]["native_fp32"]
+    assert torch.equal((p4[0] + p4[1]) + (p4[2] + p4[3]), C.canonical_tree_sum(segs))
+    assert not torch.equal(native4, (p4[0] + p4[1]) + (p4[2] + p4[3]))
+    assert not torch.equal(native4, _left_to_right(p4))
+
+
+def test_all_gather_is_rank_order_concatenation(runs):
+    for world in WORLDS:
+        blocks = [_gather_block(r) for r in range(world)]
+        for res in runs[world]:
+            assert torch.equal(res["gather_dim0"], torch.cat(blocks, dim=0))
+            assert torch.equal(res["gather_dim1"], torch.cat(blocks, dim=1))
+    assert torch.equal(C.all_gather(_gather_block(0)), _gather_block(0))  # world 1
+
+
+@pytest.mark.parametrize("case", LOGPROB_CASES, ids=[c[0] for c in LOGPROB_CASES])
+def test_vocab_parallel_logprob_equals_single_process(runs, case):
+    name, dtype, temperature = case
+    hidden, weight, targets = _logprob_inputs(dtype)
+    single = rlkernel.linear_logprob(hidden, weight, targets, temperature, vocab_size=VOCAB)
+    assert single.dtype == torch.float32 and torch.isfinite(single).all()  # padding rows were not read
+    assert torch.equal(_vocab_parallel(case, ALIGNED[1], 0), single)  # world 1
+    for world in WORLDS:
+        for rank, res in enumerate(runs[world]):
+            assert torch.equal(res[f"vp_{name}"], single), (world, rank)
+
+
+def test_misaligned_shard_raises_on_every_rank(runs):
+    for world in WORLDS:
+        for res in runs[world]:
+            assert res["misaligned"].startswith("ValueError") and "VOCAB_TILE" in res["misaligned"], res["misaligned"]
+    hidden, weight, targets = _logprob_inputs(torch.float32)
+    with pytest.raises(ValueError, match="cover"):  # world 1, aligned, but the shard stops short of the vocab
+        C.vocab_parallel_logprob(hidden, weight[:TILE], targets, vocab_start=0, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="VOCAB_TILE"):
+        C.vocab_parallel_logprob(hidden, weight[100:], targets, vocab_start=100, vocab_size=VOCAB)
+
+
+def test_bad_inputs_raise():
+    x = torch.zeros(3)
+    for fn in (C.tree_all_reduce, C.canonical_tree_sum, C.native_all_reduce):
+        with pytest.raises(ValueError, match="non-empty"):
+            fn([])
+        with pytest.raises(ValueError, match="must match"):
+            fn([x, torch.zeros(4)])
+        with pytest.raises(ValueError, match="must match"):
+            fn([x, x.to(torch.bfloat16)])
+    with pytest.raises(ValueError, match="dim"):
+        C.all_gather(x, dim=1)
+
+
+def test_cross_rank_mismatch_raises_on_every_rank(runs):
+    for world in WORLDS:
+        for res in runs[world]:
+            assert res["mismatch_tree"].startswith("ValueError: tree_all_reduce: ranks disagree"), res["mismatch_tree"]
+            assert res["mismatch_gather"].startswith("ValueError: all_gather: ranks disagree"), res["mismatch_gather"]
+
+
+def test_contracts_predict_the_difference():
+    assert [d.field for d in diff(C.ALL_REDUCE_REFERENCE, C.ALL_REDUCE_NATIVE)] == ["domain", "partition", "merge", "precision", "rounding"]
+    # The vocab-parallel op is numerically the single-process linear-logprob contract.
+    assert diff(dataclasses.replace(C.VOCAB_PARALLEL_LOGPROB_REFERENCE, op="linear_logprob"), LP.REFERENCE) == []
