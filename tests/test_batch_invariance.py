@@ -112,3 +112,16 @@ def test_documented_native_ops_that_are_batch_invariant_on_this_cpu():
     assert _norm_case(torch.float32, "native", False) == []
     assert _swiglu_case(torch.float32, "native", I) == []
     assert _rope_case(torch.float32, "native") == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strict_linear_columns_do_not_see_the_other_columns(dtype):
+    """A column's bits do not depend on which other weight rows share the call: fused QKV
+    or gate/up weights equal split ones, and a TP column shard equals the full layer."""
+    g = torch.Generator().manual_seed(7)
+    w, x = torch.randn(3000, K, generator=g).to(dtype), torch.randn(40, K, generator=g).to(dtype)
+    full = rk.linear(x, w)
+    for lo, hi in ((0, 1), (0, 3), (0, 8), (5, 17), (100, 612), (1000, 3000), (7, 2999)):
+        assert torch.equal(rk.linear(x, w[lo:hi]), full[:, lo:hi]), (lo, hi)
+    perm = torch.randperm(3000, generator=g)
+    assert torch.equal(rk.linear(x, w[perm]), full[:, perm])

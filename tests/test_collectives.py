@@ -1,5 +1,9 @@
 """Deterministic collectives, proved with real gloo process groups (CPU, spawn, 1 thread per rank).
 
+Four spawned ranks form world 4; world 2 is run on two pair groups, {0, 1} and {2, 3}
+(a group's size is its world size for every collective, and this checks `group=` and
+saves two interpreter start-ups). World 1 is the test process with no process group.
+
 Claims (every bitwise one asserted with torch.equal):
 1. tree_all_reduce gives every rank the same bits, equal to canonical_tree_sum of all
    segments computed in one process (fp32 and bf16 payloads whose magnitudes make the
@@ -11,8 +15,8 @@ Claims (every bitwise one asserted with torch.equal):
    canonical sum. Measured here: gloo's world-4 all_reduce adds the four partials
    neither as ((p0+p1)+(p2+p3)) nor left to right (ring chunks start at different ranks).
 4. all_gather concatenates in rank order: equal to torch.cat of the ranks' tensors.
-5. vocab_parallel_logprob with tile-aligned shards (uneven at world 2, one tile per rank
-   at world 4; vocab 3*VOCAB_TILE+37, padded rows filled with 1e30) equals the
+5. vocab_parallel_logprob with tile-aligned, uneven shards (one rank at world 4 holds only
+   padding; vocab 3*VOCAB_TILE+37, padded rows filled with 1e30) equals the
    single-process rlkernel.linear_logprob on every rank; a misaligned shard raises
    ValueError on every rank (no rank is left hanging in a collective).
 6. Bad inputs raise ValueError: empty segment list, shape/dtype mismatch (locally and
@@ -37,13 +41,14 @@ from rlkernel.contract import diff
 from rlkernel.ops import logprob as LP
 
 S = 8  # canonical segments, fixed; each rank owns S // world of them
-WORLDS = (2, 4)
+WORLDS = (2, 4)  # process-group sizes under test (see _worker)
 DTYPES = (("fp32", torch.float32), ("bf16", torch.bfloat16))
 TILE = LP.VOCAB_TILE
-VOCAB, VOCAB_PADDED, HID, TOKENS = 3 * TILE + 37, 4 * TILE, 32, 12
+VOCAB, VOCAB_PADDED, HID, TOKENS = 3 * TILE + 37, 5 * TILE, 32, 12
 LOGPROB_CASES = (("fp32", torch.float32, 0.7), ("bf16", torch.bfloat16, 1.0))
-# Shard boundaries (rows of the padded lm_head), rank r owns [b[r], b[r+1]).
-ALIGNED = {1: (0, VOCAB_PADDED), 2: (0, 3 * TILE, VOCAB_PADDED), 4: (0, TILE, 2 * TILE, 3 * TILE, VOCAB_PADDED)}
+# Shard boundaries (rows of the padded lm_head), rank r owns [b[r], b[r+1]). Uneven on purpose:
+# world 2 owns 3 + 1 tiles, world 4 owns 2 + 1 + 1 + 0 (rank 3 holds only padding rows).
+ALIGNED = {1: (0, VOCAB_PADDED), 2: (0, 3 * TILE, VOCAB_PADDED), 4: (0, 2 * TILE, 3 * TILE, 4 * TILE, VOCAB_PADDED)}
 MISALIGNED = {2: (0, 700, VOCAB_PADDED), 4: (0, TILE, 1000, 3 * TILE, VOCAB_PADDED)}
 
 
@@ -75,11 +80,11 @@ def _logprob_inputs(dtype: torch.dtype):
     return hidden, weight.to(dtype), targets
 
 
-def _vocab_parallel(case, bounds, rank: int) -> torch.Tensor:
+def _vocab_parallel(case, bounds, rank: int, group=None) -> torch.Tensor:
     _, dtype, temperature = case
     hidden, weight, targets = _logprob_inputs(dtype)
     shard = weight[bounds[rank] : bounds[rank + 1]].clone()  # a rank's own tensor, as under TP
-    return C.vocab_parallel_logprob(hidden, shard, targets, vocab_start=bounds[rank], vocab_size=VOCAB, temperature=temperature)
+    return C.vocab_parallel_logprob(hidden, shard, targets, vocab_start=bounds[rank], vocab_size=VOCAB, temperature=temperature, group=group)
 
 
 def _error(fn) -> str:
@@ -90,23 +95,32 @@ def _error(fn) -> str:
     return "no error"
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+def _run_group(group) -> dict:
+    """Every collective under test, on `group` (None: the whole world); results keyed by claim."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    k, out = S // world, {"rank": rank}
+    for name, dtype in DTYPES:
+        local = _segments(dtype)[rank * k : (rank + 1) * k]
+        out[f"tree_{name}"] = C.tree_all_reduce(local, group)
+        out[f"native_{name}"] = C.native_all_reduce(local, group)
+    out["gather_dim0"] = C.all_gather(_gather_block(rank), group, dim=0)
+    out["gather_dim1"] = C.all_gather(_gather_block(rank), group, dim=-1)
+    for case in LOGPROB_CASES:
+        out[f"vp_{case[0]}"] = _vocab_parallel(case, ALIGNED[world], rank, group)
+    out["misaligned"] = _error(lambda: _vocab_parallel(LOGPROB_CASES[0], MISALIGNED[world], rank, group))
+    out["mismatch_tree"] = _error(lambda: C.tree_all_reduce([torch.zeros(3 + (rank > 0))] * k, group))
+    out["mismatch_gather"] = _error(lambda: C.all_gather(torch.zeros(2, 3 + rank), group))
+    return out
+
+
+def _worker(rank: int, port: int, outdir: str) -> None:
+    """One of 4 gloo ranks: world 4 is the default group, world 2 is two pair groups {0, 1} and {2, 3}."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-        k, out = S // world, {}
-        for name, dtype in DTYPES:
-            local = _segments(dtype)[rank * k : (rank + 1) * k]
-            out[f"tree_{name}"] = C.tree_all_reduce(local)
-            out[f"native_{name}"] = C.native_all_reduce(local)
-        out["gather_dim0"] = C.all_gather(_gather_block(rank), dim=0)
-        out["gather_dim1"] = C.all_gather(_gather_block(rank), dim=-1)
-        for case in LOGPROB_CASES:
-            out[f"vp_{case[0]}"] = _vocab_parallel(case, ALIGNED[world], rank)
-        out["misaligned"] = _error(lambda: _vocab_parallel(LOGPROB_CASES[0], MISALIGNED[world], rank))
-        out["mismatch_tree"] = _error(lambda: C.tree_all_reduce([torch.zeros(3 + (rank > 0))] * k))
-        out["mismatch_gather"] = _error(lambda: C.all_gather(torch.zeros(2, 3 + rank)))
+        dist.init_process_group("gloo", rank=rank, world_size=4, timeout=timedelta(seconds=60))
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in the same order
+        out = {4: _run_group(None), 2: _run_group(pairs[rank // 2])}
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
     except BaseException:
         with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
@@ -117,38 +131,30 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
             dist.destroy_process_group()
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:  # hold all open at once so the ports are distinct
+def _free_port() -> int:
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, list[dict]]:
-    """Both worlds at once (their start-up overlaps): {world: [rank 0 results, rank 1 results, ...]}."""
+    """{world: per-rank results}; world 2 lists both pair groups' ranks (group rank in res["rank"])."""
+    outdir = str(tmp_path_factory.mktemp("gloo"))
     ctx = mp.get_context("spawn")
-    jobs = []
-    for world, port in zip(WORLDS, _free_ports(len(WORLDS))):
-        outdir = str(tmp_path_factory.mktemp(f"world{world}"))
-        procs = [ctx.Process(target=_worker, args=(r, world, port, outdir)) for r in range(world)]
-        for p in procs:
-            p.start()
-        jobs.append((world, outdir, procs))
-    results = {}
-    for world, outdir, procs in jobs:
-        for p in procs:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.kill()
-        for r, p in enumerate(procs):
-            err = os.path.join(outdir, f"rank{r}.err")
-            assert p.exitcode == 0, f"world {world} rank {r} exit {p.exitcode}\n" + (open(err).read() if os.path.exists(err) else "")
-        results[world] = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
-    return results
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, outdir)) for r in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+        if p.is_alive():
+            p.kill()
+    for r, p in enumerate(procs):
+        err = os.path.join(outdir, f"rank{r}.err")
+        assert p.exitcode == 0, f"rank {r} exit {p.exitcode}\n" + (open(err).read() if os.path.exists(err) else "")
+    per_rank = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(4)]
+    return {w: [res[w] for res in per_rank] for w in WORLDS}
 
 
 @pytest.mark.parametrize("name,dtype", DTYPES)

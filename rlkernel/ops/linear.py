@@ -16,15 +16,18 @@ from .. import dispatch
 from ..contract import Contract
 from ..primitives import TILE_ROWS, tile_matmul, tree_sum
 
+# Narrow weights are zero-padded to this many output columns (see _linear_reference).
+MIN_COLS = 16
+
 REFERENCE = Contract(
     op="linear",
     backend="reference",
     domain="K",
-    partition=(("m_tile", TILE_ROWS), ("split_k", 1), ("k_segments", "caller, equal, default 1")),
+    partition=(("m_tile", TILE_ROWS), ("n", f"whole weight, >= {16} columns"), ("split_k", 1), ("k_segments", "caller, equal, default 1")),
     merge="BLAS order inside one fixed [16,K/s]x[K/s,N] fp32 tile; segment partials by balanced binary tree",
     precision=(("input", "x.dtype"), ("accumulate", "float32"), ("partials", "float32"), ("output", "x.dtype")),
     rounding=("operands widened to float32 exactly", "bias added in float32", "one cast to x.dtype at the end"),
-    invariant=("batch", "row position", "threads 1 vs 2", "run to run"),
+    invariant=("batch", "row position", "column slice (fused vs split weights, TP column shards)", "threads 1 vs 2", "run to run"),
 )
 NATIVE = Contract(
     op="linear",
@@ -42,9 +45,13 @@ def _linear_reference(x, weight, bias=None, k_segments: int = 1):
     k = x.shape[-1]
     if weight.shape[-1] != k:
         raise ValueError(f"linear: x has K={k} but weight is {tuple(weight.shape)}")
-    lead = x.shape[:-1]
+    lead, n = x.shape[:-1], weight.shape[0]
     x2 = x.reshape(-1, k).float()
     w = weight.float()
+    if n < MIN_COLS:
+        # BLAS takes another kernel for very narrow outputs (measured: N <= 8 in fp32),
+        # so a column's bits would depend on how many columns share the weight.
+        w = torch.nn.functional.pad(w, (0, 0, 0, MIN_COLS - n))
     if k_segments == 1:
         out = tile_matmul(x2, w.t())
     else:
@@ -55,7 +62,7 @@ def _linear_reference(x, weight, bias=None, k_segments: int = 1):
         out = tree_sum(torch.stack(parts, dim=-1), dim=-1)
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype).reshape(*lead, weight.shape[0])
+    return out[:, :n].to(x.dtype).reshape(*lead, n)
 
 
 @dispatch.register("linear", "native", NATIVE)

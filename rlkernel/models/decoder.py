@@ -1,0 +1,259 @@
+"""Qwen3 / Llama decoder built only from rlkernel ops, with HF parameter names.
+
+What this module decides: the one model function both engines run. The vLLM
+plugin wraps it (its attention callable reads a paged KV cache), the
+standalone packed scorer calls it with varlen attention, and the Megatron spec
+mirrors its op sequence. Llama is Qwen3 without the per-head q/k RMSNorm.
+Weights keep HF names (`model.layers.N.self_attn.q_proj.weight`, ...) so a
+`save_pretrained` checkpoint loads with no conversion; q/k/v and gate/up stay
+separate GEMMs (the strict linear's columns do not see their neighbours, so a
+fused engine layout gives the same bits).
+
+The attention callable `attend(layer, q, k, v) -> out` receives roped
+q [T, Hq, D] and k/v [T, Hkv, D] and owns the KV cache if there is one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .. import ops  # noqa: F401  (registers backends)
+from ..ops.attention import attention_varlen
+from ..ops.linear import linear
+from ..ops.logprob import linear_logprob
+from ..ops.norm import rms_norm
+from ..ops.rope import rope
+from ..ops.swiglu import swiglu
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+_ARCHS = {"qwen3": True, "llama": False}  # arch -> has q/k norm
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DecoderConfig:
+    arch: str  # "qwen3" or "llama"
+    vocab_size: int  # true vocab (rows of the lm_head that are read)
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # bias on q/k/v projections
+
+    def __post_init__(self):
+        if self.arch not in _ARCHS:
+            raise ValueError(f"arch must be one of {sorted(_ARCHS)}, got {self.arch!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} heads cannot share {self.num_kv_heads} kv heads")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    @property
+    def qk_norm(self) -> bool:
+        return _ARCHS[self.arch]
+
+    @classmethod
+    def from_hf(cls, cfg) -> "DecoderConfig":
+        """From a transformers Qwen3Config / LlamaConfig (or its dict)."""
+        get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        arch = get("model_type")
+        if arch not in _ARCHS:
+            raise ValueError(f"unsupported model_type {arch!r}; rlkernel models: {sorted(_ARCHS)}")
+        rope_params = get("rope_parameters") or {}
+        scaling = get("rope_scaling") or {}
+        rope_type = (rope_params or scaling).get("rope_type", (rope_params or scaling).get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise NotImplementedError(f"rope scaling {rope_type!r} is not in the strict contract yet")
+        theta = rope_params.get("rope_theta", get("rope_theta", 10000.0))
+        heads = get("num_attention_heads")
+        return cls(
+            arch=arch,
+            vocab_size=get("vocab_size"),
+            hidden_size=get("hidden_size"),
+            intermediate_size=get("intermediate_size"),
+            num_layers=get("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=get("num_key_value_heads") or heads,
+            head_dim=get("head_dim") or get("hidden_size") // heads,
+            rms_norm_eps=get("rms_norm_eps"),
+            rope_theta=float(theta),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            attention_bias=bool(get("attention_bias", False)),
+        )
+
+
+def _weight(*shape, dtype, device):
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
+
+
+class _Linear(nn.Module):
+    def __init__(self, n_in, n_out, bias, dtype, device):
+        super().__init__()
+        self.weight = _weight(n_out, n_in, dtype=dtype, device=device)
+        self.bias = _weight(n_out, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
+class _Norm(nn.Module):
+    def __init__(self, n, eps, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x, residual=None):
+        return rms_norm(x, self.weight, self.eps, residual=residual)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: DecoderConfig, dtype, device):
+        super().__init__()
+        self.c = c
+        h, d = c.hidden_size, c.head_dim
+        self.q_proj = _Linear(h, c.num_heads * d, c.attention_bias, dtype, device)
+        self.k_proj = _Linear(h, c.num_kv_heads * d, c.attention_bias, dtype, device)
+        self.v_proj = _Linear(h, c.num_kv_heads * d, c.attention_bias, dtype, device)
+        self.o_proj = _Linear(c.num_heads * d, h, False, dtype, device)
+        if c.qk_norm:
+            self.q_norm = _Norm(d, c.rms_norm_eps, dtype, device)
+            self.k_norm = _Norm(d, c.rms_norm_eps, dtype, device)
+
+    def forward(self, x, positions, attend: Attend, layer: int):
+        c, t = self.c, x.shape[0]
+        q = self.q_proj(x).reshape(t, c.num_heads, c.head_dim)
+        k = self.k_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        out = attend(layer, q, k, v)
+        return self.o_proj(out.reshape(t, c.num_heads * c.head_dim))
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: DecoderConfig, dtype, device):
+        super().__init__()
+        self.gate_proj = _Linear(c.hidden_size, c.intermediate_size, False, dtype, device)
+        self.up_proj = _Linear(c.hidden_size, c.intermediate_size, False, dtype, device)
+        self.down_proj = _Linear(c.intermediate_size, c.hidden_size, False, dtype, device)
+
+    def forward(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: DecoderConfig, dtype, device):
+        super().__init__()
+        self.input_layernorm = _Norm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.self_attn = _Attention(c, dtype, device)
+        self.post_attention_layernorm = _Norm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.mlp = _MLP(c, dtype, device)
+
+    def forward(self, x, positions, attend, layer):
+        # HF order: residual adds in the activation dtype, each norm reads the sum.
+        x = x + self.self_attn(self.input_layernorm(x), positions, attend, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class StrictDecoder(nn.Module):
+    """The decoder; parameters named as in HF `Qwen3ForCausalLM` / `LlamaForCausalLM`."""
+
+    def __init__(self, config: DecoderConfig, *, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.config = c = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
+        self.model.layers = nn.ModuleList(_Layer(c, dtype, device) for _ in range(c.num_layers))
+        self.model.norm = _Norm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        if not c.tie_word_embeddings:
+            self.lm_head = _Linear(c.hidden_size, c.vocab_size, False, dtype, device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Final-normed hidden states [T, H] of a flat token batch."""
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, attend, i)
+        return self.model.norm(x)
+
+    def logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """float32 log p(targets | hidden) under the strict linear-logprob contract."""
+        return linear_logprob(hidden, self.lm_head_weight, targets, temperature, vocab_size=self.config.vocab_size)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full logits (diagnosis and tests only; the strict path never needs them)."""
+        return linear(hidden, self.lm_head_weight[: self.config.vocab_size])
+
+    def forward_packed(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Hidden states of packed whole sequences (training-style full-sequence forward)."""
+        positions = _positions(cu_seqlens, input_ids.device)
+        return self.hidden_states(input_ids, positions, lambda _, q, k, v: attention_varlen(q, k, v, cu_seqlens))
+
+    def score(self, sequences: Sequence[Sequence[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+        """For each sequence, float32 log p(token t | tokens < t) for t = 1..len-1."""
+        ids, cu = pack_sequences(sequences, self.model.embed_tokens.weight.device)
+        hidden = self.forward_packed(ids, cu)
+        keep = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+        keep[cu[1:] - 1] = False  # the last token of each sequence predicts nothing
+        lp = self.logprobs(hidden[keep], ids[torch.roll(keep, 1)], temperature)
+        return list(lp.split([max(len(s) - 1, 0) for s in sequences]))
+
+    @torch.no_grad()
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy HF-named tensors in place; with strict, missing or unknown names raise."""
+        own = dict(self.named_parameters())
+        tensors = {k: v for k, v in tensors.items() if not (self.config.tie_word_embeddings and k == "lm_head.weight")}
+        unknown, missing = sorted(set(tensors) - set(own)), sorted(set(own) - set(tensors))
+        if strict and (unknown or missing):
+            raise KeyError(f"weights do not match the model: unknown {unknown[:5]}, missing {missing[:5]}")
+        for name, value in tensors.items():
+            if name in own:
+                if own[name].shape != value.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(own[name].shape)}")
+                own[name].copy_(value)
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype=torch.float32, device="cpu") -> "StrictDecoder":
+        """Load a local HF checkpoint directory (config.json + *.safetensors)."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        root = Path(path)
+        config = DecoderConfig.from_hf(json.loads((root / "config.json").read_text()))
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors under {root}")
+        model = cls(config, dtype=dtype, device=device)
+        tensors = {}
+        for f in files:
+            tensors.update(load_file(str(f), device=str(device)))
+        model.load_hf_weights(tensors)
+        return model
+
+
+def _positions(cu_seqlens: torch.Tensor, device) -> torch.Tensor:
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    return torch.cat([torch.arange(n, device=device) for n in lens]) if lens else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def pack_sequences(sequences: Sequence[Sequence[int]], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat int64 ids, cu_seqlens int64 [B+1]) of a list of token-id lists."""
+    if any(len(s) == 0 for s in sequences):
+        raise ValueError("pack_sequences: empty sequence")
+    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
+    cu = torch.tensor([0] + [len(s) for s in sequences], device=device).cumsum(0)
+    return ids, cu
