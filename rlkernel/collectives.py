@@ -230,7 +230,7 @@ def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
     zt = torch.zeros(hidden.shape[0], device=hidden.device)
     own_any = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
     for a in range(lo, hi, tile):
-        b = a + tile
+        b = min(a + tile, vocab_size)
         # Offsets relative to the shard select exactly the rows tile [a, b) has in the full lm_head.
         m, l, z, own = _lp.tile_stats(h32, weight_shard, local_t, a - vocab_start, b - vocab_start, temperature)
         ms.append(m)
