@@ -4,6 +4,7 @@ The public API is flat. With no mode set every op runs its strict path on the
 device's default strict backend (`reference` on CPU); `rlkernel.mode("native")`
 runs the production ops instead, for ablations and negative controls.
 """
+from .collectives import all_gather, canonical_tree_sum, native_all_reduce, tree_all_reduce, vocab_parallel_logprob
 from .contract import Contract, FieldDiff, diff
 from .dispatch import OPS, BackendUnavailable, ExecutionPolicy, ProvenanceRecord, contract_for, current_policy, mode, record_provenance
 from .ops.attention import ATTN_CHUNK, attention_paged, attention_varlen, write_kv_cache
@@ -22,7 +23,12 @@ __all__ = [
     "ExecutionPolicy",
     "FieldDiff",
     "ProvenanceRecord",
+    "all_gather",
     "attention_paged",
+    "canonical_tree_sum",
+    "native_all_reduce",
+    "tree_all_reduce",
+    "vocab_parallel_logprob",
     "attention_varlen",
     "contract_for",
     "current_policy",

@@ -14,8 +14,10 @@ contiguous block r*k .. r*k+k-1. Segments travel unchanged in their own dtype
 with one balanced binary tree over segment index, accumulating in float32 and
 rounding once. The result is a function of the segments alone: identical on
 every rank, for any world size dividing S, and equal to `canonical_tree_sum` in
-one process. The price is S/k times the traffic of a reduce-scatter; it is the
-reference path, correctness first.
+one process. The price: every rank receives all S segments (S payloads, where an
+all-reduce moves about 2); it is the reference path, correctness first. Tensors
+never leave their device (signatures included), so the same code runs on gloo
+(CPU) and NCCL (CUDA).
 
 `vocab_parallel_logprob` applies the same idea to linear-logprob: vocab tiles are
 the canonical segments, so the (m, l) merge runs over the global tile list and
@@ -118,7 +120,7 @@ def _signature(shape, dtype) -> int:
 
 def _check_segments(segments: Sequence[torch.Tensor], who: str) -> None:
     if not isinstance(segments, (list, tuple)) or len(segments) == 0:
-        raise ValueError(f"{who}: want a non-empty list of tensors, got {type(segments).__name__} of length {len(segments) if hasattr(segments, '__len__') else '?'}")
+        raise ValueError(f"{who}: want a non-empty list or tuple of tensors, got {type(segments).__name__}" + (" (empty)" if isinstance(segments, (list, tuple)) else ""))
     s0 = segments[0]
     for i, s in enumerate(segments):
         if not isinstance(s, torch.Tensor):

@@ -58,81 +58,101 @@ def _check(q, k, v):
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[L, Hkv, D] -> [Hq, L, D], kv head h serving query heads h*groups .. h*groups+groups-1."""
-    x = x.transpose(0, 1)
-    hkv, L, d = x.shape
-    return x[:, None].expand(hkv, groups, L, d).reshape(hkv * groups, L, d)
+    """[B, L, Hkv, D] -> [B, Hq, L, D], kv head h serving query heads h*groups .. h*groups+groups-1."""
+    x = x.transpose(1, 2)
+    b, hkv, L, d = x.shape
+    return x[:, :, None].expand(b, hkv, groups, L, d).reshape(b, hkv * groups, L, d)
 
 
 def _attend(q, qpos, k, v, scale):
-    """Core: q [n, Hq, D] at absolute positions qpos [n]; k/v [L, Hkv, D] at positions 0..L-1."""
-    n, hq, d = q.shape
-    groups = hq // k.shape[1]
+    """Core, batched over requests: q [B, n, Hq, D] at absolute positions qpos [B, n];
+    k/v [B, L, Hkv, D] at positions 0..L-1 (zero-padded past each request's length).
+
+    Requests are independent problems of every batched GEMM and chunks past a query's
+    position are exact identities, so a request's bits do not depend on its batch.
+    """
+    b, n, hq, d = q.shape
+    groups = hq // k.shape[2]
     last = int(qpos.max()) + 1
     nchunks = -(-last // ATTN_CHUNK)
     span = nchunks * ATTN_CHUNK
-    kf, vf = k[:last].float(), v[:last].float()
+    kf, vf = k[:, :last].float(), v[:, :last].float()
     if span > last:
         kf = F.pad(kf, (0, 0, 0, 0, 0, span - last))
         vf = F.pad(vf, (0, 0, 0, 0, 0, span - last))
-    kf, vf = _expand_kv(kf, groups), _expand_kv(vf, groups)  # [Hq, span, D]
-    qf = q.float().transpose(0, 1)  # [Hq, n, D]
-    m = torch.full((hq, n), -math.inf, device=q.device)
-    l = torch.zeros((hq, n), device=q.device)
-    o = torch.zeros((hq, n, d), device=q.device)
+    kf = _expand_kv(kf, groups).reshape(b * hq, span, d)
+    vf = _expand_kv(vf, groups).reshape(b * hq, span, d)
+    qf = q.float().transpose(1, 2).reshape(b * hq, n, d)
+    qp = qpos[:, None, :].expand(b, hq, n).reshape(b * hq, n)
+    m = torch.full((b * hq, n), -math.inf, device=q.device)
+    l = torch.zeros((b * hq, n), device=q.device)
+    o = torch.zeros((b * hq, n, d), device=q.device)
     for c in range(nchunks):
         lo, hi = c * ATTN_CHUNK, (c + 1) * ATTN_CHUNK
-        s = tile_matmul(qf, kf[:, lo:hi].transpose(1, 2)) * scale  # [Hq, n, C]
+        s = tile_matmul(qf, kf[:, lo:hi].transpose(1, 2)) * scale  # [B*Hq, n, C]
         kpos = torch.arange(lo, hi, device=q.device)
-        s = s.masked_fill((kpos[None, :] > qpos[:, None])[None], -math.inf)
+        s = s.masked_fill(kpos[None, None, :] > qp[:, :, None], -math.inf)
         m_new = torch.maximum(m, s.amax(dim=-1))
         alpha = strict_exp(m - m_new)
         p = strict_exp(s - m_new[..., None])
         l = l * alpha + tree_sum(p, dim=-1)
         o = o * alpha[..., None] + tile_matmul(p, vf[:, lo:hi])
         m = m_new
-    return (o / l[..., None]).transpose(0, 1).to(q.dtype)
+    out = (o / l[..., None]).reshape(b, hq, n, d).transpose(1, 2)
+    return out.to(q.dtype)
 
 
 def _native_attend(q, qpos, k, v, scale):
-    n, hq, d = q.shape
+    b, n, hq, d = q.shape
     last = int(qpos.max()) + 1
-    groups = hq // k.shape[1]
-    kk, vv = _expand_kv(k[:last], groups), _expand_kv(v[:last], groups)
-    mask = torch.arange(last, device=q.device)[None, :] <= qpos[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+    groups = hq // k.shape[2]
+    kk, vv = _expand_kv(k[:, :last], groups), _expand_kv(v[:, :last], groups)
+    mask = torch.arange(last, device=q.device)[None, None, :] <= qpos[:, :, None]  # [B, n, L]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=mask[:, None], scale=scale)
+    return out.transpose(1, 2)
+
+
+def _pad_stack(chunks, length):
+    """Stack [len_i, ...] tensors into [B, length, ...], zero-padded."""
+    return torch.stack([F.pad(t, (0, 0) * (t.dim() - 1) + (0, length - t.shape[0])) for t in chunks])
+
+
+def _run_batched(attend, q, spans, keys, values, scale):
+    """spans: per request (q_lo, q_hi, first_query_position); keys/values: per request [L_i, Hkv, D]."""
+    live = [i for i, (lo, hi, _) in enumerate(spans) if hi > lo]
+    if not live:
+        return q.new_zeros(q.shape)
+    n = max(spans[i][1] - spans[i][0] for i in live)
+    L = max(keys[i].shape[0] for i in live)
+    qb = _pad_stack([q[spans[i][0]:spans[i][1]] for i in live], n)
+    # padded query rows sit at position 0: finite, and discarded below
+    qpos = torch.stack([F.pad(torch.arange(spans[i][2], spans[i][2] + spans[i][1] - spans[i][0], device=q.device),
+                              (0, n - (spans[i][1] - spans[i][0]))) for i in live])
+    out = attend(qb, qpos, _pad_stack([keys[i] for i in live], L), _pad_stack([values[i] for i in live], L), scale)
+    return torch.cat([out[j, : spans[i][1] - spans[i][0]] for j, i in enumerate(live)])
 
 
 def _varlen(attend, q, k, v, cu_seqlens, scale):
-    outs = []
     cu = cu_seqlens.tolist()
-    for b in range(len(cu) - 1):
-        lo, hi = cu[b], cu[b + 1]
-        if hi == lo:
-            continue
-        pos = torch.arange(hi - lo, device=q.device)
-        outs.append(attend(q[lo:hi], pos, k[lo:hi], v[lo:hi], scale))
-    return torch.cat(outs) if outs else q.new_zeros(q.shape)
+    spans = [(cu[b], cu[b + 1], 0) for b in range(len(cu) - 1)]
+    keys = [k[lo:hi] for lo, hi, _ in spans]
+    values = [v[lo:hi] for lo, hi, _ in spans]
+    return _run_batched(attend, q, spans, keys, values, scale)
 
 
 def _paged(attend, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
     block = k_cache.shape[1]
-    outs = []
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-    for b in range(len(lens)):
-        lo, hi, L = qsl[b], qsl[b + 1], lens[b]
-        n = hi - lo
-        if n == 0:
-            continue
-        if n > L:
-            raise ValueError(f"attention_paged: request {b} has {n} queries but only {L} tokens")
+    spans, keys, values = [], [], []
+    for b, L in enumerate(lens):
+        lo, hi = qsl[b], qsl[b + 1]
+        if hi - lo > L:
+            raise ValueError(f"attention_paged: request {b} has {hi - lo} queries but only {L} tokens")
         blocks = block_tables[b, : -(-L // block)].long()
-        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:L]
-        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:L]
-        pos = torch.arange(L - n, L, device=q.device)
-        outs.append(attend(q[lo:hi], pos, k, v, scale))
-    return torch.cat(outs) if outs else q.new_zeros(q.shape)
+        keys.append(k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:L])
+        values.append(v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:L])
+        spans.append((lo, hi, L - (hi - lo)))
+    return _run_batched(attend, q, spans, keys, values, scale)
 
 
 def _impl(attend):
