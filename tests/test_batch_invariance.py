@@ -125,3 +125,21 @@ def test_strict_linear_columns_do_not_see_the_other_columns(dtype):
         assert torch.equal(rk.linear(x, w[lo:hi]), full[:, lo:hi]), (lo, hi)
     perm = torch.randperm(3000, generator=g)
     assert torch.equal(rk.linear(x, w[perm]), full[:, perm])
+
+
+def test_segment_partials_merged_by_the_tree_equal_the_segmented_linear():
+    """Row-parallel layout: per-rank K-slices' partials, merged by the canonical tree, give
+    linear(x, w, k_segments=S) bit for bit, for every split of the S segments over ranks."""
+    from rlkernel import canonical_tree_sum
+    from rlkernel.ops.linear import canonical_segments, linear_segment_partials
+
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(37, 1024, generator=g).bfloat16(), torch.randn(300, 1024, generator=g).bfloat16()
+    S = canonical_segments(1024, 8)
+    assert S == 8 and canonical_segments(72, 8) == 8 and canonical_segments(100, 8) == 4 and canonical_segments(99, 8) == 1
+    full = rk.linear(x, w, k_segments=S)
+    for tp in (1, 2, 4, 8):
+        k = 1024 // tp
+        parts = [p for r in range(tp) for p in linear_segment_partials(x[:, r * k:(r + 1) * k], w[:, r * k:(r + 1) * k], S // tp)]
+        assert torch.equal(canonical_tree_sum(parts).to(x.dtype), full), tp
+    assert not torch.equal(rk.linear(x, w, k_segments=1), full)  # the segment tree is a different contract

@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers backends)
 from ..ops.attention import attention_varlen
-from ..ops.linear import linear
+from ..ops.linear import canonical_segments, linear
 from ..ops.logprob import linear_logprob
 from ..ops.norm import rms_norm
 from ..ops.rope import rope
@@ -46,13 +46,16 @@ class DecoderConfig:
     rope_theta: float
     tie_word_embeddings: bool
     attention_bias: bool = False  # bias on q/k/v projections
+    # Canonical K-segments of the row-parallel GEMMs (o_proj, down_proj): their partials are
+    # merged by one fixed tree, so any TP size dividing this count gives the same bits.
+    row_segments: int = 4
 
     def __post_init__(self):
         if self.arch not in _ARCHS:
             raise ValueError(f"arch must be one of {sorted(_ARCHS)}, got {self.arch!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads} heads cannot share {self.num_kv_heads} kv heads")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim", "row_segments"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
 
@@ -95,13 +98,14 @@ def _weight(*shape, dtype, device):
 
 
 class _Linear(nn.Module):
-    def __init__(self, n_in, n_out, bias, dtype, device):
+    def __init__(self, n_in, n_out, bias, dtype, device, k_segments=1):
         super().__init__()
         self.weight = _weight(n_out, n_in, dtype=dtype, device=device)
         self.bias = _weight(n_out, dtype=dtype, device=device) if bias else None
+        self.k_segments = k_segments
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, k_segments=self.k_segments)
 
 
 class _Norm(nn.Module):
@@ -122,7 +126,7 @@ class _Attention(nn.Module):
         self.q_proj = _Linear(h, c.num_heads * d, c.attention_bias, dtype, device)
         self.k_proj = _Linear(h, c.num_kv_heads * d, c.attention_bias, dtype, device)
         self.v_proj = _Linear(h, c.num_kv_heads * d, c.attention_bias, dtype, device)
-        self.o_proj = _Linear(c.num_heads * d, h, False, dtype, device)
+        self.o_proj = _Linear(c.num_heads * d, h, False, dtype, device, canonical_segments(c.num_heads * d, c.row_segments))
         if c.qk_norm:
             self.q_norm = _Norm(d, c.rms_norm_eps, dtype, device)
             self.k_norm = _Norm(d, c.rms_norm_eps, dtype, device)
@@ -144,7 +148,8 @@ class _MLP(nn.Module):
         super().__init__()
         self.gate_proj = _Linear(c.hidden_size, c.intermediate_size, False, dtype, device)
         self.up_proj = _Linear(c.hidden_size, c.intermediate_size, False, dtype, device)
-        self.down_proj = _Linear(c.intermediate_size, c.hidden_size, False, dtype, device)
+        self.down_proj = _Linear(c.intermediate_size, c.hidden_size, False, dtype, device,
+                                 canonical_segments(c.intermediate_size, c.row_segments))
 
     def forward(self, x):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))

@@ -40,6 +40,39 @@ NATIVE = Contract(
 )
 
 
+def _partials(x2, w, k_segments):
+    k = x2.shape[-1]
+    if k_segments < 1 or k % k_segments:
+        raise ValueError(f"linear: K={k} is not divisible into {k_segments} canonical segments")
+    seg = k // k_segments
+    return [tile_matmul(x2[:, i * seg:(i + 1) * seg], w[:, i * seg:(i + 1) * seg].t()) for i in range(k_segments)]
+
+
+def canonical_segments(k: int, max_segments: int) -> int:
+    """The canonical K-segment count of a row-parallel GEMM: the largest power of two
+    <= max_segments that divides K. Both engines must derive it from the same (K, max)."""
+    s = 1
+    while s * 2 <= max_segments and k % (s * 2) == 0:
+        s *= 2
+    return s
+
+
+def linear_segment_partials(x: torch.Tensor, weight: torch.Tensor, k_segments: int) -> list[torch.Tensor]:
+    """float32 partial products of `k_segments` equal K-slices: [M, N] each, x flattened to [M, K].
+
+    A row-parallel TP rank holding K-columns [r*K/tp, (r+1)*K/tp) of the weight calls this with
+    k_segments = S/tp; merging every rank's partials with `rlkernel.tree_all_reduce` then equals
+    `linear(x, full_weight, k_segments=S)` bit for bit (before the final cast).
+    """
+    if weight.shape[-1] != x.shape[-1]:
+        raise ValueError(f"linear: x has K={x.shape[-1]} but weight is {tuple(weight.shape)}")
+    n = weight.shape[0]
+    w = weight.float()
+    if n < MIN_COLS:
+        w = torch.nn.functional.pad(w, (0, 0, 0, MIN_COLS - n))
+    return [p[:, :n] for p in _partials(x.reshape(-1, x.shape[-1]).float(), w, k_segments)]
+
+
 @dispatch.register("linear", "reference", REFERENCE)
 def _linear_reference(x, weight, bias=None, k_segments: int = 1):
     k = x.shape[-1]
@@ -55,11 +88,7 @@ def _linear_reference(x, weight, bias=None, k_segments: int = 1):
     if k_segments == 1:
         out = tile_matmul(x2, w.t())
     else:
-        if k % k_segments:
-            raise ValueError(f"linear: K={k} is not divisible into {k_segments} canonical segments")
-        seg = k // k_segments
-        parts = [tile_matmul(x2[:, i * seg:(i + 1) * seg], w[:, i * seg:(i + 1) * seg].t()) for i in range(k_segments)]
-        out = tree_sum(torch.stack(parts, dim=-1), dim=-1)
+        out = tree_sum(torch.stack(_partials(x2, w, k_segments), dim=-1), dim=-1)
     if bias is not None:
         out = out + bias.float()
     return out[:, :n].to(x.dtype).reshape(*lead, n)
