@@ -1,0 +1,61 @@
+"""The training batch: what the trainer scores and updates on.
+
+What this module decides: how versioned token records become the packed
+sequences the training engine sees, and which tokens are scored (every
+response token; the prompt is context only). Per-sample tensors stay per
+sample (lists), so no padding convention leaks between roles.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .records import TokenRecord
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainBatch:
+    sequences: list[list[int]]  # per sample: prompt + response token ids
+    prompt_lens: list[int]  # per sample: number of prompt tokens (>= 1)
+    loss_mask: list[torch.Tensor]  # per sample: [R] float32, 1 = trained on
+    temperature: float  # sampling temperature; logprobs are of softmax(logits / temperature)
+    weight_version: int  # weight version the rollout generated with
+    advantages: torch.Tensor | None = None  # [B] float32, one per sample (GRPO)
+    rollout_logprobs: list[torch.Tensor] | None = None  # per sample [R] float32, from the rollout engine
+    old_logprobs: list[torch.Tensor] | None = None  # per sample [R] float32, the ratio's denominator
+
+    def __post_init__(self):
+        if not (len(self.sequences) == len(self.prompt_lens) == len(self.loss_mask)):
+            raise ValueError("TrainBatch: per-sample fields disagree in length")
+        for i, (s, p, m) in enumerate(zip(self.sequences, self.prompt_lens, self.loss_mask)):
+            if not 1 <= p < len(s) or m.shape[0] != len(s) - p:
+                raise ValueError(f"TrainBatch: sample {i} has {len(s)} tokens, prompt {p}, mask {tuple(m.shape)}")
+
+    @property
+    def response_lens(self) -> list[int]:
+        return [len(s) - p for s, p in zip(self.sequences, self.prompt_lens)]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+    @classmethod
+    def from_records(cls, records: list[TokenRecord], advantages: torch.Tensor | None = None) -> "TrainBatch":
+        if not records:
+            raise ValueError("TrainBatch.from_records: no records")
+        temps = {r.sampling.temperature for r in records}
+        versions = {v for r in records for v in r.weight_versions}
+        if len(temps) != 1:
+            raise ValueError(f"TrainBatch: records mix sampling temperatures {sorted(temps)}")
+        if len(versions) > 1:
+            raise ValueError(f"TrainBatch: records mix weight versions {sorted(versions)}")
+        return cls(
+            sequences=[list(r.prompt_ids) + list(r.response_ids) for r in records],
+            prompt_lens=[len(r.prompt_ids) for r in records],
+            loss_mask=[torch.tensor(r.loss_mask, dtype=torch.float32) for r in records],
+            temperature=temps.pop(),
+            weight_version=versions.pop() if versions else -1,
+            advantages=advantages,
+            rollout_logprobs=[torch.from_numpy(r.rollout_logprobs.copy()) for r in records],
+        )
