@@ -143,3 +143,19 @@ def test_segment_partials_merged_by_the_tree_equal_the_segmented_linear():
         parts = [p for r in range(tp) for p in linear_segment_partials(x[:, r * k:(r + 1) * k], w[:, r * k:(r + 1) * k], S // tp)]
         assert torch.equal(canonical_tree_sum(parts).to(x.dtype), full), tp
     assert not torch.equal(rk.linear(x, w, k_segments=1), full)  # the segment tree is a different contract
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_full_vocab_table_equals_targeted_logprobs(dtype):
+    """The full [T, V] table a rollout engine samples from holds, at every token, the bits the
+    targeted op (the trainer's) computes for that token — for every row of the batch."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(V + 60, H, generator=g).to(dtype)
+    h = torch.randn(5, H, generator=g).to(dtype)
+    table = rk.linear_logprobs_full(h, w, 0.7, vocab_size=V)
+    assert table.shape == (5, V) and table.dtype == torch.float32
+    for v in (0, 1, 511, 512, 1023, V - 1):
+        assert torch.equal(table[:, v], rk.linear_logprob(h, w, torch.full((5,), v), 0.7, vocab_size=V))
+    # and so for a batch of random targets
+    t = torch.randint(0, V, (5,), generator=g)
+    assert torch.equal(table.gather(1, t[:, None])[:, 0], rk.linear_logprob(h, w, t, 0.7, vocab_size=V))

@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--rows", type=int, default=64, help="largest batch size the check places a row in")
         p.set_defaults(fn=fn)
+    from . import parity
+
+    p = sub.add_parser("parity", help="generate with vLLM, re-score with a trainer-side scorer, compare logprobs bitwise")
+    parity.add_arguments(p)
+    p.set_defaults(fn=parity.main)
     args = parser.parse_args(argv)
     return args.fn(args)
 

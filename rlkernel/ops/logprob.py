@@ -129,17 +129,36 @@ class _LinearLogprob(torch.autograd.Function):
         return (gh.to(hidden.dtype) if gh is not None else None, gw.to(weight.dtype) if gw is not None else None, None, None, None)
 
 
+def _full(h32, weight, temperature, vocab_size):
+    """Every vocab entry's logprob, each bitwise equal to the targeted op's value for it:
+    the same tile GEMMs, the same (m, l) tree, the same final formula."""
+    tiles = _tiles(vocab_size)
+    zs, ms, ls = [], [], []
+    for lo, hi in tiles:
+        z = tile_logits(h32, weight, lo, hi, temperature)
+        m = z.amax(dim=-1)
+        zs.append(z)
+        ms.append(m)
+        ls.append(tree_sum(strict_exp(z - m[:, None]), dim=-1))
+    m, l = tree_merge_ml(ms, ls)
+    log_l = strict_log(l)
+    return torch.cat([(z - m[:, None]) - log_l[:, None] for z in zs], dim=-1)
+
+
 @dispatch.register("linear_logprob", "reference", REFERENCE)
-def _linear_logprob_reference(hidden, weight, targets, temperature, vocab_size):
+def _linear_logprob_reference(kind, hidden, weight, targets, temperature, vocab_size):
+    if kind == "full":
+        return _full(hidden.float(), weight, temperature, vocab_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearLogprob.apply(hidden, weight, targets, temperature, vocab_size)
     return _forward(hidden.float(), weight, targets, temperature, vocab_size)[0]
 
 
 @dispatch.register("linear_logprob", "native", NATIVE)
-def _linear_logprob_native(hidden, weight, targets, temperature, vocab_size):
+def _linear_logprob_native(kind, hidden, weight, targets, temperature, vocab_size):
     logits = torch.nn.functional.linear(hidden, weight[:vocab_size]).float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+    lp = torch.log_softmax(logits, dim=-1)
+    return lp if kind == "full" else lp.gather(1, targets[:, None])[:, 0]
 
 
 def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, vocab_size: int | None = None, backend: str | None = None) -> torch.Tensor:
@@ -156,4 +175,19 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         raise ValueError(f"linear_logprob: temperature must be > 0, got {temperature}")
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
         raise ValueError(f"linear_logprob: targets outside [0, {vocab_size})")
-    return dispatch.call("linear_logprob", backend, (hidden, weight, targets), hidden, weight, targets.long(), float(temperature), vocab_size)
+    return dispatch.call("linear_logprob", backend, (hidden, weight, targets), "targets", hidden, weight, targets.long(), float(temperature), vocab_size)
+
+
+def linear_logprobs_full(hidden: torch.Tensor, weight: torch.Tensor, temperature: float = 1.0, *, vocab_size: int | None = None, backend: str | None = None) -> torch.Tensor:
+    """float32 [T, vocab_size] log-softmax of hidden @ weight[:vocab_size].T / temperature.
+
+    Element [t, v] is bitwise equal to `linear_logprob(hidden, weight, targets)` at row t with
+    targets[t] = v: a rollout engine that samples from this table reports exactly the value the
+    trainer recomputes. Materialises the whole table: for sampling, not for training.
+    """
+    vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    if hidden.dim() != 2 or weight.shape[1] != hidden.shape[1] or not 0 < vocab_size <= weight.shape[0]:
+        raise ValueError(f"linear_logprobs_full: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, vocab_size {vocab_size}")
+    if not temperature > 0:
+        raise ValueError(f"linear_logprobs_full: temperature must be > 0, got {temperature}")
+    return dispatch.call("linear_logprob", backend, (hidden, weight), "full", hidden, weight, None, float(temperature), vocab_size)

@@ -1,0 +1,91 @@
+"""vLLM model classes for Qwen3 and Llama that run rlkernel's strict decoder.
+
+What this module decides: what vLLM executes when it loads a Qwen3ForCausalLM
+or LlamaForCausalLM checkpoint with the plugin on. The class *is* a
+`StrictDecoder` (same parameters, HF names, plain tensors — vLLM's own linear
+layers repack their weights on CPU and would not be ours), plus one vLLM
+`Attention` layer per decoder layer so vLLM keeps owning KV-cache allocation
+and scheduling, with the strict backend doing the math.
+
+Sampled-token logprobs: `compute_logits` returns the full-vocab float32
+log-softmax at the rollout temperature from `rlkernel.linear_logprobs_full`,
+and the engine runs with `logprobs_mode="raw_logits"` and request temperature
+1.0, so vLLM reports exactly those bits (any further log_softmax or division
+by a temperature would change them) and samples from softmax(z / T).
+
+Plugin settings come from `additional_config={"rlkernel": {...}}`:
+`temperature` (rollout temperature, default 1.0), `mode` and `ops` (an
+rlkernel execution policy, for ablations).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.attention import Attention
+
+from ..dispatch import ExecutionPolicy, mode
+from ..models.decoder import DecoderConfig, StrictDecoder
+from ..ops.logprob import linear_logprobs_full
+from .vllm_attention import strict_backend
+
+
+def plugin_settings(vllm_config) -> dict:
+    extra = vllm_config.additional_config
+    return dict(extra.get("rlkernel", {})) if isinstance(extra, dict) else {}
+
+
+class StrictForCausalLM(StrictDecoder):
+    """A StrictDecoder that vLLM can construct, feed and load."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        hf = vllm_config.model_config.hf_config
+        config = DecoderConfig.from_hf(hf.to_dict())
+        super().__init__(config, dtype=vllm_config.model_config.dtype, device=vllm_config.device_config.device)
+        settings = plugin_settings(vllm_config)
+        self.rollout_temperature = float(settings.get("temperature", 1.0))
+        if not self.rollout_temperature > 0:
+            raise ValueError(f"rlkernel rollout temperature must be > 0, got {self.rollout_temperature}")
+        self.policy = ExecutionPolicy(mode=settings.get("mode", "strict"), ops=tuple(sorted(dict(settings.get("ops", {})).items())))
+        self.weight_version = int(settings.get("weight_version", 0))
+        backend = strict_backend()
+        self.attn = nn.ModuleList(
+            Attention(config.num_heads, config.head_dim, config.head_dim**-0.5, num_kv_heads=config.num_kv_heads,
+                      cache_config=vllm_config.cache_config, prefix=f"{prefix}rlkernel.layers.{i}.attn", attn_backend=backend)
+            for i in range(config.num_layers)
+        )
+
+    def _policy(self):
+        p = self.policy
+        return mode(p.mode, backend=p.backend, ops=dict(p.ops))
+
+    def _attend(self, layer: int, q, k, v):
+        t, hq, d = q.shape
+        return self.attn[layer](q.reshape(t, hq * d), k.reshape(t, -1), v.reshape(t, -1)).view(t, hq, d)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        if intermediate_tensors is not None or inputs_embeds is not None:
+            raise NotImplementedError("rlkernel strict models run without pipeline parallelism or input embeddings")
+        with self._policy():
+            return self.hidden_states(input_ids, positions.long(), self._attend)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        with self._policy():
+            return linear_logprobs_full(hidden_states, self.lm_head_weight, self.rollout_temperature, vocab_size=self.config.vocab_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        tensors = dict(weights)
+        self.load_hf_weights(tensors)
+        return {name for name, _ in self.named_parameters()}
+
+
+class StrictQwen3ForCausalLM(StrictForCausalLM):
+    pass
+
+
+class StrictLlamaForCausalLM(StrictForCausalLM):
+    pass

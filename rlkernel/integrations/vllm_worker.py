@@ -1,0 +1,35 @@
+"""Worker extension for vLLM: versioned in-place weight updates of the strict model.
+
+What this module decides: how new weights reach a running engine. The trainer
+writes HF-named tensors to a safetensors file (tensors do not survive vLLM's
+RPC serialisation between processes, paths do); every worker copies them into
+the model's parameters in place and stamps the model with the new version.
+The caller then resets the prefix cache (cached KV was computed with the old
+weights). Loaded through `worker_extension_cls`, vLLM's official hook.
+"""
+from __future__ import annotations
+
+
+class StrictWorkerExtension:
+    def rlkernel_load_weights(self, path: str, version: int) -> dict:
+        from safetensors.torch import load_file
+
+        model = self.model_runner.model
+        tensors = load_file(path, device=str(next(model.parameters()).device))
+        model.load_hf_weights(tensors)
+        model.weight_version = int(version)
+        return {"version": model.weight_version, "tensors": len(tensors)}
+
+    def rlkernel_weight_version(self) -> int:
+        return int(getattr(self.model_runner.model, "weight_version", -1))
+
+    def rlkernel_info(self) -> dict:
+        model = self.model_runner.model
+        attn = getattr(model, "attn", None)
+        return {
+            "model_class": type(model).__name__,
+            "attention_impl": type(attn[0].impl).__name__ if attn else None,
+            "temperature": getattr(model, "rollout_temperature", None),
+            "policy": repr(getattr(model, "policy", None)),
+            "weight_version": self.rlkernel_weight_version(),
+        }

@@ -1,0 +1,123 @@
+"""Claims: GRPO training on Megatron-core with the strict spec is bitwise deterministic, and
+its exported weights put the strict scorer back in agreement with it.
+
+1. Two runs of 3 `update` steps (GRPO with KL to the frozen reference, k3, and TIS) from the
+   same checkpoint and seed give bitwise identical losses, grad norms, weights (all HF
+   tensors, torch.equal) and post-update scores; a run on 1 thread equals a run on 2 threads.
+2. After the updates, `export_weights(version)` loaded into a `StrictDecoder` makes
+   `StrictDecoder.score` equal `MegatronTrainer.score` bitwise under the new version; the
+   weights did change, and `weight_version` counts the updates.
+3. Negative control: the native path's post-update scores differ from the strict decoder
+   loaded with its own exported weights (mismatch > 0).
+4. The engine records its determinism settings in `provenance` and restores torch's on close.
+5. Misuse raises: exporting a version the model is not at, updating without advantages.
+"""
+import pytest
+import torch
+
+from helpers import threads
+from rlkernel.models import StrictDecoder
+from vime.batch import TrainBatch
+from vime.grpo import GRPOConfig
+from vime.tiny_model import make_tiny_checkpoint
+from vime.trainer import MegatronTrainer, TrainerConfig
+
+STEPS = 3
+GRPO = GRPOConfig(kl_coef=0.05, kl_estimator="k3", tis_cap=2.0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("train"), arch="qwen3", vocab_size=200, tie_word_embeddings=False, seed=2, init_std=0.08)
+
+
+def _batch(step: int) -> TrainBatch:
+    g = torch.Generator().manual_seed(100 + step)
+    lens, prompts = (12, 40, 17, 30), (3, 10, 5, 29)
+    seqs = [torch.randint(4, 200, (n,), generator=g).tolist() for n in lens]
+    masks = [torch.ones(n - p) for n, p in zip(lens, prompts)]
+    masks[1][-3:] = 0
+    rollout = [-torch.rand(n - p, generator=g) * 5 for n, p in zip(lens, prompts)]
+    return TrainBatch(sequences=seqs, prompt_lens=list(prompts), loss_mask=masks, temperature=0.9, weight_version=step,
+                      advantages=torch.randn(len(lens), generator=g), rollout_logprobs=rollout)
+
+
+def _train(checkpoint, mode="strict", n_threads=None) -> dict:
+    with MegatronTrainer(TrainerConfig(mode=mode, lr=1e-3, seed=7, threads=n_threads, grpo=GRPO)) as trainer:
+        trainer.load_hf(checkpoint)
+        metrics = [trainer.update(_batch(s)) for s in range(STEPS)]
+        out = {
+            "metrics": metrics,
+            "version": trainer.weight_version,
+            "weights": trainer.export_weights(trainer.weight_version),
+            "scores": trainer.score(_batch(STEPS)),
+            "provenance": dict(trainer.provenance),
+        }
+        with pytest.raises(ValueError, match="version"):
+            trainer.export_weights(0)
+    return out
+
+
+def _equal_runs(a: dict, b: dict) -> None:
+    for ma, mb in zip(a["metrics"], b["metrics"]):
+        assert ma["loss"] == mb["loss"] and ma["grad_norm"] == mb["grad_norm"]
+    assert a["weights"].keys() == b["weights"].keys()
+    for name in a["weights"]:
+        assert torch.equal(a["weights"][name], b["weights"][name]), name
+    assert all(torch.equal(x, y) for x, y in zip(a["scores"], b["scores"]))
+
+
+@pytest.fixture(scope="module")
+def strict_run(checkpoint):
+    with threads(2):
+        return _train(checkpoint)
+
+
+def test_training_is_run_to_run_deterministic(checkpoint, strict_run):
+    with threads(2):
+        _equal_runs(strict_run, _train(checkpoint))
+
+
+def test_training_does_not_depend_on_thread_count(checkpoint, strict_run):
+    one = _train(checkpoint, n_threads=1)
+    assert one["provenance"]["threads"] == 1 and strict_run["provenance"]["threads"] == 2
+    _equal_runs(strict_run, one)
+
+
+def _decoder_scores(checkpoint, weights, batch):
+    dec = StrictDecoder.from_pretrained(checkpoint)
+    before = {k: v.clone() for k, v in dec.state_dict().items()}
+    dec.load_hf_weights(weights)
+    with torch.no_grad():
+        full = dec.score(batch.sequences, batch.temperature)
+    return [lp[p - 1:] for lp, p in zip(full, batch.prompt_lens)], before
+
+
+def test_exported_weights_restore_parity_after_update(checkpoint, strict_run):
+    assert strict_run["version"] == STEPS and [m["weight_version"] for m in strict_run["metrics"]] == [1, 2, 3]
+    want, before = _decoder_scores(checkpoint, strict_run["weights"], _batch(STEPS))
+    assert not torch.equal(before["model.layers.0.mlp.down_proj.weight"], strict_run["weights"]["model.layers.0.mlp.down_proj.weight"])
+    assert all(torch.equal(a, b) for a, b in zip(strict_run["scores"], want))
+    m = strict_run["metrics"][-1]
+    assert m["kl"] > 0 and "tis_weight_mean" in m and m["grad_norm"] > 0
+
+
+def test_native_scores_mismatch_the_strict_decoder(checkpoint):
+    run = _train(checkpoint, mode="native")
+    want, _ = _decoder_scores(checkpoint, run["weights"], _batch(STEPS))
+    assert int((torch.cat(run["scores"]) != torch.cat(want)).sum()) > 0
+
+
+def test_provenance_and_restored_settings(strict_run, checkpoint):
+    p = strict_run["provenance"]
+    assert p["deterministic_algorithms"] is True and p["seed"] == 7 and p["mode"] == "strict" and p["backend"] == "gloo"
+    assert p["contracts"]["linear"].startswith("linear/reference/")
+    assert not torch.are_deterministic_algorithms_enabled()  # restored by close()
+    with MegatronTrainer(TrainerConfig()) as trainer:
+        trainer.load_hf(checkpoint)
+        b = _batch(0)
+        b.advantages = None
+        with pytest.raises(ValueError, match="advantages"):
+            trainer.update(b)
+    with pytest.raises(ValueError, match="entropy"):
+        TrainerConfig(grpo=GRPOConfig(entropy_coef=0.01))

@@ -1,0 +1,136 @@
+"""`vime parity`: generate with vLLM, re-score with a training-side scorer, compare bitwise.
+
+What this module decides: the parity experiment users run before trusting a
+setup. Prompts are random token sequences (half of them share a long prefix,
+so the prefix cache is hit); each has its own response length; the engine's
+scheduler limits force chunked prefill mixed with decode. The scorer runs a
+full-sequence packed forward of the same weights (`reference`: rlkernel's
+standalone scorer; `megatron`: the Megatron-core engine) at the same
+temperature. With `--update-weights` the weights are perturbed, pushed to the
+engine as version 1, and the comparison is repeated. The last stdout line is
+one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+
+import torch
+
+
+def _prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(4, vocab) for _ in range(hi)]
+    out = []
+    for i in range(n):
+        length = rng.randint(lo, hi)
+        if i % 2:  # shares a prefix with every other odd prompt: prefix-cache hits
+            cut = max(1, length - rng.randint(1, max(1, length // 4)))
+            out.append(shared[:cut] + [rng.randrange(4, vocab) for _ in range(length - cut)])
+        else:
+            out.append([rng.randrange(4, vocab) for _ in range(length)])
+    return out
+
+
+def _scorer(kind: str, model_dir: str, dtype: torch.dtype, mode: str):
+    if kind == "reference":
+        from rlkernel.models import StrictDecoder
+
+        return StrictDecoder.from_pretrained(model_dir, dtype=dtype)
+    if kind == "megatron":
+        try:
+            from .trainer import MegatronTrainer, TrainerConfig
+        except ImportError as e:
+            raise SystemExit(f"vime parity: --scorer megatron needs vime.trainer ({e})")
+        return MegatronTrainer.for_scoring(TrainerConfig(model=model_dir, dtype=str(dtype).removeprefix("torch."), mode=mode))
+    raise SystemExit(f"unknown scorer {kind!r}")
+
+
+def _score(scorer, completions, temperature):
+    seqs = [c.prompt_ids + c.response_ids for c in completions]
+    with torch.no_grad():
+        if hasattr(scorer, "score_sequences"):
+            full = scorer.score_sequences(seqs, temperature)
+        else:
+            full = scorer.score(seqs, temperature)
+    return [lp[len(c.prompt_ids) - 1:] for lp, c in zip(full, completions)]
+
+
+def _perturb(tensors: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: (v.float() + 0.05 * v.float().std().clamp_min(1e-3) * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in tensors.items()}
+
+
+def run(args) -> dict:
+    from rlkernel.models import DecoderConfig
+
+    from .metrics import compare_logprobs
+    from .records import SamplingSpec
+    from .rollout import RolloutConfig, VLLMRollout
+
+    dtype = getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    engine = VLLMRollout(RolloutConfig(
+        model=args.model, mode=args.mode, dtype=args.dtype, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, seed=args.seed,
+        max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True,
+    ))
+    scorer = _scorer(args.scorer, args.model, dtype, "strict" if args.mode == "strict" else "native")
+    import json as _json
+    from pathlib import Path
+
+    vocab = DecoderConfig.from_hf(_json.loads(Path(args.model, "config.json").read_text())).vocab_size
+    rng = random.Random(args.seed)
+    prompts = _prompts(vocab, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed)
+    specs = [SamplingSpec(temperature=args.temperature, max_tokens=rng.randint(max(1, args.max_tokens // 4), args.max_tokens)) for _ in prompts]
+    phases = {}
+    versions = [0] + ([1] if args.update_weights else [])
+    for version in versions:
+        if version:
+            new = _perturb(dict(scorer.state_dict()) if hasattr(scorer, "state_dict") else scorer.export_weights(version), args.seed + version)
+            engine.update_weights(new, version)
+            scorer.load_hf_weights(new) if hasattr(scorer, "load_hf_weights") else scorer.load_state(new)
+        t1 = time.perf_counter()
+        comps = engine.generate(prompts, specs, weight_version=version)
+        t2 = time.perf_counter()
+        train = _score(scorer, comps, args.temperature)
+        stats = compare_logprobs([c.logprobs for c in comps], train)
+        stats.update(weight_version=version, generate_seconds=round(t2 - t1, 3), score_seconds=round(time.perf_counter() - t2, 3),
+                     generated_tokens=sum(len(c.response_ids) for c in comps), prefix_cached_tokens=sum(c.cached_prompt_tokens for c in comps),
+                     versions_ok=all(c.weight_version == version for c in comps))
+        phases[f"v{version}"] = stats
+    last = phases[f"v{versions[-1]}"]
+    report = dict(mode=args.mode, scorer=args.scorer, model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
+                  temperature=args.temperature, engine_start_seconds=round(engine.provenance.start_seconds, 2),
+                  total_seconds=round(time.perf_counter() - t0, 2), phases=phases,
+                  mismatch_count=sum(p["mismatch_count"] for p in phases.values()),
+                  max_abs_diff=max(p["max_abs_diff"] for p in phases.values()),
+                  mean_abs_diff=last["mean_abs_diff"], compared_tokens=sum(p["compared_tokens"] for p in phases.values()))
+    return report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local HF checkpoint directory")
+    p.add_argument("--mode", choices=["strict", "native"], default="strict")
+    p.add_argument("--scorer", choices=["reference", "megatron"], default="reference")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--min-prompt-len", type=int, default=8)
+    p.add_argument("--max-prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--max-num-batched-tokens", type=int, default=48)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--update-weights", action="store_true", help="also perturb the weights, push them as version 1, compare again")
+
+
+def main(args) -> int:
+    report = run(args)
+    sys.stdout.flush()
+    print(json.dumps(report))
+    return 0

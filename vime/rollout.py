@@ -1,0 +1,176 @@
+"""Rollout engine: vLLM generation with float32 logprobs and versioned weights.
+
+What this module decides: how vime drives vLLM. `mode="strict"` loads the
+rlkernel plugin (strict model classes, strict attention, logprobs from the
+strict contract; vLLM runs with `logprobs_mode="raw_logits"` at request
+temperature 1.0 and the rollout temperature inside the model); `mode="native"`
+runs stock vLLM with `processed_logprobs` (log-softmax of logits / T) — the
+negative control. Every returned token carries the weight version that
+produced it; generating against a version other than the engine's raises.
+
+vLLM reads its settings from the environment at import, so the engine sets
+them (and records them in `provenance`) before the first import; one engine
+per process.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .records import SamplingSpec
+
+MODES = ("strict", "native")
+
+
+class StaleWeightsError(RuntimeError):
+    """A request named a weight version the engine does not hold."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    model: str  # local HF checkpoint directory
+    mode: str = "strict"  # "strict" (rlkernel plugin) or "native" (stock vLLM)
+    ops: tuple = ()  # rlkernel per-op overrides inside the strict model, ((op, choice), ...)
+    dtype: str = "float32"
+    temperature: float = 1.0  # rollout temperature (strict: applied inside the model)
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 256  # < prompt lengths: chunked prefill mixes with decode
+    block_size: int = 16  # stock vLLM on CPU needs a multiple of 32 (native mode)
+    enable_prefix_caching: bool = True
+    max_model_len: int = 1024
+    kv_cache_gb: int = 1
+    seed: int = 0
+    in_process: bool = True  # engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    engine_id: str = "vllm-0"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"rollout mode must be one of {MODES}, got {self.mode!r}")
+        if not Path(self.model, "config.json").exists():
+            raise FileNotFoundError(f"no HF checkpoint (config.json) under {self.model!r}")
+        if self.mode == "native" and self.block_size % 32:
+            raise ValueError(f"stock vLLM on CPU needs block_size % 32 == 0, got {self.block_size}")
+        if not self.temperature > 0:
+            raise ValueError("temperature must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class Completion:
+    prompt_ids: list[int]  # [P]
+    response_ids: list[int]  # [R]
+    logprobs: np.ndarray  # [R] float32, the engine's logprob of each sampled token
+    weight_version: int  # version that generated every token of this completion
+    finish_reason: str  # "stop" / "length" / ...
+    text: str = ""  # detokenised response
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass(kw_only=True, slots=True)
+class _Provenance:
+    env: dict = field(default_factory=dict)
+    engine_args: dict = field(default_factory=dict)
+    start_seconds: float = 0.0
+
+
+class VLLMRollout:
+    """Owns one vllm.LLM; generate / update_weights / weight_version."""
+
+    def __init__(self, config: RolloutConfig):
+        self.config = c = config
+        env = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if c.in_process else "1",
+            "VLLM_PLUGINS": "rlkernel_strict" if c.mode == "strict" else "",
+            "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gb),
+            # the sampler's rank helper is torch.compiled; compiling costs 8-45 s per start and
+            # changes no value we report
+            "TORCHDYNAMO_DISABLE": "1",
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        }
+        os.environ.update(env)
+        from vllm import LLM
+
+        args = dict(
+            model=c.model, dtype=c.dtype, seed=c.seed, enforce_eager=True, max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, block_size=c.block_size,
+            enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=True,
+        )
+        if c.mode == "strict":
+            args.update(
+                logprobs_mode="raw_logits",
+                worker_extension_cls="rlkernel.integrations.vllm_worker.StrictWorkerExtension",
+                additional_config={"rlkernel": {"temperature": c.temperature, "mode": "strict", "ops": dict(c.ops)}},
+            )
+        else:
+            args.update(logprobs_mode="processed_logprobs")
+        t0 = time.perf_counter()
+        self.llm = LLM(**args)
+        self.provenance = _Provenance(env=env, engine_args={k: v for k, v in args.items() if k != "additional_config"} | {"rlkernel": asdict(c)},
+                                      start_seconds=time.perf_counter() - t0)
+        self.weight_version = 0
+        self.tokenizer = self.llm.get_tokenizer()
+        if c.mode == "strict":
+            info = self.llm.collective_rpc("rlkernel_info")[0]
+            if info["model_class"] not in ("StrictQwen3ForCausalLM", "StrictLlamaForCausalLM") or info["attention_impl"] != "StrictAttentionImpl":
+                raise RuntimeError(f"rlkernel plugin is not active in the engine: {info}")
+            self.provenance.engine_args["worker"] = info
+
+    def _params(self, spec: SamplingSpec, greedy: bool):
+        from vllm import SamplingParams
+
+        c = self.config
+        if c.mode == "strict" and abs(spec.temperature - c.temperature) > 0:
+            raise ValueError(f"strict rollout samples at temperature {c.temperature} (set in RolloutConfig); got {spec.temperature}")
+        temperature = 0.0 if greedy else (1.0 if c.mode == "strict" else spec.temperature)
+        return SamplingParams(temperature=temperature, top_p=spec.top_p, top_k=spec.top_k, max_tokens=spec.max_tokens,
+                              logprobs=0, seed=None, ignore_eos=False)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec | Sequence[SamplingSpec], *,
+                 weight_version: int | None = None, greedy: bool = False, use_tqdm: bool = False) -> list[Completion]:
+        """One completion per prompt (repeat a prompt for a GRPO group)."""
+        from vllm.inputs import TokensPrompt
+
+        if weight_version is not None and weight_version != self.weight_version:
+            raise StaleWeightsError(f"request for weight version {weight_version}, engine holds {self.weight_version}")
+        specs = [sampling] * len(prompts) if isinstance(sampling, SamplingSpec) else list(sampling)
+        if len(specs) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(specs)} sampling specs")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        version = self.weight_version
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                 [self._params(s, greedy) for s in specs], use_tqdm=use_tqdm)
+        if self.weight_version != version:  # only possible if weights changed during generation
+            raise StaleWeightsError(f"weights changed from version {version} to {self.weight_version} during generation")
+        result = []
+        for prompt, o in zip(prompts, outs):
+            out = o.outputs[0]
+            lps = np.array([lp[tok].logprob for tok, lp in zip(out.token_ids, out.logprobs)], dtype=np.float32)
+            result.append(Completion(prompt_ids=list(prompt), response_ids=list(out.token_ids), logprobs=lps, weight_version=version,
+                                     finish_reason=str(out.finish_reason), text=out.text, cached_prompt_tokens=o.num_cached_tokens or 0))
+        return result
+
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load HF-named tensors in place as `version` (> current) and drop cached KV."""
+        from safetensors.torch import save_file
+
+        if version <= self.weight_version:
+            raise ValueError(f"weight versions must increase: engine holds {self.weight_version}, got {version}")
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.TemporaryDirectory(dir=shm) as tmp:
+            path = os.path.join(tmp, "model.safetensors")
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
+            if self.config.mode == "strict":
+                got = self.llm.collective_rpc("rlkernel_load_weights", args=(path, version))
+                if any(g["version"] != version for g in got):
+                    raise RuntimeError(f"weight update did not reach every worker: {got}")
+            else:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
+        self.llm.reset_prefix_cache()
+        self.weight_version = version

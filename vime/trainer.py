@@ -1,0 +1,310 @@
+"""The training engine: Megatron-core on rlkernel's strict ops, scoring and GRPO updates.
+
+What this module decides: how the trainer role owns a Megatron model (process groups,
+determinism settings, weights in, weights out), what `score` returns (float32 logprobs
+of every response token, the contract the rollout engine uses), and what one `update`
+is (one GRPO step over the batch: a single forward/backward over the packed batch, grad
+sync, global-norm clipping, one optimizer step, `weight_version += 1`).
+
+Why this shape:
+* Every forward and backward runs under `rlkernel.mode(config.mode, ops=...)`, so the
+  strict/native arm and per-op ablations are one config field, not another model.
+* Old logprobs are `batch.old_logprobs` when given, else the update's own forward,
+  detached: with one optimizer step per batch that *is* the recompute (bitwise equal
+  to `score` on the strict path), at no extra forward.
+* A frozen reference copy exists only when `grpo.kl_coef > 0`.
+* CPU (CI, laptops): torch AdamW over the model, and the grad sync Megatron's DDP would
+  do, written here because that DDP needs CUDA: q/k-norm grads summed over TP (each rank
+  sees only its heads), grads averaged over DP, a TP-aware global grad norm (sharded
+  params summed over TP, replicated ones counted once). In strict mode these reductions
+  use rlkernel's canonical tree, so they are bitwise run to run.
+* CUDA: Megatron's DDP + distributed optimizer (`finalize_model_grads` does the same
+  sync). That path is present and import-safe but UNTESTED here (no GPU in CI).
+* Determinism (seed, torch threads, `torch.use_deterministic_algorithms`) is set by the
+  engine, restored by `close()`, and recorded in `self.provenance`.
+* bf16 on CPU updates bf16 params in place (no fp32 master copy); train in float32 here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+import rlkernel as rk
+from rlkernel.models.decoder import DecoderConfig, pack_sequences
+from rlkernel.primitives import tree_sum
+
+from .batch import TrainBatch
+from .grpo import GRPOConfig, grpo_loss
+
+_MODES = ("strict", "native")
+_QK_NORMS = ("q_layernorm", "k_layernorm")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerConfig:
+    mode: str = "strict"  # rlkernel mode of every forward/backward: "strict" | "native"
+    ops: tuple = ()  # per-op overrides ((op, "strict" | "native"), ...); a dict is accepted
+    tp: int = 1  # tensor-parallel size (world = tp * dp)
+    dtype: str = "float32"  # params and activations: "float32" | "bfloat16"
+    device: str = "cpu"  # "cpu" (gloo, torch AdamW) or "cuda" (nccl, Megatron DDP + dist. optimizer)
+    seed: int = 0  # torch / python RNG seed, the same on every rank
+    threads: int | None = None  # torch intra-op threads; None keeps the process setting
+    deterministic: bool = True  # torch.use_deterministic_algorithms while the engine lives
+    row_segments: int | None = None  # canonical K-segments of row-parallel GEMMs; None: DecoderConfig's default
+    lr: float = 1e-5
+    betas: tuple = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0  # max global grad norm; None: no clipping
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+    def __post_init__(self):
+        if self.mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
+        ops = tuple(sorted(self.ops.items())) if isinstance(self.ops, Mapping) else tuple(tuple(o) for o in self.ops)
+        object.__setattr__(self, "ops", ops)
+        rk.ExecutionPolicy(mode=self.mode, ops=ops)  # validates op names
+        if self.tp < 1 or self.lr <= 0 or (self.threads is not None and self.threads < 1):
+            raise ValueError("tp >= 1, lr > 0 and threads >= 1 (or None) are required")
+        if self.device not in ("cpu", "cuda") or self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"device must be cpu|cuda and dtype float32|bfloat16, got {self.device!r}, {self.dtype!r}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError("grad_clip must be > 0 or None")
+        if self.grpo.entropy_coef:
+            raise ValueError("entropy_coef > 0 needs full-vocab entropy, which the logprob head does not compute (yet)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MegatronTrainer:
+    """Trainer role: `load_hf`, `score`, `update`, `export_weights`; `close` (or `with`) tears down."""
+
+    def __init__(self, config: TrainerConfig):
+        from megatron.core import parallel_state
+
+        self.config = c = config
+        self._ps = parallel_state
+        if parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("MegatronTrainer: megatron parallel_state is already initialised in this process")
+        self._restore = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
+        if c.threads is not None:
+            torch.set_num_threads(c.threads)
+        if c.device == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(c.deterministic)
+        self._owns_pg = not dist.is_initialized()
+        if self._owns_pg:
+            backend = "nccl" if c.device == "cuda" else "gloo"
+            if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+                dist.init_process_group(backend)
+            else:  # a plain process: world 1 on a free local port
+                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        if c.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=c.tp)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.model = self.ref_model = self.spec = None
+        self.weight_version = 0
+        self._qk_norms: list[torch.nn.Parameter] = []
+        self._ddp = self.optimizer = None
+        self.provenance = self._provenance()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _policy(self):
+        return rk.mode(self.config.mode, ops=dict(self.config.ops))
+
+    def _provenance(self) -> dict:
+        import megatron.core
+
+        c = self.config
+        with self._policy():
+            contracts = {op: rk.contract_for(op, device=c.device).contract_id for op in rk.OPS}
+        return {
+            "python": platform.python_version(), "torch": torch.__version__, "megatron_core": megatron.core.__version__,
+            "device": c.device, "backend": dist.get_backend(), "world_size": dist.get_world_size(),
+            "tp": self.tp_group.size(), "dp": self.dp_group.size(), "threads": torch.get_num_threads(),
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(), "seed": c.seed,
+            "mode": c.mode, "ops": dict(c.ops), "dtype": c.dtype, "contracts": contracts,
+        }
+
+    def close(self) -> None:
+        """Destroy parallel_state (and the process group if the engine created it); restore torch settings."""
+        if self._ps.model_parallel_is_initialized():
+            self._ps.destroy_model_parallel()
+        if self._owns_pg and dist.is_initialized():
+            dist.destroy_process_group()
+        threads, det = self._restore
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(det)
+
+    def __enter__(self) -> "MegatronTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ weights
+    def load_hf(self, path: str | Path) -> None:
+        """Build the model from an HF checkpoint directory (config.json + *.safetensors); version 0."""
+        from safetensors.torch import load_file
+
+        from rlkernel.integrations.megatron_spec import MegatronSpecConfig, build_model
+
+        root, c = Path(path), self.config
+        dec = DecoderConfig.from_hf(json.loads((root / "config.json").read_text()))
+        if c.row_segments is not None:
+            import dataclasses
+
+            dec = dataclasses.replace(dec, row_segments=c.row_segments)
+        self.spec = MegatronSpecConfig(decoder=dec, tp=c.tp, dtype=c.dtype)
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors under {root}")
+        hf: dict[str, torch.Tensor] = {}
+        for f in files:
+            hf.update(load_file(str(f)))
+        self.model = self._build(hf)
+        self._qk_norms = [p for n, p in self.model.named_parameters() if any(k in n for k in _QK_NORMS)]
+        if c.grpo.kl_coef:
+            self.ref_model = self._build(hf).requires_grad_(False).eval()
+        self._make_optimizer()
+        self.weight_version = 0
+        self.provenance.update(checkpoint=str(root), row_segments=dec.row_segments, padded_vocab=self.spec.padded_vocab)
+
+    def _build(self, hf: Mapping[str, torch.Tensor]):
+        from rlkernel.integrations.megatron_convert import hf_to_megatron
+        from rlkernel.integrations.megatron_spec import build_model
+
+        torch.manual_seed(self.config.seed)  # the same on every rank: CPU init builds identical master weights
+        random.seed(self.config.seed)
+        model = build_model(self.spec)
+        model.load_state_dict(hf_to_megatron(hf, self.spec, self.tp_group.rank()), strict=True)
+        return model.to(self.config.device)
+
+    def export_weights(self, version: int) -> dict[str, torch.Tensor]:
+        """Full HF-named state dict (gathered over TP, vocab padding dropped) of weight version `version`."""
+        from rlkernel.integrations.megatron_convert import gather_shards, megatron_to_hf
+
+        self._need_model()
+        if version != self.weight_version:
+            raise ValueError(f"export_weights: asked for version {version}, the model is at {self.weight_version}")
+        local = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        return megatron_to_hf(gather_shards(local, dict(self.model.named_parameters()), self.tp_group), self.spec)
+
+    # ------------------------------------------------------------------ scoring
+    def _need_model(self):
+        if self.model is None:
+            raise RuntimeError("MegatronTrainer: call load_hf(path) first")
+
+    def _response_logprobs(self, model, batch: TrainBatch) -> list[torch.Tensor]:
+        ids, cu = pack_sequences(batch.sequences, self.config.device)
+        rows = torch.cat([torch.arange(s + p - 1, s + len(q) - 1) for s, p, q in zip(cu.tolist(), batch.prompt_lens, batch.sequences)])
+        rows = rows.to(ids.device)
+        hidden = model.hidden_states(ids, cu)
+        lp = model.logprobs(hidden[rows], ids[rows + 1], batch.temperature)
+        return list(lp.float().split(batch.response_lens))
+
+    def score(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """Per sample, float32 log p(response token | prefix) at batch.temperature, under the current weights."""
+        self._need_model()
+        with torch.no_grad(), self._policy():
+            self.model.eval()
+            return [t.cpu() for t in self._response_logprobs(self.model, batch)]
+
+    # ------------------------------------------------------------------ training
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        """One GRPO step on `batch`; returns metrics and bumps weight_version."""
+        self._need_model()
+        g, dev = self.config.grpo, self.config.device
+        if batch.advantages is None or batch.advantages.shape != (len(batch.sequences),):
+            raise ValueError("update: batch.advantages must be a [B] tensor")
+        lens = torch.tensor(batch.response_lens)
+        adv = torch.repeat_interleave(batch.advantages.float(), lens).to(dev)
+        mask = torch.cat(batch.loss_mask).to(dev)
+        with self._policy():
+            self.model.train()
+            if self._ddp is not None:
+                self._ddp.zero_grad_buffer()
+            self.optimizer.zero_grad(set_to_none=True)
+            lp = torch.cat(self._response_logprobs(self.model, batch))
+            old = torch.cat(batch.old_logprobs).to(dev) if batch.old_logprobs is not None else lp.detach()
+            ref = roll = None
+            if g.kl_coef:
+                with torch.no_grad():
+                    ref = torch.cat(self._response_logprobs(self.ref_model, batch))
+            if g.tis_cap is not None:
+                if batch.rollout_logprobs is None:
+                    raise ValueError("update: tis_cap is set but the batch has no rollout_logprobs")
+                roll = torch.cat(batch.rollout_logprobs).to(dev)
+            loss, metrics = grpo_loss(lp, old, adv, mask, g, ref_logprobs=ref, rollout_logprobs=roll)
+            loss.backward()
+            grad_norm = self._cuda_step() if self._ddp is not None else self._cpu_step()
+        self.weight_version += 1
+        metrics.update(loss=loss.item(), grad_norm=grad_norm, weight_version=self.weight_version, tokens=int(mask.numel()))
+        return metrics
+
+    def _make_optimizer(self) -> None:
+        c = self.config
+        if c.device == "cuda":  # UNTESTED here: Megatron DDP + distributed optimizer
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            self._ddp = DistributedDataParallel(config=self.model.config, module=self.model,
+                                                ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True))
+            opt_cfg = OptimizerConfig(optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.betas[0], adam_beta2=c.betas[1],
+                                      adam_eps=c.adam_eps, clip_grad=c.grad_clip or 0.0, bf16=c.dtype == "bfloat16")
+            self.optimizer = get_megatron_optimizer(opt_cfg, [self._ddp])
+            return
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=tuple(c.betas), eps=c.adam_eps,
+                                           weight_decay=c.weight_decay, foreach=False)
+
+    def _cuda_step(self) -> float:
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self._ddp])
+        _, grad_norm, _ = self.optimizer.step()
+        return float(grad_norm or 0.0)
+
+    def _reduce(self, t: torch.Tensor, group) -> torch.Tensor:
+        if group.size() == 1:
+            return t
+        return (rk.tree_all_reduce if self.config.mode == "strict" else rk.native_all_reduce)([t], group)
+
+    def _cpu_step(self) -> float:
+        """Megatron's finalize_model_grads + clip_grad_norm, for a model without DDP; then AdamW."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        for p in self._qk_norms:  # replicated, but each TP rank's grad covers only its own heads
+            if p.grad is not None:
+                p.grad = self._reduce(p.grad, self.tp_group)
+        dp = self.dp_group.size()
+        if dp > 1:
+            for p in params:
+                p.grad = self._reduce(p.grad, self.dp_group) / dp
+        sharded = [p for p in params if getattr(p, "tensor_model_parallel", False)]
+        replicated = [p for p in params if not getattr(p, "tensor_model_parallel", False)]
+
+        def sq(ps):
+            parts = [tree_sum(p.grad.float().square().reshape(-1), dim=0) for p in ps]
+            return tree_sum(torch.stack(parts), dim=0) if parts else torch.zeros((), device=self.config.device)
+
+        norm = torch.sqrt(self._reduce(sq(sharded).reshape(1), self.tp_group)[0] + sq(replicated))
+        if self.config.grad_clip is not None:
+            coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
+            for p in params:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        self.optimizer.step()
+        return norm.item()
