@@ -26,6 +26,7 @@ Why this shape:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -162,13 +163,11 @@ class MegatronTrainer:
         """Build the model from an HF checkpoint directory (config.json + *.safetensors); version 0."""
         from safetensors.torch import load_file
 
-        from rlkernel.integrations.megatron_spec import MegatronSpecConfig, build_model
+        from rlkernel.integrations.megatron_spec import MegatronSpecConfig
 
         root, c = Path(path), self.config
         dec = DecoderConfig.from_hf(json.loads((root / "config.json").read_text()))
         if c.row_segments is not None:
-            import dataclasses
-
             dec = dataclasses.replace(dec, row_segments=c.row_segments)
         self.spec = MegatronSpecConfig(decoder=dec, tp=c.tp, dtype=c.dtype)
         files = sorted(root.glob("*.safetensors"))
