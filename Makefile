@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(VENV)/bin/vime run
+	$(VENV)/bin/vime train --config-name grpo_tiny
 
 test: install
 	$(PY) -m pytest -q

@@ -3,13 +3,16 @@ gloo world 1) scores exactly like the standalone strict scorer.
 
 1. Parity: `MegatronTrainer.score` equals the response slice of `StrictDecoder.score`
    bitwise (torch.equal), on a packed batch of varied lengths (1-token responses,
-   sequences longer than an attention chunk, a 600-token one spanning rope blocks), for
+   sequences longer than an attention chunk, a 300-token one spanning rope table blocks), for
    Qwen3 and Llama, tied and untied embeddings, odd sizes, float32 and bfloat16.
 2. Every rlkernel op call in that Megatron forward ran the strict reference backend, and
    all six ops (norm, linear, swiglu, rope, attention, linear-logprob) were called.
 3. Negative control: the same engine in native mode (production ops) differs from the
-   strict reference on the same inputs (mismatch > 0), in both dtypes.
+   strict reference on the same inputs (mismatch > 0), in both dtypes; a per-op override
+   (strict mode, attention native) runs only attention natively and already differs.
 """
+import json
+
 import pytest
 import torch
 
@@ -26,13 +29,24 @@ CASES = {
     "llama-tied": dict(arch="llama", tie_word_embeddings=True, vocab_size=128, num_kv_heads=4),
 }
 DTYPES = ("float32", "bfloat16")
-LENGTHS = ((2, 1), (9, 4), (70, 20), (33, 32), (600, 500))  # (tokens, prompt tokens)
+LENGTHS = ((2, 1), (9, 4), (70, 20), (33, 32), (300, 260))  # (tokens, prompt tokens)
 TEMPERATURE = 0.8
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def checkpoint(request, tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), seed=5, init_std=0.08, **CASES[request.param])
+
+
+@pytest.fixture(scope="module")
+def batch(checkpoint) -> TrainBatch:
+    return _batch(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, batch) -> dict:
+    """The strict decoder's response logprobs per dtype, computed once per checkpoint."""
+    return {dtype: _reference(checkpoint, dtype, batch) for dtype in DTYPES}
 
 
 def _batch(vocab: int) -> TrainBatch:
@@ -59,9 +73,8 @@ def _score(checkpoint, batch: TrainBatch, **config) -> tuple[list[torch.Tensor],
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_megatron_strict_score_equals_strict_decoder(checkpoint, dtype):
-    batch = _batch(StrictDecoder.from_pretrained(checkpoint).config.vocab_size)
-    want = _reference(checkpoint, dtype, batch)
+def test_megatron_strict_score_equals_strict_decoder(checkpoint, batch, reference, dtype):
+    want = reference[dtype]
     got, records = _score(checkpoint, batch, mode="strict", dtype=dtype)
     assert [t.shape[0] for t in got] == batch.response_lens
     for i, (a, b) in enumerate(zip(got, want)):
@@ -72,12 +85,18 @@ def test_megatron_strict_score_equals_strict_decoder(checkpoint, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_native_mode_mismatches_the_strict_reference(checkpoint, dtype):
-    batch = _batch(StrictDecoder.from_pretrained(checkpoint).config.vocab_size)
-    want = torch.cat(_reference(checkpoint, dtype, batch))
+def test_native_mode_mismatches_the_strict_reference(checkpoint, batch, reference, dtype):
+    want = torch.cat(reference[dtype])
     got, records = _score(checkpoint, batch, mode="native", dtype=dtype)
     got = torch.cat(got)
     assert {r.backend for r in records} == {"native"}
     mismatch = int((got != want).sum())
     assert mismatch > 0
     assert (got - want).abs().max().item() < (0.5 if dtype == "bfloat16" else 1e-3)  # the same function, other bits
+
+
+def test_per_op_override_runs_only_that_op_native(checkpoint, batch, reference):
+    want = torch.cat(reference["float32"])
+    got, records = _score(checkpoint, batch, mode="strict", ops={"attention": "native"})
+    assert {r.op for r in records if r.backend == "native"} == {"attention"}
+    assert int((torch.cat(got) != want).sum()) > 0

@@ -101,28 +101,35 @@ class MegatronTrainer:
         if parallel_state.model_parallel_is_initialized():
             raise RuntimeError("MegatronTrainer: megatron parallel_state is already initialised in this process")
         self._restore = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
+        self._owns_pg = not dist.is_initialized()
+        try:  # on any failure, undo what was set up (close() handles partial state)
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+        self.model = self.ref_model = self.spec = None
+        self.weight_version = 0
+        self._qk_norms: list[torch.nn.Parameter] = []
+        self._ddp = self.optimizer = None
+        self.provenance = self._provenance()
+
+    def _setup(self) -> None:
+        c = self.config
         if c.threads is not None:
             torch.set_num_threads(c.threads)
+        torch.use_deterministic_algorithms(c.deterministic)
         if c.device == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(c.deterministic)
-        self._owns_pg = not dist.is_initialized()
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if self._owns_pg:
             backend = "nccl" if c.device == "cuda" else "gloo"
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
                 dist.init_process_group(backend)
             else:  # a plain process: world 1 on a free local port
                 dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-        if c.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=c.tp)
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        self.dp_group = parallel_state.get_data_parallel_group()
-        self.model = self.ref_model = self.spec = None
-        self.weight_version = 0
-        self._qk_norms: list[torch.nn.Parameter] = []
-        self._ddp = self.optimizer = None
-        self.provenance = self._provenance()
+        self._ps.initialize_model_parallel(tensor_model_parallel_size=c.tp)
+        self.tp_group = self._ps.get_tensor_model_parallel_group()
+        self.dp_group = self._ps.get_data_parallel_group()
 
     # ------------------------------------------------------------------ lifecycle
     def _policy(self):

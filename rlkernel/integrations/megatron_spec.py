@@ -114,10 +114,6 @@ class MegatronSpecConfig:
         )
 
 
-def _tp(group) -> tuple[int, int]:
-    return group.size(), group.rank()
-
-
 def _init_shard(weight, full_shape, dim, stride, init_method, rank, world):
     """Initialise a full master weight on the CPU RNG and keep this rank's stride chunks (Megatron's CPU layout)."""
     master = torch.empty(full_shape, dtype=torch.float32)
@@ -148,7 +144,7 @@ class StrictColumnParallelLinear(torch.nn.Module):
         if gather_output:
             raise ValueError("StrictColumnParallelLinear: gather_output is not supported (outputs stay sharded)")
         self.tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
-        world, rank = _tp(self.tp_group)
+        world, rank = self.tp_group.size(), self.tp_group.rank()
         self.weight = torch.nn.Parameter(torch.empty(output_size // world, input_size, dtype=config.params_dtype))
         if config.perform_initialization:
             _init_shard(self.weight, (output_size, input_size), 0, stride, init_method, rank, world)
@@ -191,7 +187,7 @@ class StrictRowParallelLinear(torch.nn.Module):
         if not input_is_parallel or bias:
             raise ValueError("StrictRowParallelLinear: needs input_is_parallel=True and no bias (Qwen3/Llama)")
         self.tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
-        world, rank = _tp(self.tp_group)
+        world, rank = self.tp_group.size(), self.tp_group.rank()
         self.segments = canonical_segments(input_size, row_segments)
         if self.segments % world:
             raise ValueError(f"row-parallel K={input_size}: {self.segments} canonical segments not divisible by tp={world}")
@@ -343,14 +339,14 @@ class StrictLogprobHead(torch.nn.Module):
         self.weight = None
         if not tied:
             self.weight = torch.nn.Parameter(torch.empty(self.shard, cfg.decoder.hidden_size, dtype=cfg.torch_dtype))
-            world, rank = _tp(tp_group)
+            world, rank = tp_group.size(), tp_group.rank()
             init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
             _init_shard(self.weight, (cfg.padded_vocab, cfg.decoder.hidden_size), 0, 1, init, rank, world)
             set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
 
     def forward(self, hidden, targets, temperature: float, weight=None):
         w = self.weight if weight is None else weight
-        world, rank = _tp(self.tp_group)
+        world, rank = self.tp_group.size(), self.tp_group.rank()
         if world == 1:
             return rk.linear_logprob(hidden, w, targets, temperature, vocab_size=self.vocab_size)
         start = rank * self.shard

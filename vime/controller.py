@@ -1,0 +1,210 @@
+"""The GRPO loop: rollout -> buffer -> score -> compare -> update -> weight sync.
+
+What this module decides: the order of the phases and what is checked between
+them. The loop body reads like DESIGN.md's diagram; preparation (model, data,
+roles, resume) and bookkeeping (records, checkpoints) live in helpers below it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .batch import TrainBatch
+from .config import VimeConfig
+from .grpo import GRPOConfig, group_advantages
+from .metrics import compare_logprobs
+from .records import write_records
+from .sinks import MetricSinks
+
+
+def train(cfg: VimeConfig, config_dict: dict) -> Path:
+    run_dir = Path(cfg.run.output_dir)
+    model_path, prompts = prepare(cfg, run_dir)
+    start, version, trainer_state = _resume_point(cfg, run_dir, model_path)
+    executor, rollout, trainer = _roles(cfg, str(start_weights(run_dir, start, model_path)))
+    if trainer_state is not None:
+        trainer.call("load_state", trainer_state)
+        rollout.call("set_weight_version", version)
+    _write_provenance(run_dir, cfg, config_dict, rollout, trainer)
+    sinks = MetricSinks(run_dir, cfg, config_dict, cfg.trainer.total_steps, start)
+    try:
+        for step in range(start, cfg.trainer.total_steps):
+            t0 = time.perf_counter()
+            batch_prompts = rng_batch(prompts, step, cfg.data.prompts_per_step, cfg.run.seed)
+            records = rollout.call("generate", step, batch_prompts, version)           # vLLM: tokens + rollout_lp + reward
+            write_records(records, run_dir / "records" / f"step_{step:06d}.parquet")   # buffer: versioned, replayable
+            t1 = time.perf_counter()
+            batch = TrainBatch.from_records(records, advantages=_advantages(records, cfg))
+            scored_version, train_lp = trainer.call("score", batch)                   # Megatron: old-policy logprobs
+            cmp = comparability(records, batch, scored_version, version)
+            stats = compare_logprobs([r.rollout_logprobs for r in records], train_lp) if cmp["comparable"] else _not_compared()
+            t2 = time.perf_counter()
+            old = batch.rollout_logprobs if cfg.algorithm.use_rollout_logprobs else [torch.from_numpy(x) for x in train_lp]
+            batch.old_logprobs = old
+            upd = trainer.call("update", batch)                                       # GRPO step
+            t3 = time.perf_counter()
+            version = upd["weight_version"]
+            rollout.call("update_weights", trainer.call("export_weights", version), version)  # sync: version v+1
+            t4 = time.perf_counter()
+            if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.trainer.total_steps:
+                save_checkpoint(run_dir, step + 1, version, trainer, records)
+            sinks.log(_step_metrics(step, records, stats, cmp, upd, version, (t0, t1, t2, t3, t4)))
+    finally:
+        sinks.close()
+        executor.shutdown()
+    return run_dir
+
+
+# ---------------------------------------------------------------------------- phases' helpers
+def comparability(records, batch: TrainBatch, scored_version: int, rollout_version: int) -> dict:
+    """The gate: both sides saw the same weights, tokens, mask and positions, else not comparable."""
+    reasons = []
+    if scored_version != rollout_version or any(r.min_version != rollout_version or max(r.weight_versions, default=rollout_version) != rollout_version for r in records):
+        reasons.append(f"weight version: rollout {rollout_version}, trainer {scored_version}")
+    for r, seq, p, m in zip(records, batch.sequences, batch.prompt_lens, batch.loss_mask):
+        if seq != list(r.prompt_ids) + list(r.response_ids) or p != len(r.prompt_ids) or int(m.numel()) != len(r.response_ids):
+            reasons.append(f"tokens/mask of {r.record_id}")
+            break
+    return {"comparable": not reasons, "reasons": reasons}
+
+
+def _not_compared() -> dict:
+    return {"mismatch_count": 0, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "compared_tokens": 0}
+
+
+def _advantages(records, cfg: VimeConfig) -> torch.Tensor:
+    n = cfg.data.samples_per_prompt
+    rewards = torch.tensor([r.reward for r in records], dtype=torch.float32).reshape(-1, n)
+    g = GRPOConfig(normalize_adv_std=cfg.algorithm.normalize_adv_std)
+    return group_advantages(rewards, g).reshape(-1)
+
+
+def _step_metrics(step, records, stats, cmp, upd, version, t) -> dict:
+    rewards = np.array([r.reward for r in records], dtype=np.float64)
+    tokens = sum(len(r.response_ids) for r in records)
+    return {
+        "step": step, **stats, "comparable": cmp["comparable"], "not_comparable_reasons": cmp["reasons"],
+        "weight_version": version, "rollout_weight_version": records[0].weight_versions[0] if records[0].weight_versions else version - 1,
+        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+        "kl": upd.get("kl", 0.0), "clip_fraction": upd.get("clip_fraction", 0.0), "entropy": upd.get("entropy", 0.0),
+        "loss": upd.get("loss", 0.0), "grad_norm": upd.get("grad_norm", 0.0), "response_tokens": tokens,
+        "time_rollout": t[1] - t[0], "time_score": t[2] - t[1], "time_update": t[3] - t[2], "time_sync": t[4] - t[3],
+        "time_step": t[4] - t[0], "tokens_per_second": tokens / max(t[4] - t[0], 1e-9),
+    }
+
+
+def rng_batch(prompts, step: int, k: int, seed: int):
+    """The prompts of `step`: a deterministic function of (seed, step), so a resume continues the same stream."""
+    return random.Random(seed * 1_000_003 + step).sample(prompts, k) if k <= len(prompts) else random.Random(seed + step).choices(prompts, k=k)
+
+
+# ---------------------------------------------------------------------------- preparation
+def prepare(cfg: VimeConfig, run_dir: Path):
+    """Model directory and prompt list for the run (building/generating them when the recipe says so)."""
+    from .data.prompts import load_prompts
+    from .data.synthetic import addition_rows, word_problem_rows, write_rows
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model = Path(cfg.model.path)
+    if cfg.model.init == "tiny_sft":
+        from .warmstart import build_tiny_policy
+
+        build_tiny_policy(model, cfg.model.tiny, seed=cfg.run.seed, progress=cfg.logging.progress)
+    elif cfg.model.init == "smollm2":
+        from .smollm2 import import_smollm2
+
+        import_smollm2(model, cfg.model.dtype)
+    if not (model / "config.json").exists():
+        raise FileNotFoundError(f"model.path {model} has no config.json (set model.init=tiny_sft|smollm2 to build one)")
+    data = Path(cfg.data.path)
+    if not data.exists() and cfg.data.generate:
+        rows = addition_rows(cfg.data.num_rows, cfg.run.seed) if cfg.data.generate == "addition" else word_problem_rows(cfg.data.num_rows, cfg.run.seed)
+        write_rows(rows, data)
+    prompts, report = load_prompts(data, cfg.data.layout)
+    (run_dir / "data_report.json").write_text(json.dumps(dataclasses.asdict(report)))
+    return model, prompts
+
+
+def _roles(cfg: VimeConfig, weights: str):
+    from .executor import InProcessExecutor, RayExecutor
+    from .roles import RolloutRole, TrainerRole
+
+    executor = RayExecutor(num_roles=2, colocate=cfg.resources.colocate) if cfg.run.executor == "ray" else InProcessExecutor()
+    trainer = executor.spawn(TrainerRole, cfg, weights)
+    rollout = executor.spawn(RolloutRole, cfg, weights)
+    tv, rv = trainer.call("vocab_size"), rollout.call("vocab_size")
+    if tv != rv:
+        executor.shutdown()
+        raise RuntimeError(f"vocab ranges differ: trainer {tv}, rollout {rv}; logprobs would not be comparable")
+    return executor, rollout, trainer
+
+
+def _write_provenance(run_dir, cfg, config_dict, rollout, trainer):
+    prov = {"config": config_dict, "rollout": rollout.call("provenance"), "trainer": trainer.call("provenance"),
+            "torch": torch.__version__, "pid": os.getpid()}
+    (run_dir / "provenance.json").write_text(json.dumps(prov, indent=1, default=str))
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def save_checkpoint(run_dir: Path, step: int, version: int, trainer, records) -> Path:
+    """checkpoints/step_N: HF weights + trainer state + meta, written to a tmp dir and renamed (atomic)."""
+    from safetensors.torch import save_file
+
+    root = run_dir / "checkpoints"
+    final, tmp = root / f"step_{step:06d}", root / f".tmp_step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights = trainer.call("export_weights", version)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+    torch.save(trainer.call("state"), tmp / "trainer_state.pt")
+    (tmp / "meta.json").write_text(json.dumps({"step": step, "weight_version": version, "data_position": step}))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    (root / "latest.tmp").write_text(final.name)
+    os.replace(root / "latest.tmp", root / "latest")
+    return final
+
+
+def _resume_point(cfg: VimeConfig, run_dir: Path, model_path: Path):
+    latest = run_dir / "checkpoints" / "latest"
+    if not cfg.run.resume:
+        if (run_dir / "metrics.jsonl").exists():
+            raise FileExistsError(f"{run_dir} already holds a run; pass run.resume=true to continue it or choose another run.output_dir")
+        return 0, 0, None
+    if not latest.exists():
+        raise FileNotFoundError(f"run.resume=true but {latest} does not exist")
+    ckpt = run_dir / "checkpoints" / latest.read_text().strip()
+    meta = json.loads((ckpt / "meta.json").read_text())
+    _truncate_metrics(run_dir, meta["step"])
+    return meta["step"], meta["weight_version"], torch.load(ckpt / "trainer_state.pt", weights_only=False)
+
+
+def start_weights(run_dir: Path, start: int, model_path: Path) -> Path:
+    """The directory roles load: the base model, or a checkpoint laid out as an HF checkpoint."""
+    if start == 0:
+        return model_path
+    ckpt = run_dir / "checkpoints" / f"step_{start:06d}"
+    hf = ckpt / "hf"
+    if not hf.exists():
+        hf.mkdir()
+        for f in model_path.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors"):
+                shutil.copy(f, hf / f.name)
+        os.link(ckpt / "model.safetensors", hf / "model.safetensors")
+    return hf
+
+
+def _truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metric lines past the checkpoint (they are recomputed), keep the rest."""
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+        path.write_text("".join(line + "\n" for line in keep))

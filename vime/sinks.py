@@ -1,0 +1,61 @@
+"""Where per-step metrics go: metrics.jsonl, wandb (offline by default), the console.
+
+What this module decides: the metric record's persistence. JSONL lines are
+appended and flushed every step (nothing lost on a crash); wandb runs offline
+under the run directory unless configured online; the console shows one
+progress bar over steps with the numbers users watch.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class MetricSinks:
+    def __init__(self, run_dir: Path, cfg, config_dict: dict, total: int, start: int):
+        from tqdm import tqdm
+
+        self.path = run_dir / "metrics.jsonl"
+        self.run_dir = run_dir
+        self.wandb = None
+        if cfg.logging.wandb and cfg.logging.wandb_mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self.wandb = wandb.init(project=cfg.logging.project, name=cfg.run.name, dir=str(run_dir), mode=cfg.logging.wandb_mode,
+                                    config=config_dict, resume="allow", id=_run_id(run_dir))
+        self.bar = tqdm(total=total, initial=start, desc=f"{cfg.run.name} [{cfg.rlkernel.mode}]", unit="step", disable=not cfg.logging.progress)
+
+    def log(self, metrics: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float, bool))}, step=metrics["step"])
+        self.bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", mismatch=metrics["mismatch_count"], v=metrics["weight_version"])
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _run_id(run_dir: Path) -> str:
+    f = run_dir / "wandb_id.txt"
+    if f.exists():
+        return f.read_text().strip()
+    import uuid
+
+    rid = uuid.uuid4().hex[:12]
+    f.write_text(rid)
+    return rid
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"no metrics.jsonl under {run_dir}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
