@@ -46,7 +46,7 @@ class TinyModelSection:  # used when model.init == "tiny_sft"
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
-    head_dim: int = 16
+    head_dim: int = 32  # stock vLLM's CPU attention (the native arm) has no kernel for 16
     warmstart_steps: int = 80  # supervised steps on the task format before RL (~30% sampled accuracy)
     warmstart_lr: float = 3e-3
     warmstart_rows: int = 2000

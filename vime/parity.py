@@ -74,7 +74,7 @@ def run(args) -> dict:
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     engine = VLLMRollout(RolloutConfig(
-        model=args.model, mode=args.mode, dtype=args.dtype, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
+        model=args.model, engine=args.engine or ("rlkernel" if args.mode == "strict" else "stock"), mode=args.mode, dtype=args.dtype, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, seed=args.seed,
         max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True,
     ))
@@ -103,7 +103,7 @@ def run(args) -> dict:
                      versions_ok=all(c.weight_version == version for c in comps))
         phases[f"v{version}"] = stats
     last = phases[f"v{versions[-1]}"]
-    report = dict(mode=args.mode, scorer=args.scorer, model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
+    report = dict(mode=args.mode, engine=engine.config.engine, scorer=args.scorer, model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
                   temperature=args.temperature, engine_start_seconds=round(engine.provenance.start_seconds, 2),
                   total_seconds=round(time.perf_counter() - t0, 2), phases=phases,
                   mismatch_count=sum(p["mismatch_count"] for p in phases.values()),
@@ -114,7 +114,9 @@ def run(args) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local HF checkpoint directory")
-    p.add_argument("--mode", choices=["strict", "native"], default="strict")
+    p.add_argument("--mode", choices=["strict", "native"], default="strict", help="rlkernel mode of both sides")
+    p.add_argument("--engine", choices=["rlkernel", "stock"], default=None,
+                   help="vLLM with the rlkernel plugin, or stock vLLM (default: rlkernel for strict, stock for native)")
     p.add_argument("--scorer", choices=["reference", "megatron"], default="reference")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--min-prompt-len", type=int, default=8)

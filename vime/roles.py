@@ -27,11 +27,10 @@ class RolloutRole:
         self.cfg, self.engine_id = cfg, engine_id
         self._alloc = tune_cpu_allocator()
         r = cfg.rollout
-        native = cfg.rlkernel.mode == "native" and not cfg.rlkernel.ops.as_dict()
         self.engine = VLLMRollout(RolloutConfig(
-            model=model_path, mode="native" if native else "strict", ops=tuple(sorted(cfg.rlkernel.ops.as_dict().items())),
+            model=model_path, engine="rlkernel", mode=cfg.rlkernel.mode, ops=tuple(sorted(cfg.rlkernel.ops.as_dict().items())),
             dtype=cfg.model.dtype, temperature=r.temperature, max_num_seqs=r.max_num_seqs,
-            max_num_batched_tokens=r.max_num_batched_tokens, block_size=32 if native else r.block_size,
+            max_num_batched_tokens=r.max_num_batched_tokens, block_size=r.block_size,
             enable_prefix_caching=r.enable_prefix_caching, kv_cache_gb=r.kv_cache_gb, seed=cfg.run.seed, engine_id=engine_id,
             max_model_len=1024,
         ))

@@ -1,11 +1,15 @@
 """Rollout engine: vLLM generation with float32 logprobs and versioned weights.
 
-What this module decides: how vime drives vLLM. `mode="strict"` loads the
-rlkernel plugin (strict model classes, strict attention, logprobs from the
-strict contract; vLLM runs with `logprobs_mode="raw_logits"` at request
-temperature 1.0 and the rollout temperature inside the model); `mode="native"`
-runs stock vLLM with `processed_logprobs` (log-softmax of logits / T) — the
-negative control. Every returned token carries the weight version that
+What this module decides: how vime drives vLLM. `engine="rlkernel"` loads the
+rlkernel plugin (its model classes and attention backend; logprobs from the
+linear-logprob contract; vLLM runs with `logprobs_mode="raw_logits"` at request
+temperature 1.0 and the rollout temperature inside the model), and `mode`
+(strict | native, plus per-op `ops`) picks the rlkernel backends inside it — the
+P/R ablation arms. `engine="stock"` runs unmodified vLLM with
+`processed_logprobs` (log-softmax of logits / T): the negative control of
+`vime parity`. Stock vLLM's in-place reload does not update the weights its CPU
+linears repacked (measured: logprobs stay off by 0.1 after an update), so the
+training loop always uses the rlkernel engine. Every returned token carries the weight version that
 produced it; generating against a version other than the engine's raises.
 
 vLLM reads its settings from the environment at import, so the engine sets
@@ -27,6 +31,7 @@ import torch
 from .records import SamplingSpec
 
 MODES = ("strict", "native")
+ENGINES = ("rlkernel", "stock")
 
 
 class StaleWeightsError(RuntimeError):
@@ -36,8 +41,9 @@ class StaleWeightsError(RuntimeError):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
     model: str  # local HF checkpoint directory
-    mode: str = "strict"  # "strict" (rlkernel plugin) or "native" (stock vLLM)
-    ops: tuple = ()  # rlkernel per-op overrides inside the strict model, ((op, choice), ...)
+    engine: str = "rlkernel"  # "rlkernel" (plugin) or "stock" (unmodified vLLM)
+    mode: str = "strict"  # rlkernel policy inside the plugin's model: "strict" or "native"
+    ops: tuple = ()  # rlkernel per-op overrides, ((op, "strict" | "native"), ...)
     dtype: str = "float32"
     temperature: float = 1.0  # rollout temperature (strict: applied inside the model)
     max_num_seqs: int = 8
@@ -53,9 +59,11 @@ class RolloutConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"rollout mode must be one of {MODES}, got {self.mode!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"rollout engine must be one of {ENGINES}, got {self.engine!r}")
         if not Path(self.model, "config.json").exists():
             raise FileNotFoundError(f"no HF checkpoint (config.json) under {self.model!r}")
-        if self.mode == "native" and self.block_size % 32:
+        if self.engine == "stock" and self.block_size % 32:
             raise ValueError(f"stock vLLM on CPU needs block_size % 32 == 0, got {self.block_size}")
         if not self.temperature > 0:
             raise ValueError("temperature must be > 0")
@@ -86,7 +94,7 @@ class VLLMRollout:
         self.config = c = config
         env = {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if c.in_process else "1",
-            "VLLM_PLUGINS": "rlkernel_strict" if c.mode == "strict" else "",
+            "VLLM_PLUGINS": "rlkernel_strict" if c.engine == "rlkernel" else "",
             "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gb),
             # the sampler's rank helper is torch.compiled; compiling costs 8-45 s per start and
             # changes no value we report
@@ -101,11 +109,11 @@ class VLLMRollout:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, block_size=c.block_size,
             enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=True,
         )
-        if c.mode == "strict":
+        if c.engine == "rlkernel":
             args.update(
                 logprobs_mode="raw_logits",
                 worker_extension_cls="rlkernel.integrations.vllm_worker.StrictWorkerExtension",
-                additional_config={"rlkernel": {"temperature": c.temperature, "mode": "strict", "ops": dict(c.ops)}},
+                additional_config={"rlkernel": {"temperature": c.temperature, "mode": c.mode, "ops": dict(c.ops)}},
             )
         else:
             args.update(logprobs_mode="processed_logprobs")
@@ -115,7 +123,7 @@ class VLLMRollout:
                                       start_seconds=time.perf_counter() - t0)
         self.weight_version = 0
         self.tokenizer = self.llm.get_tokenizer()
-        if c.mode == "strict":
+        if c.engine == "rlkernel":
             info = self.llm.collective_rpc("rlkernel_info")[0]
             if info["model_class"] not in ("StrictQwen3ForCausalLM", "StrictLlamaForCausalLM") or info["attention_impl"] != "StrictAttentionImpl":
                 raise RuntimeError(f"rlkernel plugin is not active in the engine: {info}")
@@ -125,9 +133,9 @@ class VLLMRollout:
         from vllm import SamplingParams
 
         c = self.config
-        if c.mode == "strict" and abs(spec.temperature - c.temperature) > 0:
-            raise ValueError(f"strict rollout samples at temperature {c.temperature} (set in RolloutConfig); got {spec.temperature}")
-        temperature = 0.0 if greedy else (1.0 if c.mode == "strict" else spec.temperature)
+        if c.engine == "rlkernel" and spec.temperature != c.temperature:
+            raise ValueError(f"the rlkernel engine samples at temperature {c.temperature} (set in RolloutConfig); got {spec.temperature}")
+        temperature = 0.0 if greedy else (1.0 if c.engine == "rlkernel" else spec.temperature)
         return SamplingParams(temperature=temperature, top_p=spec.top_p, top_k=spec.top_k, max_tokens=spec.max_tokens,
                               logprobs=0, seed=None, ignore_eos=False)
 
@@ -166,11 +174,10 @@ class VLLMRollout:
         with tempfile.TemporaryDirectory(dir=shm) as tmp:
             path = os.path.join(tmp, "model.safetensors")
             save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
-            if self.config.mode == "strict":
-                got = self.llm.collective_rpc("rlkernel_load_weights", args=(path, version))
-                if any(g["version"] != version for g in got):
-                    raise RuntimeError(f"weight update did not reach every worker: {got}")
-            else:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
+            if self.config.engine != "rlkernel":
+                raise NotImplementedError("in-place weight updates need engine='rlkernel' (stock vLLM's CPU reload leaves repacked linears stale)")
+            got = self.llm.collective_rpc("rlkernel_load_weights", args=(path, version))
+            if any(g["version"] != version for g in got):
+                raise RuntimeError(f"weight update did not reach every worker: {got}")
         self.llm.reset_prefix_cache()
         self.weight_version = version
