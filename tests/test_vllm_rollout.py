@@ -75,3 +75,17 @@ def test_engine_behaviour_alone_vs_batch_and_versions(models):
                    "non_increasing_version_rejected": True, "version_after_update": 1, "worker_version": 1, "stamped": True,
                    "temperature_mismatch_rejected": True}
     assert out["greedy_tokens"] > 0
+
+
+def test_vllm_strict_rollout_matches_megatron_scoring(models):
+    """`vime parity --scorer megatron`: vLLM rollout vs the Megatron-core engine, before and after an update."""
+    r = _parity(models["qwen3-tied"], "--scorer", "megatron", "--num-prompts", "64", "--max-tokens", "12", "--max-num-seqs", "4",
+                "--max-num-batched-tokens", "32", "--dtype", "bfloat16", "--update-weights")
+    assert r["scorer"] == "megatron" and set(r["phases"]) == {"v0", "v1"}
+    _assert_strict(r, 2 * 64 * 3)
+
+
+def test_negative_control_native_ops_in_both_engines_mismatch(models):
+    """The same plugin and Megatron engine with rlkernel's native backend (torch production ops) drift."""
+    r = _parity(models["qwen3-tied"], "--mode", "native", "--engine", "rlkernel", "--scorer", "megatron", "--num-prompts", "16", "--max-tokens", "12")
+    assert r["engine"] == "rlkernel" and r["compared_tokens"] > 0 and r["mismatch_count"] > 0

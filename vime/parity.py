@@ -35,28 +35,50 @@ def _prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list[int]]
     return out
 
 
-def _scorer(kind: str, model_dir: str, dtype: torch.dtype, mode: str):
-    if kind == "reference":
+class _ReferenceScorer:
+    """rlkernel's standalone packed scorer (StrictDecoder)."""
+
+    def __init__(self, model_dir: str, dtype: torch.dtype, mode: str):
         from rlkernel.models import StrictDecoder
 
-        return StrictDecoder.from_pretrained(model_dir, dtype=dtype)
-    if kind == "megatron":
-        try:
-            from .trainer import MegatronTrainer, TrainerConfig
-        except ImportError as e:
-            raise SystemExit(f"vime parity: --scorer megatron needs vime.trainer ({e})")
-        return MegatronTrainer.for_scoring(TrainerConfig(model=model_dir, dtype=str(dtype).removeprefix("torch."), mode=mode))
-    raise SystemExit(f"unknown scorer {kind!r}")
+        self.model, self.mode = StrictDecoder.from_pretrained(model_dir, dtype=dtype), mode
+
+    def response_logprobs(self, comps, temperature):
+        import rlkernel as rk
+
+        with torch.no_grad(), rk.mode(self.mode):
+            full = self.model.score([c.prompt_ids + c.response_ids for c in comps], temperature)
+        return [lp[len(c.prompt_ids) - 1:] for lp, c in zip(full, comps)]
+
+    def weights(self) -> dict:
+        return dict(self.model.state_dict())
+
+    def load(self, tensors: dict, version: int) -> None:
+        self.model.load_hf_weights(tensors)
 
 
-def _score(scorer, completions, temperature):
-    seqs = [c.prompt_ids + c.response_ids for c in completions]
-    with torch.no_grad():
-        if hasattr(scorer, "score_sequences"):
-            full = scorer.score_sequences(seqs, temperature)
-        else:
-            full = scorer.score(seqs, temperature)
-    return [lp[len(c.prompt_ids) - 1:] for lp, c in zip(full, completions)]
+class _MegatronScorer:
+    """The Megatron-core training engine's `score`."""
+
+    def __init__(self, model_dir: str, dtype: torch.dtype, mode: str):
+        from .trainer import MegatronTrainer, TrainerConfig
+
+        self.trainer = MegatronTrainer(TrainerConfig(mode=mode, dtype=str(dtype).removeprefix("torch.")))
+        self.trainer.load_hf(model_dir)
+
+    def response_logprobs(self, comps, temperature):
+        from .batch import TrainBatch
+
+        batch = TrainBatch(sequences=[c.prompt_ids + c.response_ids for c in comps], prompt_lens=[len(c.prompt_ids) for c in comps],
+                           loss_mask=[torch.ones(len(c.response_ids)) for c in comps], temperature=temperature,
+                           weight_version=self.trainer.weight_version)
+        return self.trainer.score(batch)
+
+    def weights(self) -> dict:
+        return self.trainer.export_weights(self.trainer.weight_version)
+
+    def load(self, tensors: dict, version: int) -> None:
+        self.trainer.load_weights(tensors, version)
 
 
 def _perturb(tensors: dict, seed: int) -> dict:
@@ -78,7 +100,7 @@ def run(args) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, seed=args.seed,
         max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True,
     ))
-    scorer = _scorer(args.scorer, args.model, dtype, "strict" if args.mode == "strict" else "native")
+    scorer = (_ReferenceScorer if args.scorer == "reference" else _MegatronScorer)(args.model, dtype, args.mode)
     import json as _json
     from pathlib import Path
 
@@ -90,13 +112,13 @@ def run(args) -> dict:
     versions = [0] + ([1] if args.update_weights else [])
     for version in versions:
         if version:
-            new = _perturb(dict(scorer.state_dict()) if hasattr(scorer, "state_dict") else scorer.export_weights(version), args.seed + version)
+            new = _perturb(scorer.weights(), args.seed + version)
             engine.update_weights(new, version)
-            scorer.load_hf_weights(new) if hasattr(scorer, "load_hf_weights") else scorer.load_state(new)
+            scorer.load(new, version)
         t1 = time.perf_counter()
         comps = engine.generate(prompts, specs, weight_version=version)
         t2 = time.perf_counter()
-        train = _score(scorer, comps, args.temperature)
+        train = scorer.response_logprobs(comps, args.temperature)
         stats = compare_logprobs([c.logprobs for c in comps], train)
         stats.update(weight_version=version, generate_seconds=round(t2 - t1, 3), score_seconds=round(time.perf_counter() - t2, 3),
                      generated_tokens=sum(len(c.response_ids) for c in comps), prefix_cached_tokens=sum(c.cached_prompt_tokens for c in comps),

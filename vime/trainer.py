@@ -191,6 +191,16 @@ class MegatronTrainer:
         self.weight_version = 0
         self.provenance.update(checkpoint=str(root), row_segments=dec.row_segments, padded_vocab=self.spec.padded_vocab)
 
+    def load_weights(self, hf: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace the policy's weights with HF-named tensors (e.g. a checkpoint) as `version`."""
+        from rlkernel.integrations.megatron_convert import hf_to_megatron
+
+        self._need_model()
+        state = hf_to_megatron(dict(hf), self.spec, self.tp_group.rank())
+        with torch.no_grad():
+            self.model.load_state_dict(state, strict=True)
+        self.weight_version = int(version)
+
     def _build(self, hf: Mapping[str, torch.Tensor]):
         from rlkernel.integrations.megatron_convert import hf_to_megatron
         from rlkernel.integrations.megatron_spec import build_model
