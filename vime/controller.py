@@ -47,7 +47,7 @@ def train(cfg: VimeConfig, config_dict: dict) -> Path:
             cmp = comparability(records, batch, scored_version, version)
             stats = compare_logprobs([r.rollout_logprobs for r in records], train_lp) if cmp["comparable"] else _not_compared()
             t2 = time.perf_counter()
-            old = batch.rollout_logprobs if cfg.algorithm.use_rollout_logprobs else [torch.from_numpy(x) for x in train_lp]
+            old = batch.rollout_logprobs if cfg.algorithm.use_rollout_logprobs else [torch.from_numpy(x.copy()) for x in train_lp]
             batch.old_logprobs = old
             upd = trainer.call("update", batch)                                       # GRPO step
             t3 = time.perf_counter()
@@ -73,7 +73,7 @@ def comparability(records, batch: TrainBatch, scored_version: int, rollout_versi
         if seq != list(r.prompt_ids) + list(r.response_ids) or p != len(r.prompt_ids) or int(m.numel()) != len(r.response_ids):
             reasons.append(f"tokens/mask of {r.record_id}")
             break
-    return {"comparable": not reasons, "reasons": reasons}
+    return {"comparable": not reasons, "reasons": reasons, "scored_weight_version": scored_version}
 
 
 def _not_compared() -> dict:
@@ -92,6 +92,7 @@ def _step_metrics(step, records, stats, cmp, upd, version, t) -> dict:
     tokens = sum(len(r.response_ids) for r in records)
     return {
         "step": step, **stats, "comparable": cmp["comparable"], "not_comparable_reasons": cmp["reasons"],
+        "scored_weight_version": cmp["scored_weight_version"],
         "weight_version": version, "rollout_weight_version": records[0].weight_versions[0] if records[0].weight_versions else version - 1,
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
         "kl": upd.get("kl", 0.0), "clip_fraction": upd.get("clip_fraction", 0.0), "entropy": upd.get("entropy", 0.0),
