@@ -112,47 +112,55 @@ def _native_attend(q, qpos, k, v, scale):
     return out.transpose(1, 2)
 
 
-def _pad_stack(chunks, length):
-    """Stack [len_i, ...] tensors into [B, length, ...], zero-padded."""
-    return torch.stack([F.pad(t, (0, 0) * (t.dim() - 1) + (0, length - t.shape[0])) for t in chunks])
+def _gather_padded(x: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width, ...]: rows starts[b] .. starts[b]+lens[b]-1 of x, exact zeros past lens[b]."""
+    j = torch.arange(width, device=x.device)
+    valid = j[None, :] < lens[:, None]
+    idx = torch.where(valid, starts[:, None] + j[None, :], starts[:, None].clamp(max=max(x.shape[0] - 1, 0)))
+    out = x[idx]
+    return torch.where(valid.reshape(*valid.shape, *([1] * (x.dim() - 1))), out, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _run_batched(attend, q, spans, keys, values, scale):
-    """spans: per request (q_lo, q_hi, first_query_position); keys/values: per request [L_i, Hkv, D]."""
-    live = [i for i, (lo, hi, _) in enumerate(spans) if hi > lo]
-    if not live:
+def _run_batched(attend, q, q_starts, q_lens, first_pos, keys, values, key_lens, scale):
+    """One batched core call for all requests; returns the real query rows in request order."""
+    keep = q_lens > 0
+    if not bool(keep.any()):
         return q.new_zeros(q.shape)
-    n = max(spans[i][1] - spans[i][0] for i in live)
-    L = max(keys[i].shape[0] for i in live)
-    qb = _pad_stack([q[spans[i][0]:spans[i][1]] for i in live], n)
-    # padded query rows sit at position 0: finite, and discarded below
-    qpos = torch.stack([F.pad(torch.arange(spans[i][2], spans[i][2] + spans[i][1] - spans[i][0], device=q.device),
-                              (0, n - (spans[i][1] - spans[i][0]))) for i in live])
-    out = attend(qb, qpos, _pad_stack([keys[i] for i in live], L), _pad_stack([values[i] for i in live], L), scale)
-    return torch.cat([out[j, : spans[i][1] - spans[i][0]] for j, i in enumerate(live)])
+    q_starts, q_lens, first_pos, keys, values, key_lens = (t[keep] for t in (q_starts, q_lens, first_pos, keys, values, key_lens))
+    n = int(q_lens.max())
+    j = torch.arange(n, device=q.device)
+    real = j[None, :] < q_lens[:, None]
+    qb = _gather_padded(q, q_starts, q_lens, n)
+    qpos = torch.where(real, first_pos[:, None] + j[None, :], torch.zeros_like(j)[None, :])  # padded rows: position 0, discarded
+    L = int(key_lens.max())
+    return attend(qb, qpos, keys[:, :L], values[:, :L], scale)[real]
 
 
 def _varlen(attend, q, k, v, cu_seqlens, scale):
-    cu = cu_seqlens.tolist()
-    spans = [(cu[b], cu[b + 1], 0) for b in range(len(cu) - 1)]
-    keys = [k[lo:hi] for lo, hi, _ in spans]
-    values = [v[lo:hi] for lo, hi, _ in spans]
-    return _run_batched(attend, q, spans, keys, values, scale)
+    cu = cu_seqlens.to(q.device).long()
+    starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    width = int(lens.max()) if lens.numel() else 0
+    keys, values = _gather_padded(k, starts, lens, width), _gather_padded(v, starts, lens, width)
+    return _run_batched(attend, q, starts, lens, torch.zeros_like(lens), keys, values, lens, scale)
 
 
 def _paged(attend, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
     block = k_cache.shape[1]
-    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-    spans, keys, values = [], [], []
-    for b, L in enumerate(lens):
-        lo, hi = qsl[b], qsl[b + 1]
-        if hi - lo > L:
-            raise ValueError(f"attention_paged: request {b} has {hi - lo} queries but only {L} tokens")
-        blocks = block_tables[b, : -(-L // block)].long()
-        keys.append(k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:L])
-        values.append(v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:L])
-        spans.append((lo, hi, L - (hi - lo)))
-    return _run_batched(attend, q, spans, keys, values, scale)
+    lens = seq_lens.to(q.device).long()
+    qsl = query_start_loc.to(q.device).long()
+    q_lens = qsl[1:] - qsl[:-1]
+    bad = (q_lens > lens).nonzero()
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(f"attention_paged: request {b} has {int(q_lens[b])} queries but only {int(lens[b])} tokens")
+    width = int(lens.max()) if lens.numel() else 0
+    nblk = -(-width // block)
+    blocks = block_tables[: lens.shape[0], :nblk].long()
+    valid = (torch.arange(nblk * block, device=q.device)[None, :] < lens[:, None]).reshape(*lens.shape, nblk * block, 1, 1)
+    zero = torch.zeros((), dtype=k_cache.dtype, device=q.device)
+    keys = torch.where(valid, k_cache[blocks].reshape(lens.shape[0], nblk * block, *k_cache.shape[2:]), zero)
+    values = torch.where(valid, v_cache[blocks].reshape(lens.shape[0], nblk * block, *v_cache.shape[2:]), zero)
+    return _run_batched(attend, q, qsl[:-1], q_lens, lens - q_lens, keys, values, lens, scale)
 
 
 def _impl(attend):

@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Rollout throughput: vLLM with the rlkernel strict plugin vs stock vLLM-CPU, same prompts.
+
+One script; each engine runs in its own subprocess (vLLM reads its plugin list and env at
+import, so one engine per process), the parent prints both figures and the ratio
+strict/stock (tokens/s), plus a JSON line. Greedy-free sampling at T=1, ignore nothing:
+both engines get identical prompts and max_tokens. Warm-up generate first, then timed runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+
+def worker(args) -> None:
+    import random
+
+    from vime.records import SamplingSpec
+    from vime.rollout import RolloutConfig, VLLMRollout
+
+    engine = "rlkernel" if args.worker == "strict" else "stock"
+    eng = VLLMRollout(RolloutConfig(model=args.model, engine=engine, mode="strict" if engine == "rlkernel" else "native", dtype=args.dtype,
+                                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=32,
+                                    max_model_len=args.prompt_len + args.max_tokens + 8))
+    rng = random.Random(0)
+    vocab = eng.llm.llm_engine.model_config.get_vocab_size()
+    prompts = [[rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+    spec = SamplingSpec(max_tokens=args.max_tokens)
+    eng.generate(prompts[:2], spec)  # warm-up
+    best = None
+    for _ in range(args.repeat):
+        eng.llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        out = eng.generate(prompts, spec)
+        dt = time.perf_counter() - t0
+        toks = sum(len(c.response_ids) for c in out)
+        best = max(best or 0.0, toks / dt)
+    print(json.dumps({"engine": args.worker, "tokens_per_second": best, "tokens": toks}))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--worker", choices=["strict", "stock"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    res = {}
+    for w in ("stock", "strict"):
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", w]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        res[w] = json.loads(out)["tokens_per_second"]
+        print(f"{w:>6}: {res[w]:8.1f} tokens/s", flush=True)
+    ratio = res["strict"] / res["stock"]
+    print(f"strict/stock = {ratio:.2f}x")
+    print(json.dumps({"model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+                      "stock_tokens_per_second": res["stock"], "strict_tokens_per_second": res["strict"], "ratio": round(ratio, 3)}))
+
+
+if __name__ == "__main__":
+    main()
