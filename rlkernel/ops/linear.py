@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .. import dispatch
 from ..contract import Contract
-from ..primitives import TILE_ROWS, tile_matmul, tree_sum
+from ..primitives import CUDA_BLOCK_ROWS, TILE_ROWS, tile_matmul, tree_sum
 
 # Narrow weights are zero-padded to this many output columns (see _linear_reference).
 MIN_COLS = 16
@@ -23,7 +23,8 @@ REFERENCE = Contract(
     op="linear",
     backend="reference",
     domain="K",
-    partition=(("m_tile", TILE_ROWS), ("n", f"whole weight, >= {16} columns"), ("split_k", 1), ("k_segments", "caller, equal, default 1")),
+    partition=(("m_tile", f"{TILE_ROWS} rows per batched-GEMM problem on CPU; {CUDA_BLOCK_ROWS}-row plain GEMMs on CUDA"),
+               ("n", f"whole weight, >= {16} columns"), ("split_k", 1), ("k_segments", "caller, equal, default 1")),
     merge="BLAS order inside one fixed [16,K/s]x[K/s,N] fp32 tile; segment partials by balanced binary tree",
     precision=(("input", "x.dtype"), ("accumulate", "float32"), ("partials", "float32"), ("output", "x.dtype")),
     rounding=("operands widened to float32 exactly", "bias added in float32", "one cast to x.dtype at the end"),
