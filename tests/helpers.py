@@ -39,3 +39,52 @@ def threads(n: int):
         yield
     finally:
         torch.set_num_threads(old)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank, world, port, outdir, body, args):
+    import os
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+        torch.save(body(rank, *args), os.path.join(outdir, f"rank{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_gloo_ranks(world: int, body, args: tuple, outdir: str, timeout: float = 240) -> list:
+    """Spawn `world` gloo processes on a free local port; rank r returns body(r, *args)
+    (a module-level function); returns the per-rank results, or fails with a rank's traceback."""
+    import multiprocessing as mp
+    import os
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, world, port, outdir, body, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            p.kill()
+    for r, p in enumerate(procs):
+        err = os.path.join(outdir, f"rank{r}.err")
+        assert p.exitcode == 0, f"rank {r} exit {p.exitcode}\n" + (open(err).read() if os.path.exists(err) else "")
+    return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]

@@ -25,11 +25,7 @@ Claims (every bitwise one asserted with torch.equal):
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
-import socket
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
@@ -39,6 +35,7 @@ import rlkernel
 from rlkernel import collectives as C
 from rlkernel.contract import diff
 from rlkernel.ops import logprob as LP
+from helpers import run_gloo_ranks
 
 S = 8  # canonical segments, fixed; each rank owns S // world of them
 WORLDS = (2, 4)  # process-group sizes under test (see _worker)
@@ -113,47 +110,16 @@ def _run_group(group) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, outdir: str) -> None:
+def _ranks_body(rank: int) -> dict:
     """One of 4 gloo ranks: world 4 is the default group, world 2 is two pair groups {0, 1} and {2, 3}."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=4, timeout=timedelta(seconds=60))
-        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in the same order
-        out = {4: _run_group(None), 2: _run_group(pairs[rank // 2])}
-        torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in the same order
+    return {4: _run_group(None), 2: _run_group(pairs[rank // 2])}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, list[dict]]:
     """{world: per-rank results}; world 2 lists both pair groups' ranks (group rank in res["rank"])."""
-    outdir = str(tmp_path_factory.mktemp("gloo"))
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, outdir)) for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=180)
-        if p.is_alive():
-            p.kill()
-    for r, p in enumerate(procs):
-        err = os.path.join(outdir, f"rank{r}.err")
-        assert p.exitcode == 0, f"rank {r} exit {p.exitcode}\n" + (open(err).read() if os.path.exists(err) else "")
-    per_rank = [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(4)]
+    per_rank = run_gloo_ranks(4, _ranks_body, (), str(tmp_path_factory.mktemp("gloo")), timeout=180)
     return {w: [res[w] for res in per_rank] for w in WORLDS}
 
 

@@ -17,11 +17,7 @@
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import socket
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
@@ -31,6 +27,7 @@ from rlkernel.models import StrictDecoder
 from vime.batch import TrainBatch
 from vime.tiny_model import make_tiny_checkpoint
 from vime.trainer import MegatronTrainer, TrainerConfig
+from helpers import run_gloo_ranks
 
 CASES = {  # name -> (checkpoint kwargs, dtypes scored)
     "qwen3-tied": (dict(arch="qwen3", tie_word_embeddings=True), ("float32", "bfloat16")),
@@ -69,25 +66,8 @@ def _runs(checkpoints: dict, tp: int) -> dict:
     return out
 
 
-def _worker(rank: int, port: int, outdir: str, checkpoints: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
-        torch.save(_runs(checkpoints, tp=2), os.path.join(outdir, f"rank{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _tp2_body(rank: int, checkpoints: dict) -> dict:
+    return _runs(checkpoints, tp=2)
 
 
 @pytest.fixture(scope="module")
@@ -98,19 +78,7 @@ def checkpoints(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def tp2(checkpoints, tmp_path_factory) -> list[dict]:
-    outdir = str(tmp_path_factory.mktemp("tp2"))
-    ctx, port = mp.get_context("spawn"), _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, outdir, checkpoints)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-        if p.is_alive():
-            p.kill()
-    for r, p in enumerate(procs):
-        err = os.path.join(outdir, f"rank{r}.err")
-        assert p.exitcode == 0, f"rank {r} exit {p.exitcode}\n" + (open(err).read() if os.path.exists(err) else "")
-    return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(2)]
+    return run_gloo_ranks(2, _tp2_body, (checkpoints,), str(tmp_path_factory.mktemp("tp2")))
 
 
 @pytest.fixture(scope="module")
