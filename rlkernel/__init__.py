@@ -9,7 +9,7 @@ from .contract import Contract, FieldDiff, diff
 from .dispatch import OPS, BackendUnavailable, ExecutionPolicy, ProvenanceRecord, contract_for, current_policy, mode, record_provenance
 from .ops.attention import ATTN_CHUNK, attention_paged, attention_varlen, write_kv_cache
 from .ops.linear import linear
-from .ops.logprob import VOCAB_TILE, linear_logprob, linear_logprobs_full
+from .ops.logprob import VOCAB_TILE, linear_entropy, linear_logprob, linear_logprobs_full
 from .ops.norm import rms_norm
 from .ops.rope import rope, rope_table
 from .ops.swiglu import swiglu
@@ -34,6 +34,7 @@ __all__ = [
     "current_policy",
     "diff",
     "linear",
+    "linear_entropy",
     "linear_logprob",
     "linear_logprobs_full",
     "mode",

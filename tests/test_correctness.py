@@ -54,7 +54,7 @@ def _grads(fn, *inputs):
     return out.detach(), [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("case", ["linear", "rms_norm", "swiglu", "rope", "attention", "linear_logprob"])
+@pytest.mark.parametrize("case", ["linear", "rms_norm", "swiglu", "rope", "attention", "linear_logprob", "linear_entropy"])
 def test_gradients_match_native_autograd(case):
     g = torch.Generator().manual_seed(1)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
@@ -70,6 +70,8 @@ def test_gradients_match_native_autograd(case):
     elif case == "attention":
         cu = torch.tensor([0, 40, 45, 80])
         args, fn = (r(80, 4, 16), r(80, 2, 16), r(80, 2, 16)), lambda mode: (lambda q, k, v: rk.attention_varlen(q, k, v, cu, backend=mode))
+    elif case == "linear_entropy":
+        args, fn = (r(33, 24), r(1100, 24) * 0.5), lambda mode: (lambda h, w: rk.linear_entropy(h, w, 0.8, vocab_size=1050, backend=mode))
     else:
         t = torch.randint(0, 600, (33,), generator=g)
         args, fn = (r(33, 24), r(640, 24)), lambda mode: (lambda h, w: rk.linear_logprob(h, w, t, 0.8, vocab_size=600, backend=mode))

@@ -95,8 +95,9 @@ def _step_metrics(step, records, stats, cmp, upd, version, t) -> dict:
         "scored_weight_version": cmp["scored_weight_version"],
         "weight_version": version, "rollout_weight_version": records[0].weight_versions[0] if records[0].weight_versions else version - 1,
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-        "kl": upd.get("kl", 0.0), "clip_fraction": upd.get("clip_fraction", 0.0), "entropy": upd.get("entropy", 0.0),
-        "loss": upd.get("loss", 0.0), "grad_norm": upd.get("grad_norm", 0.0), "response_tokens": tokens,
+        # kl: to the reference policy (None without one); entropy: None where the head cannot compute it (tp > 1)
+        "kl": upd.get("kl"), "approx_kl_old": upd["approx_kl_old"], "clip_fraction": upd["clip_fraction"], "entropy": upd.get("entropy"),
+        "loss": upd["loss"], "grad_norm": upd["grad_norm"], "response_tokens": tokens,
         "time_rollout": t[1] - t[0], "time_score": t[2] - t[1], "time_update": t[3] - t[2], "time_sync": t[4] - t[3],
         "time_step": t[4] - t[0], "tokens_per_second": tokens / max(t[4] - t[0], 1e-9),
     }

@@ -80,8 +80,8 @@ class TrainerConfig:
             raise ValueError(f"device must be cpu|cuda and dtype float32|bfloat16, got {self.device!r}, {self.dtype!r}")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError("grad_clip must be > 0 or None")
-        if self.grpo.entropy_coef:
-            raise ValueError("entropy_coef > 0 needs full-vocab entropy, which the logprob head does not compute (yet)")
+        if self.grpo.entropy_coef and self.tp > 1:
+            raise ValueError("entropy_coef > 0 needs the full-vocab entropy, implemented for tp=1 only (the vocab-parallel head has none yet)")
 
 
 def _free_port() -> int:
@@ -226,13 +226,18 @@ class MegatronTrainer:
         if self.model is None:
             raise RuntimeError("MegatronTrainer: call load_hf(path) first")
 
-    def _response_logprobs(self, model, batch: TrainBatch) -> list[torch.Tensor]:
+    def _response_logprobs(self, model, batch: TrainBatch, entropy: bool = False):
+        """Per-sample logprobs of response tokens; with entropy=True also the flat [R] entropy
+        of the policy at those positions (tp=1: the strict tile-by-tile linear_entropy)."""
         ids, cu = pack_sequences(batch.sequences, self.config.device)
         rows = torch.cat([torch.arange(s + p - 1, s + len(q) - 1) for s, p, q in zip(cu.tolist(), batch.prompt_lens, batch.sequences)])
         rows = rows.to(ids.device)
         hidden = model.hidden_states(ids, cu)
-        lp = model.logprobs(hidden[rows], ids[rows + 1], batch.temperature)
-        return list(lp.float().split(batch.response_lens))
+        lp = list(model.logprobs(hidden[rows], ids[rows + 1], batch.temperature).float().split(batch.response_lens))
+        if not entropy:
+            return lp
+        ent = rk.linear_entropy(hidden[rows], model.output_weight, batch.temperature, vocab_size=self.spec.decoder.vocab_size)
+        return lp, ent
 
     def score(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Per sample, float32 log p(response token | prefix) at batch.temperature, under the current weights."""
@@ -256,7 +261,14 @@ class MegatronTrainer:
             if self._ddp is not None:
                 self._ddp.zero_grad_buffer()
             self.optimizer.zero_grad(set_to_none=True)
-            lp = torch.cat(self._response_logprobs(self.model, batch))
+            entropy = None
+            if self.config.tp == 1:  # the bonus needs its gradient; the metric is free of it
+                lps, entropy = self._response_logprobs(self.model, batch, entropy=True)
+                lp = torch.cat(lps)
+                if not g.entropy_coef:
+                    entropy = entropy.detach()
+            else:
+                lp = torch.cat(self._response_logprobs(self.model, batch))
             old = torch.cat(batch.old_logprobs).to(dev) if batch.old_logprobs is not None else lp.detach()
             ref = roll = None
             if g.kl_coef:
@@ -266,7 +278,7 @@ class MegatronTrainer:
                 if batch.rollout_logprobs is None:
                     raise ValueError("update: tis_cap is set but the batch has no rollout_logprobs")
                 roll = torch.cat(batch.rollout_logprobs).to(dev)
-            loss, metrics = grpo_loss(lp, old, adv, mask, g, ref_logprobs=ref, rollout_logprobs=roll)
+            loss, metrics = grpo_loss(lp, old, adv, mask, g, ref_logprobs=ref, rollout_logprobs=roll, entropy=entropy)
             loss.backward()
             grad_norm = self._cuda_step() if self._ddp is not None else self._cpu_step()
         self.weight_version += 1

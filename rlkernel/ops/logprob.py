@@ -145,10 +145,54 @@ def _full(h32, weight, temperature, vocab_size):
     return torch.cat([(z - m[:, None]) - log_l[:, None] for z in zs], dim=-1)
 
 
+def _lse(h32, weight, temperature, vocab_size):
+    ms, ls = [], []
+    for lo, hi in _tiles(vocab_size):
+        z = tile_logits(h32, weight, lo, hi, temperature)
+        m = z.amax(dim=-1)
+        ms.append(m)
+        ls.append(tree_sum(strict_exp(z - m[:, None]), dim=-1))
+    m, l = tree_merge_ml(ms, ls)
+    return m + strict_log(l)
+
+
+class _LinearEntropy(torch.autograd.Function):
+    """H = lse - sum_j p_j z_j over the true vocab, tile by tile (never the whole logits);
+    dH/dz_j = -p_j (z_j - sum_i p_i z_i)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, temperature, vocab_size):
+        h32 = hidden.float()
+        lse = _lse(h32, weight, temperature, vocab_size)
+        parts = [tree_sum(strict_exp(z - lse[:, None]) * z, dim=-1)
+                 for z in (tile_logits(h32, weight, lo, hi, temperature) for lo, hi in _tiles(vocab_size))]
+        mean_z = tree_sum(torch.stack(parts, dim=-1), dim=-1)
+        ctx.save_for_backward(hidden, weight, lse, mean_z)
+        ctx.temperature, ctx.vocab_size = temperature, vocab_size
+        return lse - mean_z
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden, weight, lse, mean_z = ctx.saved_tensors
+        t, h32 = ctx.temperature, hidden.float()
+        gh = torch.zeros_like(h32) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for lo, hi in _tiles(ctx.vocab_size):
+            z = tile_logits(h32, weight, lo, hi, t)
+            gz = -strict_exp(z - lse[:, None]) * (z - mean_z[:, None]) * g.float()[:, None] / t
+            if gh is not None:
+                gh = gh + tile_matmul(gz, weight[lo:hi].float())
+            if gw is not None:
+                gw[lo:hi] = tile_matmul(gz.t(), h32)
+        return (gh.to(hidden.dtype) if gh is not None else None, gw.to(weight.dtype) if gw is not None else None, None, None)
+
+
 @dispatch.register("linear_logprob", "reference", REFERENCE)
 def _linear_logprob_reference(kind, hidden, weight, targets, temperature, vocab_size):
     if kind == "full":
         return _full(hidden.float(), weight, temperature, vocab_size)
+    if kind == "entropy":
+        return _LinearEntropy.apply(hidden, weight, temperature, vocab_size)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearLogprob.apply(hidden, weight, targets, temperature, vocab_size)
     return _forward(hidden.float(), weight, targets, temperature, vocab_size)[0]
@@ -158,6 +202,8 @@ def _linear_logprob_reference(kind, hidden, weight, targets, temperature, vocab_
 def _linear_logprob_native(kind, hidden, weight, targets, temperature, vocab_size):
     logits = torch.nn.functional.linear(hidden, weight[:vocab_size]).float() / temperature
     lp = torch.log_softmax(logits, dim=-1)
+    if kind == "entropy":
+        return -(lp.exp() * lp).sum(-1)
     return lp if kind == "full" else lp.gather(1, targets[:, None])[:, 0]
 
 
@@ -191,3 +237,12 @@ def linear_logprobs_full(hidden: torch.Tensor, weight: torch.Tensor, temperature
     if not temperature > 0:
         raise ValueError(f"linear_logprobs_full: temperature must be > 0, got {temperature}")
     return dispatch.call("linear_logprob", backend, (hidden, weight), "full", hidden, weight, None, float(temperature), vocab_size)
+
+
+def linear_entropy(hidden: torch.Tensor, weight: torch.Tensor, temperature: float = 1.0, *, vocab_size: int | None = None, backend: str | None = None) -> torch.Tensor:
+    """float32 [T] entropy of softmax(hidden @ weight[:vocab_size].T / temperature), differentiable,
+    computed tile by tile under the linear-logprob contract (for the GRPO entropy bonus and metrics)."""
+    vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    if hidden.dim() != 2 or weight.shape[1] != hidden.shape[1] or not 0 < vocab_size <= weight.shape[0]:
+        raise ValueError(f"linear_entropy: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, vocab_size {vocab_size}")
+    return dispatch.call("linear_logprob", backend, (hidden, weight), "entropy", hidden, weight, None, float(temperature), vocab_size)
