@@ -57,3 +57,14 @@ def test_native_loop_mismatches(tmp):
     rows = _train(tmp, tmp / "native", "trainer.total_steps=3", "rlkernel.mode=native")
     assert all(m["comparable"] and m["compared_tokens"] > 0 for m in rows)
     assert sum(m["mismatch_count"] > 0 for m in rows) >= 2
+
+
+def test_inprocess_executor_and_plot(tmp):
+    """The same roles without Ray (debugging executor), then `vime plot` draws the curves."""
+    out = tmp / "inprocess"
+    rows = _train(tmp, out, "trainer.total_steps=2", "run.executor=inprocess", "logging.wandb=false")
+    assert [m["mismatch_count"] for m in rows] == [0, 0] and all(m["compared_tokens"] > 0 for m in rows)
+    proc = subprocess.run([sys.executable, "-m", "vime.cli", "plot", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    png = out / "curves.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
