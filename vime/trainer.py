@@ -287,7 +287,7 @@ class MegatronTrainer:
 
     def _make_optimizer(self) -> None:
         c = self.config
-        if c.device == "cuda":  # UNTESTED here: Megatron DDP + distributed optimizer
+        if c.device == "cuda":  # Megatron DDP + distributed optimizer (run on one H200: benchmarks/h200_trainer_check.json)
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
