@@ -56,9 +56,29 @@ def _pow2i(n: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+def _exp_inplace(x: torch.Tensor) -> torch.Tensor:
+    """strict_exp without autograd: the same operations in the same order, on few buffers
+    (every op is correctly rounded, so in-place or not gives the same bits; tested)."""
+    r = torch.clamp(x, _EXP_MIN, _EXP_MAX)
+    n = torch.mul(r, _LOG2E).round_()
+    t = torch.mul(n, _LN2_HI)
+    r.sub_(t)
+    r.sub_(t.copy_(n).mul_(_LN2_LO))
+    p = torch.mul(r, _EXP_C[-1]).add_(_EXP_C[-2])
+    for c in reversed(_EXP_C[:-2]):
+        p.mul_(r).add_(c)
+    n1 = t.copy_(n).mul_(0.5).floor_()
+    p.mul_(_pow2i(n1)).mul_(_pow2i(n.sub_(n1)))
+    p.masked_fill_(x < _EXP_MIN, 0.0)
+    p.masked_fill_(x > _EXP_MAX, math.inf)
+    return torch.where(torch.isnan(x), x, p)
+
+
 def strict_exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x) in float32 from range reduction + Horner; exp(0) == 1 and exp(-inf) == 0 exactly."""
     x = x.float()
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return _exp_inplace(x)
     xc = torch.clamp(x, _EXP_MIN, _EXP_MAX)
     n = torch.round(xc * _LOG2E)
     r = (xc - n * _LN2_HI) - n * _LN2_LO
@@ -107,6 +127,9 @@ def strict_rsqrt(x: torch.Tensor) -> torch.Tensor:
 def strict_silu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(x) as x / (1 + exp(-x)), float32."""
     x = x.float()
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        d = strict_exp(torch.neg(x)).add_(1.0)
+        return torch.div(x, d, out=d)
     return x / (1.0 + strict_exp(-x))
 
 

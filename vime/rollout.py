@@ -104,6 +104,10 @@ class VLLMRollout:
         os.environ.update(env)
         from vllm import LLM
 
+        from rlkernel.runtime import tune_cpu_allocator
+
+        allocator = tune_cpu_allocator()
+
         args = dict(
             model=c.model, dtype=c.dtype, seed=c.seed, enforce_eager=True, max_model_len=c.max_model_len,
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, block_size=c.block_size,
@@ -119,7 +123,7 @@ class VLLMRollout:
             args.update(logprobs_mode="processed_logprobs")
         t0 = time.perf_counter()
         self.llm = LLM(**args)
-        self.provenance = _Provenance(env=env, engine_args={k: v for k, v in args.items() if k != "additional_config"} | {"rlkernel": asdict(c)},
+        self.provenance = _Provenance(env=env, engine_args={k: v for k, v in args.items() if k != "additional_config"} | {"rlkernel": asdict(c), "allocator": allocator},
                                       start_seconds=time.perf_counter() - t0)
         self.weight_version = 0
         self.tokenizer = self.llm.get_tokenizer()
