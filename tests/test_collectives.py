@@ -25,7 +25,6 @@ Claims (every bitwise one asserted with torch.equal):
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch

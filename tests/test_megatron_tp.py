@@ -21,7 +21,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlkernel.models import StrictDecoder
 from vime.batch import TrainBatch

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 def _selfcheck(args) -> int:
     from .selfcheck import run_selfcheck

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np

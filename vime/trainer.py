@@ -96,7 +96,7 @@ class MegatronTrainer:
     def __init__(self, config: TrainerConfig):
         from megatron.core import parallel_state
 
-        self.config = c = config
+        self.config = config
         self._ps = parallel_state
         if parallel_state.model_parallel_is_initialized():
             raise RuntimeError("MegatronTrainer: megatron parallel_state is already initialised in this process")

@@ -15,7 +15,6 @@ a CUDA metadata base class: that arrives with the Triton backend (untested here)
 """
 from __future__ import annotations
 
-import torch
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.cpu_attn import (
