@@ -98,6 +98,21 @@ def _forward(h32, weight, targets, temperature, vocab_size):
     return (zt - m) - strict_log(l), m, l
 
 
+def _tiled_backward(ctx, hidden, weight, grad_z):
+    """Gradients of hidden and weight from dL/dz, one vocab tile at a time in fixed order
+    (a deterministic sum; the tile's logits are recomputed, never stored). dz/dlogits = 1/T."""
+    t, h32 = ctx.temperature, hidden.float()
+    gh = torch.zeros_like(h32) if ctx.needs_input_grad[0] else None
+    gw = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+    for lo, hi in _tiles(ctx.vocab_size):
+        gz = grad_z(tile_logits(h32, weight, lo, hi, t), lo, hi) / t
+        if gh is not None:
+            gh = gh + tile_matmul(gz, weight[lo:hi].float())
+        if gw is not None:
+            gw[lo:hi] = tile_matmul(gz.t(), h32)
+    return (gh.to(hidden.dtype) if gh is not None else None, gw.to(weight.dtype) if gw is not None else None)
+
+
 class _LinearLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, vocab_size):
@@ -110,48 +125,42 @@ class _LinearLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         hidden, weight, targets, lse = ctx.saved_tensors
-        t, h32 = ctx.temperature, hidden.float()
-        gh = torch.zeros_like(h32) if ctx.needs_input_grad[0] else None
-        gw = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         g = g.float()
-        for lo, hi in _tiles(ctx.vocab_size):  # fixed tile order: a deterministic sum
-            z = tile_logits(h32, weight, lo, hi, t)
-            # d lp / d z_j = onehot_j - softmax_j; d z / d logits = 1 / t
+
+        def grad_z(z, lo, hi):
+            # d lp / d z_j = onehot_j - softmax_j
             gz = -strict_exp(z - lse[:, None])
             own = (targets >= lo) & (targets < hi)
             rows = own.nonzero()[:, 0]
             gz[rows, targets[rows] - lo] += 1.0
-            gz = gz * g[:, None] / t
-            if gh is not None:
-                gh = gh + tile_matmul(gz, weight[lo:hi].float())
-            if gw is not None:
-                gw[lo:hi] = tile_matmul(gz.t(), h32)
-        return (gh.to(hidden.dtype) if gh is not None else None, gw.to(weight.dtype) if gw is not None else None, None, None, None)
+            return gz * g[:, None]
+
+        return (*_tiled_backward(ctx, hidden, weight, grad_z), None, None, None)
 
 
-def _full(h32, weight, temperature, vocab_size):
-    """Every vocab entry's logprob, each bitwise equal to the targeted op's value for it:
-    the same tile GEMMs, the same (m, l) tree, the same final formula."""
-    tiles = _tiles(vocab_size)
+def _tile_ml(h32, weight, temperature, vocab_size):
+    """Per tile: its logits z, max m and l = tree sum of exp(z - m) (shared by the full table and the lse)."""
     zs, ms, ls = [], [], []
-    for lo, hi in tiles:
+    for lo, hi in _tiles(vocab_size):
         z = tile_logits(h32, weight, lo, hi, temperature)
         m = z.amax(dim=-1)
         zs.append(z)
         ms.append(m)
         ls.append(tree_sum(strict_exp(z - m[:, None]), dim=-1))
+    return zs, ms, ls
+
+
+def _full(h32, weight, temperature, vocab_size):
+    """Every vocab entry's logprob, each bitwise equal to the targeted op's value for it:
+    the same tile GEMMs, the same (m, l) tree, the same final formula."""
+    zs, ms, ls = _tile_ml(h32, weight, temperature, vocab_size)
     m, l = tree_merge_ml(ms, ls)
     log_l = strict_log(l)
     return torch.cat([(z - m[:, None]) - log_l[:, None] for z in zs], dim=-1)
 
 
 def _lse(h32, weight, temperature, vocab_size):
-    ms, ls = [], []
-    for lo, hi in _tiles(vocab_size):
-        z = tile_logits(h32, weight, lo, hi, temperature)
-        m = z.amax(dim=-1)
-        ms.append(m)
-        ls.append(tree_sum(strict_exp(z - m[:, None]), dim=-1))
+    _, ms, ls = _tile_ml(h32, weight, temperature, vocab_size)
     m, l = tree_merge_ml(ms, ls)
     return m + strict_log(l)
 
@@ -174,17 +183,12 @@ class _LinearEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         hidden, weight, lse, mean_z = ctx.saved_tensors
-        t, h32 = ctx.temperature, hidden.float()
-        gh = torch.zeros_like(h32) if ctx.needs_input_grad[0] else None
-        gw = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        for lo, hi in _tiles(ctx.vocab_size):
-            z = tile_logits(h32, weight, lo, hi, t)
-            gz = -strict_exp(z - lse[:, None]) * (z - mean_z[:, None]) * g.float()[:, None] / t
-            if gh is not None:
-                gh = gh + tile_matmul(gz, weight[lo:hi].float())
-            if gw is not None:
-                gw[lo:hi] = tile_matmul(gz.t(), h32)
-        return (gh.to(hidden.dtype) if gh is not None else None, gw.to(weight.dtype) if gw is not None else None, None, None)
+        g = g.float()
+
+        def grad_z(z, lo, hi):
+            return -strict_exp(z - lse[:, None]) * (z - mean_z[:, None]) * g[:, None]
+
+        return (*_tiled_backward(ctx, hidden, weight, grad_z), None, None)
 
 
 @dispatch.register("linear_logprob", "reference", REFERENCE)
