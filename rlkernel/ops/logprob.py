@@ -138,13 +138,15 @@ class _LinearLogprob(torch.autograd.Function):
         return (*_tiled_backward(ctx, hidden, weight, grad_z), None, None, None)
 
 
-def _tile_ml(h32, weight, temperature, vocab_size):
-    """Per tile: its logits z, max m and l = tree sum of exp(z - m) (shared by the full table and the lse)."""
+def _tile_ml(h32, weight, temperature, vocab_size, keep_logits=True):
+    """Per tile: max m and l = tree sum of exp(z - m), and (keep_logits) its logits z —
+    shared by the full table and the lse (which keeps one tile of logits at a time)."""
     zs, ms, ls = [], [], []
     for lo, hi in _tiles(vocab_size):
         z = tile_logits(h32, weight, lo, hi, temperature)
         m = z.amax(dim=-1)
-        zs.append(z)
+        if keep_logits:
+            zs.append(z)
         ms.append(m)
         ls.append(tree_sum(strict_exp(z - m[:, None]), dim=-1))
     return zs, ms, ls
@@ -160,7 +162,7 @@ def _full(h32, weight, temperature, vocab_size):
 
 
 def _lse(h32, weight, temperature, vocab_size):
-    _, ms, ls = _tile_ml(h32, weight, temperature, vocab_size)
+    _, ms, ls = _tile_ml(h32, weight, temperature, vocab_size, keep_logits=False)
     m, l = tree_merge_ml(ms, ls)
     return m + strict_log(l)
 
