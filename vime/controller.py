@@ -39,19 +39,23 @@ def train(cfg: VimeConfig, config_dict: dict) -> Path:
         for step in range(start, cfg.trainer.total_steps):
             t0 = time.perf_counter()
             batch_prompts = rng_batch(prompts, step, cfg.data.prompts_per_step, cfg.run.seed)
+            sinks.phase("rollout")
             records = rollout.call("generate", step, batch_prompts, version)           # vLLM: tokens + rollout_lp + reward
             write_records(records, run_dir / "records" / f"step_{step:06d}.parquet")   # buffer: versioned, replayable
             t1 = time.perf_counter()
             batch = TrainBatch.from_records(records, advantages=_advantages(records, cfg))
+            sinks.phase("score")
             scored_version, train_lp = trainer.call("score", batch)                   # Megatron: old-policy logprobs
             cmp = comparability(records, batch, scored_version, version)
             stats = compare_logprobs([r.rollout_logprobs for r in records], train_lp) if cmp["comparable"] else _not_compared()
             t2 = time.perf_counter()
             old = batch.rollout_logprobs if cfg.algorithm.use_rollout_logprobs else [torch.from_numpy(x.copy()) for x in train_lp]
             batch.old_logprobs = old
+            sinks.phase("update")
             upd = trainer.call("update", batch)                                       # GRPO step
             t3 = time.perf_counter()
             version = upd["weight_version"]
+            sinks.phase("sync")
             rollout.call("update_weights", trainer.call("export_weights", version), version)  # sync: version v+1
             t4 = time.perf_counter()
             if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.trainer.total_steps:

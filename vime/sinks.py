@@ -25,7 +25,12 @@ class MetricSinks:
 
             self.wandb = wandb.init(project=cfg.logging.project, name=cfg.run.name, dir=str(run_dir), mode=cfg.logging.wandb_mode,
                                     config=config_dict, resume="allow", id=_run_id(run_dir))
-        self.bar = tqdm(total=total, initial=start, desc=f"{cfg.run.name} [{cfg.rlkernel.mode}]", unit="step", disable=not cfg.logging.progress)
+        self._desc = f"{cfg.run.name} [{cfg.rlkernel.mode}]"
+        self.bar = tqdm(total=total, initial=start, desc=self._desc, unit="step", disable=not cfg.logging.progress)
+
+    def phase(self, name: str) -> None:
+        """Show which phase of the step is running (rollout / score / update / sync)."""
+        self.bar.set_description_str(f"{self._desc} | {name}")
 
     def log(self, metrics: dict) -> None:
         with open(self.path, "a") as f:
