@@ -6,7 +6,7 @@ runs the production ops instead, for ablations and negative controls.
 """
 from .collectives import all_gather, canonical_tree_sum, native_all_reduce, tree_all_reduce, vocab_parallel_logprob
 from .contract import Contract, FieldDiff, diff
-from .dispatch import OPS, BackendUnavailable, ExecutionPolicy, ProvenanceRecord, contract_for, current_policy, mode, record_provenance
+from .dispatch import OPS, BackendUnavailable, ExecutionPolicy, ProvenanceCounter, ProvenanceRecord, contract_for, contracts_match, current_policy, mode, record_provenance
 from .ops.attention import ATTN_CHUNK, attention_paged, attention_varlen, write_kv_cache
 from .ops.linear import linear
 from .ops.logprob import VOCAB_TILE, linear_entropy, linear_logprob, linear_logprobs_full
@@ -22,7 +22,9 @@ __all__ = [
     "Contract",
     "ExecutionPolicy",
     "FieldDiff",
+    "ProvenanceCounter",
     "ProvenanceRecord",
+    "contracts_match",
     "all_gather",
     "attention_paged",
     "canonical_tree_sum",

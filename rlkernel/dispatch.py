@@ -32,6 +32,7 @@ __all__ = [
     "contract_for",
     "resolve",
     "record_provenance",
+    "ProvenanceCounter",
 ]
 
 # The op names the public API dispatches; recipes use the same names for
@@ -185,3 +186,36 @@ def call(op: str, backend: str | None, tensors: tuple, *args, **kwargs):
             )
         )
     return impl.fn(*args, **kwargs)
+
+
+class ProvenanceCounter:
+    """Aggregates ProvenanceRecords into per-op call counts by (backend, contract id): what an
+    engine archives per step without keeping every call."""
+
+    def __init__(self):
+        self.counts: dict[tuple[str, str, str, str], int] = {}
+
+    @contextlib.contextmanager
+    def collect(self) -> Iterator[None]:
+        with record_provenance() as recs:
+            try:
+                yield
+            finally:
+                for r in recs:
+                    key = (r.op, r.backend, r.contract_id, r.device)
+                    self.counts[key] = self.counts.get(key, 0) + 1
+
+    def take(self) -> dict[str, list[dict]]:
+        """{op: [{backend, contract_id, device, calls}, ...]} since the last take; resets."""
+        out: dict[str, list[dict]] = {}
+        for (op, backend, cid, device), n in sorted(self.counts.items()):
+            out.setdefault(op, []).append({"backend": backend, "contract_id": cid, "device": device, "calls": n})
+        self.counts = {}
+        return out
+
+
+def contracts_match(a: dict[str, list[dict]], b: dict[str, list[dict]]) -> tuple[bool, list[str]]:
+    """Whether every op both summaries used ran under the same contract ids; the ops that did not."""
+    differ = [op for op in sorted(set(a) & set(b))
+              if {e["contract_id"] for e in a[op]} != {e["contract_id"] for e in b[op]}]
+    return not differ, differ

@@ -95,3 +95,16 @@ def test_registry_rejects_mismatched_contracts():
         dispatch.register("linear", "reference2", c)
     with pytest.raises(ValueError):
         dispatch.register("softmax", "other", c)
+
+
+def test_provenance_counter_and_contract_match():
+    x, w = torch.randn(5, 8), torch.randn(3, 8)
+    a, b = rk.ProvenanceCounter(), rk.ProvenanceCounter()
+    with a.collect():
+        rk.linear(x, w)
+        rk.linear(x, w)
+    with b.collect(), rk.mode("native"):
+        rk.linear(x, w)
+    sa, sb = a.take(), b.take()
+    assert [(e["backend"], e["calls"]) for e in sa["linear"]] == [("reference", 2)] and a.take() == {}
+    assert rk.contracts_match(sa, sa) == (True, []) and rk.contracts_match(sa, sb) == (False, ["linear"])

@@ -2,7 +2,8 @@
 GRPO loop end to end. Strict: every step compares > 0 tokens, is comparable, and has
 mismatch_count == 0; metrics.jsonl, the wandb offline run and the Parquet records exist and
 agree; weight versions rise by one per step and every record's version is the version the
-trainer scored it with; a run resumed from its checkpoint continues the same step stream.
+trainer scored it with; both engines ran the same op contracts (per-step provenance); a run
+resumed from its checkpoint continues the same step stream.
 Native (rlkernel's native backend in both engines): mismatch_count > 0 on most steps."""
 import json
 import subprocess
@@ -45,6 +46,10 @@ def test_strict_loop_then_resume(tmp):
         assert len(recs) == 16 and all(set(r.weight_versions) == {m["step"]} for r in recs if r.weight_versions)
         assert sum(len(r.response_ids) for r in recs) == m["compared_tokens"] == m["response_tokens"]
         assert abs(sum(r.reward for r in recs) / len(recs) - m["reward_mean"]) < 1e-9
+        prov = json.loads((out / "provenance" / f"step_{m['step']:06d}.json").read_text())
+        assert m["contracts_match"] and prov["contracts_match"]
+        for side in ("rollout", "trainer"):  # both engines ran the strict contracts, and only those
+            assert {e["backend"] for op in ("attention", "linear_logprob", "rms_norm") for e in prov[side][op]} == {"reference"}
     wandb_runs = list((out / "wandb").glob("offline-run-*"))
     assert wandb_runs and (out / "provenance.json").exists() and (out / "checkpoints" / "latest").read_text() == "step_000003"
     prov = json.loads((out / "provenance.json").read_text())
@@ -55,7 +60,9 @@ def test_strict_loop_then_resume(tmp):
 
 def test_native_loop_mismatches(tmp):
     rows = _train(tmp, tmp / "native", "trainer.total_steps=3", "rlkernel.mode=native")
-    assert all(m["comparable"] and m["compared_tokens"] > 0 for m in rows)
+    assert all(m["comparable"] and m["compared_tokens"] > 0 and m["contracts_match"] for m in rows)
+    prov = json.loads((tmp / "native" / "provenance" / "step_000000.json").read_text())
+    assert {e["backend"] for side in ("rollout", "trainer") for e in prov[side]["attention"]} == {"native"}
     assert sum(m["mismatch_count"] > 0 for m in rows) >= 2
 
 

@@ -58,9 +58,10 @@ def train(cfg: VimeConfig, config_dict: dict) -> Path:
             sinks.phase("sync")
             rollout.call("update_weights", trainer.call("export_weights", version), version)  # sync: version v+1
             t4 = time.perf_counter()
+            ops = _archive_provenance(run_dir, step, rollout, trainer)
             if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.trainer.total_steps:
                 save_checkpoint(run_dir, step + 1, version, trainer, records)
-            sinks.log(_step_metrics(step, records, stats, cmp, upd, version, (t0, t1, t2, t3, t4)))
+            sinks.log(_step_metrics(step, records, stats, cmp, upd, version, (t0, t1, t2, t3, t4)) | ops)
     finally:
         sinks.close()
         executor.shutdown()
@@ -78,6 +79,19 @@ def comparability(records, batch: TrainBatch, scored_version: int, rollout_versi
             reasons.append(f"tokens/mask of {r.record_id}")
             break
     return {"comparable": not reasons, "reasons": reasons, "scored_weight_version": scored_version}
+
+
+def _archive_provenance(run_dir: Path, step: int, rollout, trainer) -> dict:
+    """provenance/step_N.json: the rlkernel ops each engine ran this step (backend, contract id,
+    calls); returns whether every op both engines ran used the same contract (ΔC empty)."""
+    from rlkernel import contracts_match
+
+    both = {"rollout": rollout.call("take_provenance"), "trainer": trainer.call("take_provenance")}
+    ok, differ = contracts_match(both["rollout"], both["trainer"])
+    path = run_dir / "provenance" / f"step_{step:06d}.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(both | {"contracts_match": ok, "contracts_differ": differ}))
+    return {"contracts_match": ok, "contracts_differ": differ}
 
 
 def _not_compared() -> dict:

@@ -74,6 +74,10 @@ class RolloutRole:
         self.engine.update_weights(tensors, version)
         return self.engine.weight_version
 
+    def take_provenance(self) -> dict:
+        """rlkernel op calls inside the engine since the last take (model forward + logprobs)."""
+        return self.engine.llm.collective_rpc("rlkernel_take_provenance")[0]
+
     def set_weight_version(self, version: int) -> None:
         """After a resume: the engine was built from checkpoint weights of this version."""
         self.engine.weight_version = int(version)
@@ -116,6 +120,9 @@ class TrainerRole:
 
     def export_weights(self, version: int) -> dict:
         return self.trainer.export_weights(version)
+
+    def take_provenance(self) -> dict:
+        return self.trainer.take_provenance()
 
     def state(self) -> dict:
         """Trainer state a checkpoint needs besides the weights: optimizer, RNG, version."""

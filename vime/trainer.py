@@ -109,6 +109,7 @@ class MegatronTrainer:
             raise
         self.model = self.ref_model = self.spec = None
         self.weight_version = 0
+        self.op_provenance = rk.ProvenanceCounter()  # rlkernel calls of score/update, taken per step
         self._qk_norms: list[torch.nn.Parameter] = []
         self._ddp = self.optimizer = None
         self.provenance = self._provenance()
@@ -211,6 +212,10 @@ class MegatronTrainer:
         model.load_state_dict(hf_to_megatron(hf, self.spec, self.tp_group.rank()), strict=True)
         return model.to(self.config.device)
 
+    def take_provenance(self) -> dict:
+        """rlkernel op calls since the last take: {op: [{backend, contract_id, device, calls}]}."""
+        return self.op_provenance.take()
+
     def export_weights(self, version: int) -> dict[str, torch.Tensor]:
         """Full HF-named state dict (gathered over TP, vocab padding dropped) of weight version `version`."""
         from rlkernel.integrations.megatron_convert import gather_shards, megatron_to_hf
@@ -242,7 +247,7 @@ class MegatronTrainer:
     def score(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Per sample, float32 log p(response token | prefix) at batch.temperature, under the current weights."""
         self._need_model()
-        with torch.no_grad(), self._policy():
+        with torch.no_grad(), self._policy(), self.op_provenance.collect():
             self.model.eval()
             return [t.cpu() for t in self._response_logprobs(self.model, batch)]
 
@@ -256,7 +261,7 @@ class MegatronTrainer:
         lens = torch.tensor(batch.response_lens)
         adv = torch.repeat_interleave(batch.advantages.float(), lens).to(dev)
         mask = torch.cat(batch.loss_mask).to(dev)
-        with self._policy():
+        with self._policy(), self.op_provenance.collect():
             self.model.train()
             if self._ddp is not None:
                 self._ddp.zero_grad_buffer()

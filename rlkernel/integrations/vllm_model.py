@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from vllm.model_executor.layers.attention import Attention
 
-from ..dispatch import ExecutionPolicy, mode
+from ..dispatch import ExecutionPolicy, ProvenanceCounter, mode
 from ..models.decoder import DecoderConfig, StrictDecoder
 from ..ops.logprob import linear_logprobs_full
 from .vllm_attention import strict_backend
@@ -49,6 +49,7 @@ class StrictForCausalLM(StrictDecoder):
             raise ValueError(f"rlkernel rollout temperature must be > 0, got {self.rollout_temperature}")
         self.policy = ExecutionPolicy(mode=settings.get("mode", "strict"), ops=tuple(sorted(dict(settings.get("ops", {})).items())))
         self.weight_version = int(settings.get("weight_version", 0))
+        self.provenance = ProvenanceCounter()  # per-op contract ids and call counts, taken per step
         backend = strict_backend()
         self.attn = nn.ModuleList(
             Attention(config.num_heads, config.head_dim, config.head_dim**-0.5, num_kv_heads=config.num_kv_heads,
@@ -70,11 +71,11 @@ class StrictForCausalLM(StrictDecoder):
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
         if intermediate_tensors is not None or inputs_embeds is not None:
             raise NotImplementedError("rlkernel strict models run without pipeline parallelism or input embeddings")
-        with self._policy():
+        with self._policy(), self.provenance.collect():
             return self.hidden_states(input_ids, positions.long(), self._attend)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        with self._policy():
+        with self._policy(), self.provenance.collect():
             return linear_logprobs_full(hidden_states, self.lm_head_weight, self.rollout_temperature, vocab_size=self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

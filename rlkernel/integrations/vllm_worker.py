@@ -20,6 +20,10 @@ class StrictWorkerExtension:
         model.weight_version = int(version)
         return {"version": model.weight_version, "tensors": len(tensors)}
 
+    def rlkernel_take_provenance(self) -> dict:
+        """rlkernel op calls since the last take: {op: [{backend, contract_id, device, calls}]}."""
+        return self.model_runner.model.provenance.take()
+
     def rlkernel_weight_version(self) -> int:
         return int(getattr(self.model_runner.model, "weight_version", -1))
 
