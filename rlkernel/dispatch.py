@@ -154,39 +154,51 @@ class ProvenanceRecord:
     threads: int  # torch.get_num_threads() at call time
 
 
-_COLLECTOR: contextvars.ContextVar[list | None] = contextvars.ContextVar("rlkernel_provenance", default=None)
+_COLLECTOR: contextvars.ContextVar[tuple] = contextvars.ContextVar("rlkernel_provenance", default=())
 
 
 @contextlib.contextmanager
 def record_provenance() -> Iterator[list]:
-    """Collect a ProvenanceRecord for every op call in the block (a run archives these per step)."""
+    """Collect a ProvenanceRecord for every op call in the block (a run archives these per step).
+    Collectors nest: a call is recorded in every enclosing collector."""
     records: list[ProvenanceRecord] = []
-    token = _COLLECTOR.set(records)
+    token = _COLLECTOR.set(_COLLECTOR.get() + (records,))
     try:
         yield records
     finally:
         _COLLECTOR.reset(token)
 
 
+def _record(op: str, impl: _Impl, tensors: tuple) -> None:
+    collectors = _COLLECTOR.get()
+    if not collectors:
+        return
+    rec = (
+        ProvenanceRecord(
+            op=op,
+            backend=impl.contract.backend,
+            contract_id=impl.contract.contract_id,
+            shapes=tuple(tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor)),
+            dtypes=tuple(str(t.dtype) for t in tensors if isinstance(t, torch.Tensor)),
+            device=tensors[0].device.type,
+            threads=torch.get_num_threads(),
+        )
+    )
+    for records in collectors:
+        records.append(rec)
+
+
 def call(op: str, backend: str | None, tensors: tuple, *args, **kwargs):
     """Resolve `op` for the device of its first tensor, record provenance, run it."""
-    device = tensors[0].device
-    impl = resolve(op, device, backend)
-    records = _COLLECTOR.get()
-    if records is not None:
-        records.append(
-            ProvenanceRecord(
-                op=op,
-                backend=impl.contract.backend,
-                contract_id=impl.contract.contract_id,
-                shapes=tuple(tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor)),
-                dtypes=tuple(str(t.dtype) for t in tensors if isinstance(t, torch.Tensor)),
-                device=device.type,
-                threads=torch.get_num_threads(),
-            )
-        )
+    impl = resolve(op, tensors[0].device, backend)
+    _record(op, impl, tensors)
     return impl.fn(*args, **kwargs)
 
+
+def note_call(op: str, backend: str, tensors: tuple) -> None:
+    """Record a call that a backend's building block makes outside `call` (e.g. the partial
+    GEMMs of a row-parallel layer), so provenance still shows which contract ran."""
+    _record(op, resolve(op, tensors[0].device, backend), tensors)
 
 class ProvenanceCounter:
     """Aggregates ProvenanceRecords into per-op call counts by (backend, contract id): what an

@@ -67,6 +67,7 @@ def linear_segment_partials(x: torch.Tensor, weight: torch.Tensor, k_segments: i
     """
     if weight.shape[-1] != x.shape[-1]:
         raise ValueError(f"linear: x has K={x.shape[-1]} but weight is {tuple(weight.shape)}")
+    dispatch.note_call("linear", "reference", (x, weight))
     n = weight.shape[0]
     w = weight.float()
     if n < MIN_COLS:
