@@ -173,16 +173,14 @@ def _record(op: str, impl: _Impl, tensors: tuple) -> None:
     collectors = _COLLECTOR.get()
     if not collectors:
         return
-    rec = (
-        ProvenanceRecord(
-            op=op,
-            backend=impl.contract.backend,
-            contract_id=impl.contract.contract_id,
-            shapes=tuple(tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor)),
-            dtypes=tuple(str(t.dtype) for t in tensors if isinstance(t, torch.Tensor)),
-            device=tensors[0].device.type,
-            threads=torch.get_num_threads(),
-        )
+    rec = ProvenanceRecord(
+        op=op,
+        backend=impl.contract.backend,
+        contract_id=impl.contract.contract_id,
+        shapes=tuple(tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor)),
+        dtypes=tuple(str(t.dtype) for t in tensors if isinstance(t, torch.Tensor)),
+        device=tensors[0].device.type,
+        threads=torch.get_num_threads(),
     )
     for records in collectors:
         records.append(rec)
