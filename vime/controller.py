@@ -49,7 +49,7 @@ def train(cfg: VimeConfig, config_dict: dict) -> Path:
             cmp = comparability(records, batch, scored_version, version)
             stats = compare_logprobs([r.rollout_logprobs for r in records], train_lp) if cmp["comparable"] else _not_compared()
             t2 = time.perf_counter()
-            old = batch.rollout_logprobs if cfg.algorithm.use_rollout_logprobs else [torch.from_numpy(x.copy()) for x in train_lp]
+            old = batch.rollout_logprobs if cfg.algorithm.use_rollout_logprobs else train_lp
             batch.old_logprobs = old
             sinks.phase("update")
             upd = trainer.call("update", batch)                                       # GRPO step
@@ -60,7 +60,7 @@ def train(cfg: VimeConfig, config_dict: dict) -> Path:
             t4 = time.perf_counter()
             ops = _archive_provenance(run_dir, step, rollout, trainer)
             if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.trainer.total_steps:
-                save_checkpoint(run_dir, step + 1, version, trainer, records)
+                save_checkpoint(run_dir, step + 1, version, trainer)
             sinks.log(_step_metrics(step, records, stats, cmp, upd, version, (t0, t1, t2, t3, t4)) | ops)
     finally:
         sinks.close()
@@ -72,7 +72,7 @@ def train(cfg: VimeConfig, config_dict: dict) -> Path:
 def comparability(records, batch: TrainBatch, scored_version: int, rollout_version: int) -> dict:
     """The gate: both sides saw the same weights, tokens, mask and positions, else not comparable."""
     reasons = []
-    if scored_version != rollout_version or any(r.min_version != rollout_version or max(r.weight_versions, default=rollout_version) != rollout_version for r in records):
+    if scored_version != rollout_version or any(set(r.weight_versions) - {rollout_version} for r in records):
         reasons.append(f"weight version: rollout {rollout_version}, trainer {scored_version}")
     for r, seq, p, m in zip(records, batch.sequences, batch.prompt_lens, batch.loss_mask):
         if seq != list(r.prompt_ids) + list(r.response_ids) or p != len(r.prompt_ids) or int(m.numel()) != len(r.response_ids):
@@ -174,7 +174,7 @@ def _write_provenance(run_dir, cfg, config_dict, rollout, trainer):
 
 
 # ---------------------------------------------------------------------------- checkpoints
-def save_checkpoint(run_dir: Path, step: int, version: int, trainer, records) -> Path:
+def save_checkpoint(run_dir: Path, step: int, version: int, trainer) -> Path:
     """checkpoints/step_N: HF weights + trainer state + meta, written to a tmp dir and renamed (atomic)."""
     from safetensors.torch import save_file
 

@@ -101,10 +101,9 @@ def run(args) -> dict:
         max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True,
     ))
     scorer = (_ReferenceScorer if args.scorer == "reference" else _MegatronScorer)(args.model, dtype, args.mode)
-    import json as _json
     from pathlib import Path
 
-    vocab = DecoderConfig.from_hf(_json.loads(Path(args.model, "config.json").read_text())).vocab_size
+    vocab = DecoderConfig.from_hf(json.loads(Path(args.model, "config.json").read_text())).vocab_size
     rng = random.Random(args.seed)
     prompts = _prompts(vocab, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed)
     specs = [SamplingSpec(temperature=args.temperature, max_tokens=rng.randint(max(1, args.max_tokens // 4), args.max_tokens)) for _ in prompts]

@@ -66,10 +66,6 @@ class TokenRecord:
         if not (len(self.loss_mask) == len(self.weight_versions) == self.rollout_logprobs.shape[0] == n):
             raise ValueError(f"record {self.record_id}: per-token fields disagree in length with {n} response tokens")
 
-    @property
-    def min_version(self) -> int:
-        return min(self.weight_versions) if self.weight_versions else -1
-
 
 _SAMPLING = [f.name for f in fields(SamplingSpec)]
 

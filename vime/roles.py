@@ -8,7 +8,6 @@ reports them in `provenance()`.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .batch import TrainBatch
@@ -107,13 +106,9 @@ class TrainerRole:
     def vocab_size(self) -> int:
         return self.trainer.spec.decoder.vocab_size
 
-    @property
-    def weight_version(self) -> int:
-        return self.trainer.weight_version
-
-    def score(self, batch: TrainBatch) -> tuple[int, list[np.ndarray]]:
+    def score(self, batch: TrainBatch) -> tuple[int, list[torch.Tensor]]:
         """(weight version scored with, per-sample float32 logprobs)."""
-        return self.trainer.weight_version, [t.numpy() for t in self.trainer.score(batch)]
+        return self.trainer.weight_version, self.trainer.score(batch)
 
     def update(self, batch: TrainBatch) -> dict:
         return self.trainer.update(batch)

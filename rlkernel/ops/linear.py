@@ -41,6 +41,14 @@ NATIVE = Contract(
 )
 
 
+def _widen(weight):
+    """float32 weight, zero-padded to MIN_COLS rows: BLAS takes another kernel for very narrow
+    outputs (measured: N <= 8 in fp32), so a column's bits would depend on its neighbours."""
+    w = weight.float()
+    n = w.shape[0]
+    return torch.nn.functional.pad(w, (0, 0, 0, MIN_COLS - n)) if n < MIN_COLS else w
+
+
 def _partials(x2, w, k_segments):
     k = x2.shape[-1]
     if k_segments < 1 or k % k_segments:
@@ -69,9 +77,7 @@ def linear_segment_partials(x: torch.Tensor, weight: torch.Tensor, k_segments: i
         raise ValueError(f"linear: x has K={x.shape[-1]} but weight is {tuple(weight.shape)}")
     dispatch.note_call("linear", "reference", (x, weight))
     n = weight.shape[0]
-    w = weight.float()
-    if n < MIN_COLS:
-        w = torch.nn.functional.pad(w, (0, 0, 0, MIN_COLS - n))
+    w = _widen(weight)
     return [p[:, :n] for p in _partials(x.reshape(-1, x.shape[-1]).float(), w, k_segments)]
 
 
@@ -82,11 +88,7 @@ def _linear_reference(x, weight, bias=None, k_segments: int = 1):
         raise ValueError(f"linear: x has K={k} but weight is {tuple(weight.shape)}")
     lead, n = x.shape[:-1], weight.shape[0]
     x2 = x.reshape(-1, k).float()
-    w = weight.float()
-    if n < MIN_COLS:
-        # BLAS takes another kernel for very narrow outputs (measured: N <= 8 in fp32),
-        # so a column's bits would depend on how many columns share the weight.
-        w = torch.nn.functional.pad(w, (0, 0, 0, MIN_COLS - n))
+    w = _widen(weight)
     if k_segments == 1:
         out = tile_matmul(x2, w.t())
     else:
