@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 __all__ = ["Contract", "FieldDiff", "diff"]
 
@@ -35,21 +35,24 @@ class Contract:
     primitives: tuple = ()  # A: (name, formula) pairs for exp/log/rsqrt/SiLU ...
     invariant: tuple = ()  # invariances this backend claims (proved by tests)
     version: int = 1  # bumped whenever the numerics change
+    _id: str = field(default="", init=False, repr=False, compare=False)  # contract_id, computed once
 
     def __post_init__(self):
         for name in ("partition", "precision", "rounding", "primitives", "invariant"):
             object.__setattr__(self, name, _freeze(getattr(self, name)))
         if not self.op or not self.backend:
             raise ValueError("a Contract needs an op and a backend")
+        blob = json.dumps(self.as_dict(), sort_keys=True, default=str)
+        object.__setattr__(self, "_id", f"{self.op}/{self.backend}/v{self.version}/" + hashlib.sha256(blob.encode()).hexdigest()[:12])
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_id"}
 
     @property
     def contract_id(self) -> str:
-        """Stable short hash of every field: equal ids, equal numerics."""
-        blob = json.dumps(self.as_dict(), sort_keys=True, default=str)
-        return f"{self.op}/{self.backend}/v{self.version}/" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+        """Stable short hash of every field: equal ids, equal numerics (computed once: every op
+        call records it)."""
+        return self._id
 
 
 @dataclass(frozen=True, slots=True)

@@ -173,17 +173,24 @@ def _record(op: str, impl: _Impl, tensors: tuple) -> None:
     collectors = _COLLECTOR.get()
     if not collectors:
         return
-    rec = ProvenanceRecord(
-        op=op,
-        backend=impl.contract.backend,
-        contract_id=impl.contract.contract_id,
-        shapes=tuple(tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor)),
-        dtypes=tuple(str(t.dtype) for t in tensors if isinstance(t, torch.Tensor)),
-        device=tensors[0].device.type,
-        threads=torch.get_num_threads(),
-    )
-    for records in collectors:
-        records.append(rec)
+    c, device = impl.contract, tensors[0].device.type
+    rec = None
+    for sink in collectors:
+        if isinstance(sink, dict):  # a ProvenanceCounter's counts: no per-call record is built
+            key = (op, c.backend, c.contract_id, device)
+            sink[key] = sink.get(key, 0) + 1
+            continue
+        if rec is None:
+            rec = ProvenanceRecord(
+                op=op,
+                backend=c.backend,
+                contract_id=c.contract_id,
+                shapes=tuple(tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor)),
+                dtypes=tuple(str(t.dtype) for t in tensors if isinstance(t, torch.Tensor)),
+                device=device,
+                threads=torch.get_num_threads(),
+            )
+        sink.append(rec)
 
 
 def call(op: str, backend: str | None, tensors: tuple, *args, **kwargs):
@@ -207,20 +214,18 @@ class ProvenanceCounter:
 
     @contextlib.contextmanager
     def collect(self) -> Iterator[None]:
-        with record_provenance() as recs:
-            try:
-                yield
-            finally:
-                for r in recs:
-                    key = (r.op, r.backend, r.contract_id, r.device)
-                    self.counts[key] = self.counts.get(key, 0) + 1
+        token = _COLLECTOR.set(_COLLECTOR.get() + (self.counts,))
+        try:
+            yield
+        finally:
+            _COLLECTOR.reset(token)
 
     def take(self) -> dict[str, list[dict]]:
         """{op: [{backend, contract_id, device, calls}, ...]} since the last take; resets."""
         out: dict[str, list[dict]] = {}
         for (op, backend, cid, device), n in sorted(self.counts.items()):
             out.setdefault(op, []).append({"backend": backend, "contract_id": cid, "device": device, "calls": n})
-        self.counts = {}
+        self.counts.clear()
         return out
 
 

@@ -24,7 +24,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from ..ops.attention import attention_paged
+from ..ops.attention import attention_paged, write_kv_cache
 
 
 class StrictAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -52,13 +52,11 @@ class StrictAttentionImpl(CPUAttentionBackendImpl):
         d = two_d // 2
         kc, vc = kv_cache.view(nb, hkv, 2 * bs, d).chunk(2, dim=2)  # [nb, Hkv, bs, D] each
         n = md.num_actual_tokens
-        slots = md.slot_mapping[:n].long()
-        keep = slots >= 0  # padded tokens carry PAD_SLOT_ID (-1)
-        blk, off = slots[keep] // bs, slots[keep] % bs
-        kc[blk, :, off] = key[:n][keep].to(kc.dtype)  # exact copies
-        vc[blk, :, off] = value[:n][keep].to(vc.dtype)
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # [nb, bs, Hkv, D] views
+        # exact copies; padded tokens carry PAD_SLOT_ID (-1) and are skipped
+        write_kv_cache(key[:n], value[:n], kc, vc, md.slot_mapping[:n])
         num_reqs = md.seq_lens.shape[0]
-        out = attention_paged(query[:n], kc.transpose(1, 2), vc.transpose(1, 2), md.block_table[:num_reqs],
+        out = attention_paged(query[:n], kc, vc, md.block_table[:num_reqs],
                               md.seq_lens, md.query_start_loc[: num_reqs + 1], scale=self.scale)
         output[:n] = out.to(output.dtype)
         return output

@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import dispatch
+from .. import dispatch, fused
 from ..contract import Contract
 from ..primitives import TILE_ROWS, strict_exp, tile_matmul, tree_sum
 
@@ -170,7 +170,16 @@ def _impl(attend):
     return run
 
 
-dispatch.register("attention", "reference", REFERENCE)(_impl(_attend))
+def _reference(kind, q, k, v, *args):
+    """The reference contract: one fused C++ call on the CPU where it is checked to give the
+    composition's bits (rlkernel/fused.py), else the composition."""
+    if fused.active(q, k, v) and fused.attention_ok(q.shape[-1], k.dtype):
+        out = (fused.ops().attention_varlen if kind == "varlen" else fused.ops().attention_paged)(q, k, v, *args)
+        return out.to(q.dtype)
+    return (_varlen if kind == "varlen" else _paged)(_attend, q, k, v, *args)
+
+
+dispatch.register("attention", "reference", REFERENCE)(_reference)
 dispatch.register("attention", "native", NATIVE)(_impl(_native_attend))
 
 
@@ -196,9 +205,14 @@ def attention_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Copy k/v [T, Hkv, D] into the caches at flat slots (block * block_size + offset); exact copies."""
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    """Copy k/v [T, Hkv, D] into the caches at flat slots (block * block_size + offset); exact copies.
+    Negative slots (vLLM's padding, PAD_SLOT_ID = -1) are skipped."""
+    if fused.active(k, v, k_cache) and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride():
+        fused.ops().write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
     idx = slot_mapping.long()
-    flat_k[idx] = k.to(k_cache.dtype)
-    flat_v[idx] = v.to(v_cache.dtype)
+    keep = idx >= 0
+    t, bs = idx.shape[0], k_cache.shape[1]
+    blk, off = idx[keep] // bs, idx[keep] % bs  # (block, offset) indexing works for any cache strides
+    k_cache[blk, off] = k[:t][keep].to(k_cache.dtype)
+    v_cache[blk, off] = v[:t][keep].to(v_cache.dtype)

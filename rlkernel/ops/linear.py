@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import dispatch
+from .. import dispatch, fused
 from ..contract import Contract
 from ..primitives import CUDA_BLOCK_ROWS, TILE_ROWS, tile_matmul, tree_sum
 
@@ -86,6 +86,8 @@ def _linear_reference(x, weight, bias=None, k_segments: int = 1):
     k = x.shape[-1]
     if weight.shape[-1] != k:
         raise ValueError(f"linear: x has K={k} but weight is {tuple(weight.shape)}")
+    if fused.active(x, weight, bias):
+        return fused.ops().linear(x, weight, bias, k_segments)
     lead, n = x.shape[:-1], weight.shape[0]
     x2 = x.reshape(-1, k).float()
     w = _widen(weight)

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .. import dispatch
+from .. import dispatch, fused
 from ..contract import Contract
 from ..primitives import strict_exp, strict_log, tile_matmul, tree_sum
 
@@ -195,6 +195,10 @@ class _LinearEntropy(torch.autograd.Function):
 
 @dispatch.register("linear_logprob", "reference", REFERENCE)
 def _linear_logprob_reference(kind, hidden, weight, targets, temperature, vocab_size):
+    if kind != "entropy" and fused.active(hidden, weight):
+        if kind == "full":
+            return fused.ops().logprobs_full(hidden, weight, temperature, vocab_size)
+        return fused.ops().logprob_targets(hidden, weight, targets, temperature, vocab_size)
     if kind == "full":
         return _full(hidden.float(), weight, temperature, vocab_size)
     if kind == "entropy":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import dispatch
+from .. import dispatch, fused
 from ..contract import Contract
 from ..primitives import row_scale, strict_rsqrt, tree_sum
 
@@ -23,8 +23,9 @@ REFERENCE = Contract(
     merge="balanced binary tree of fp32 adds over the row",
     precision=(("input", "x.dtype"), ("accumulate", "float32"), ("output", "x.dtype")),
     rounding=("residual add in x.dtype", "normalised row cast to x.dtype before the weight multiply", "weight multiply in weight dtype"),
-    primitives=(("rsqrt", "1/sqrt(x), IEEE div and sqrt"), ("mean", "tree_sum / H")),
+    primitives=(("rsqrt", "1/sqrt(x), IEEE div and IEEE sqrt (float64 sqrt rounded once to float32)"), ("mean", "tree_sum / H")),
     invariant=("batch", "row position", "threads 1 vs 2", "run to run"),
+    version=2,  # v1 used torch's float32 CPU sqrt, which is not IEEE (1 value in 6 one ulp off)
 )
 NATIVE = Contract(
     op="rms_norm",
@@ -44,6 +45,9 @@ def _add_residual(x, residual):
 
 @dispatch.register("rms_norm", "reference", REFERENCE)
 def _rms_norm_reference(x, weight, eps, residual=None):
+    if fused.active(x, weight, residual):
+        y, h = fused.ops().rms_norm(x, weight, eps, residual)
+        return y if residual is None else (y, h)
     h = _add_residual(x, residual)
     hf = h.float()
     ms = tree_sum(hf * hf, dim=-1) / h.shape[-1]

@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from .. import dispatch
+from .. import dispatch, fused
 from ..contract import Contract
 
 ROPE_BLOCK = 256
@@ -73,6 +73,8 @@ def rope_table(head_dim: int, n_positions: int, theta: float, device: torch.devi
 def _rope_reference(x, positions, theta):
     d = x.shape[-1]
     cos, sin = rope_table(d, int(positions.max()) + 1 if positions.numel() else 1, theta, x.device)
+    if fused.active(x):
+        return fused.ops().rope(x, positions, cos, sin)
     c = cos[positions].unsqueeze(-2)  # [T, 1, d/2]
     s = sin[positions].unsqueeze(-2)
     xf = x.float()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import dispatch
+from .. import dispatch, fused
 from ..contract import Contract
 from ..primitives import strict_silu
 
@@ -40,6 +40,8 @@ NATIVE = Contract(
 
 @dispatch.register("swiglu", "reference", REFERENCE)
 def _swiglu_reference(gate, up):
+    if fused.active(gate, up):
+        return fused.ops().swiglu(gate, up)
     return (strict_silu(gate) * up.float()).to(gate.dtype)
 
 

@@ -1,0 +1,613 @@
+// rlkernel fused CPU kernels: the reference contracts, fewer passes, same bits.
+//
+// Every kernel here computes *exactly* what the torch composition of the reference backend
+// (rlkernel/primitives.py, rlkernel/ops/*.py) computes, bit for bit: the same IEEE-754
+// operations (each correctly rounded), in the same order, with the same roundings to the
+// storage dtype. The build uses -ffp-contract=off, so the compiler never fuses a multiply
+// and an add that the reference keeps apart; fmaf() is written out only where the
+// reference's BLAS tile GEMM performs a fused multiply-add (see `dot_rows` below). The
+// tile GEMMs of linear and linear-logprob are the reference's own at::bmm calls on the same
+// operand shapes and strides. tests/test_fused_cpu.py checks every kernel against the torch
+// composition with torch.equal; the loader (rlkernel/fused.py) re-checks on first use and
+// turns the fused path off, with a warning, on a machine where a check fails.
+//
+// Signed zeros are not part of the contract (-0.0 == +0.0 under torch.equal).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace rk {
+
+// ---- primitives (rlkernel/primitives.py) -------------------------------------------------
+constexpr float kLog2e = static_cast<float>(1.4426950408889634);
+constexpr float kLn2Hi = static_cast<float>(0.693145751953125);
+constexpr float kLn2Lo = static_cast<float>(1.428606765330187e-06);
+constexpr float kExpMin = static_cast<float>(-87.33);
+constexpr float kExpMax = static_cast<float>(88.72);
+constexpr float kC[8] = {1.0f, 1.0f, static_cast<float>(1.0 / 2), static_cast<float>(1.0 / 6), static_cast<float>(1.0 / 24),
+                         static_cast<float>(1.0 / 120), static_cast<float>(1.0 / 720), static_cast<float>(1.0 / 5040)};
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+static inline float pow2i(float n) {
+  int32_t bits = (static_cast<int32_t>(n) + 127) * (1 << 23);
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// strict_exp: clamp, n = round(r*log2e), Cody-Waite reduction, degree-7 Horner, two 2^k factors.
+static inline float sexp(float x) {
+  float r = x < kExpMin ? kExpMin : (x > kExpMax ? kExpMax : x);
+  float n = std::nearbyint(r * kLog2e);
+  float t = n * kLn2Hi;
+  r = r - t;
+  r = r - n * kLn2Lo;
+  float p = r * kC[7] + kC[6];
+  for (int i = 5; i >= 0; --i) p = p * r + kC[i];
+  float n1 = std::floor(n * 0.5f);
+  p = p * pow2i(n1);
+  p = p * pow2i(n - n1);
+  if (x < kExpMin) p = 0.0f;
+  if (x > kExpMax) p = kInf;
+  return std::isnan(x) ? x : p;
+}
+
+constexpr float kSqrtHalf2 = static_cast<float>(2 * 0.70710678118654757);  // 2 * sqrt(0.5) as torch rounds it
+
+// strict_log: exponent split, m in [sqrt(1/2), sqrt(2)), 2*atanh series.
+static inline float slog(float x) {
+  int32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  int32_t e = (bits >> 23) - 127;
+  float m = x * pow2i(static_cast<float>(-e));
+  bool big = m > kSqrtHalf2;
+  if (big) {
+    m = m * 0.5f;
+    e = e + 1;
+  }
+  float ef = static_cast<float>(e);
+  float f = m - 1.0f;
+  float s = f / (f + 2.0f);
+  float s2 = s * s;
+  float q = static_cast<float>(2.0 / 11);
+  const float ks[4] = {static_cast<float>(2.0 / 9), static_cast<float>(2.0 / 7), static_cast<float>(2.0 / 5), static_cast<float>(2.0 / 3)};
+  for (float k : ks) q = q * s2 + k;
+  q = q * s2 + 2.0f;
+  float logm = q * s;
+  float y = ef * kLn2Hi + (logm + ef * kLn2Lo);
+  if (x == 0.0f) y = -kInf;
+  if (x < 0.0f) y = std::numeric_limits<float>::quiet_NaN();
+  if (std::isinf(x) && x > 0.0f) y = x;
+  return y;
+}
+
+// tree_sum over n values: zero-pad to a power of two, add adjacent pairs until one is left.
+// `buf` has room for the padded length; its contents are destroyed.
+static inline float tree_sum_inplace(float* buf, int64_t n) {
+  if (n == 0) return 0.0f;
+  int64_t p = 1;
+  while (p < n) p <<= 1;
+  for (int64_t i = n; i < p; ++i) buf[i] = 0.0f;
+  for (int64_t len = p; len > 1; len >>= 1)
+    for (int64_t i = 0; i < len / 2; ++i) buf[i] = buf[2 * i] + buf[2 * i + 1];
+  return buf[0];
+}
+
+static inline int64_t pow2_ceil(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+template <typename T>
+static inline float widen(T v) { return static_cast<float>(v); }
+
+// Round a float to storage type T and back (torch's casts round to nearest even).
+template <typename T>
+static inline T narrow(float v) { return static_cast<T>(v); }
+
+#define RK_DISPATCH(TYPE, NAME, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
+
+// ---- element-wise ops ------------------------------------------------------------------------
+at::Tensor exp_f32(const at::Tensor& x_in) {
+  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat, "rlkernel::exp wants float32");
+  auto x = x_in.contiguous();
+  auto out = at::empty_like(x);
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = sexp(src[i]);
+  });
+  return out;
+}
+
+at::Tensor log_f32(const at::Tensor& x_in) {
+  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat, "rlkernel::log wants float32");
+  auto x = x_in.contiguous();
+  auto out = at::empty_like(x);
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) dst[i] = slog(src[i]);
+  return out;
+}
+
+// swiglu: (g / (exp(-g) + 1)) * u in fp32, one rounding to gate's dtype.
+at::Tensor swiglu(const at::Tensor& gate_in, const at::Tensor& up_in) {
+  TORCH_CHECK_VALUE(gate_in.sizes() == up_in.sizes(), "rlkernel::swiglu: gate and up differ in shape");
+  auto gate = gate_in.contiguous();
+  auto up = up_in.to(at::kFloat).contiguous();
+  auto out = at::empty_like(gate);
+  const float* u = up.data_ptr<float>();
+  RK_DISPATCH(gate.scalar_type(), "rk_swiglu", [&] {
+    const scalar_t* g = gate.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, gate.numel(), 1 << 14, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        float x = widen(g[i]);
+        float d = sexp(-x) + 1.0f;
+        o[i] = narrow<scalar_t>((x / d) * u[i]);
+      }
+    });
+  });
+  return out;
+}
+
+// rms_norm (HF placement): h = x (+ residual) in x's dtype; rstd = 1/sqrt(tree(h*h)/H + eps);
+// y = cast_x(h * rstd), then cast to the weight's dtype and multiplied there. Returns (y, h).
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps,
+                                            const c10::optional<at::Tensor>& residual_in) {
+  const int64_t H = x_in.size(-1);
+  TORCH_CHECK_VALUE(weight_in.numel() == H, "rlkernel::rms_norm: weight does not match the hidden size");
+  auto x = x_in.contiguous();
+  at::Tensor h = x;
+  if (residual_in.has_value()) {
+    TORCH_CHECK_VALUE(residual_in->sizes() == x.sizes() && residual_in->scalar_type() == x.scalar_type(), "rlkernel::rms_norm: residual differs from x");
+    h = at::empty_like(x);
+  }
+  auto weight = weight_in.contiguous();
+  auto y = at::empty(x.sizes(), x.options().dtype(weight.scalar_type()));
+  const int64_t rows = H ? x.numel() / H : 0;
+  const float fH = static_cast<float>(H);
+  const float feps = static_cast<float>(eps);
+  const int64_t P = pow2_ceil(H);
+  at::Tensor res = residual_in.has_value() ? residual_in->contiguous() : x;
+  RK_DISPATCH(x.scalar_type(), "rk_rms_norm_x", [&] {
+    using xt = scalar_t;
+    const xt* xp = x.data_ptr<xt>();
+    const xt* rp = res.data_ptr<xt>();
+    xt* hp = h.data_ptr<xt>();
+    const bool add = residual_in.has_value();
+    RK_DISPATCH(weight.scalar_type(), "rk_rms_norm_w", [&] {
+      using wt = scalar_t;
+      const wt* wp = weight.data_ptr<wt>();
+      wt* yp = y.data_ptr<wt>();
+      at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+        std::vector<float> hf(H), buf(P);
+        for (int64_t r = b; r < e; ++r) {
+          const xt* xr = xp + r * H;
+          for (int64_t i = 0; i < H; ++i) {
+            xt hv = add ? narrow<xt>(widen(xr[i]) + widen(rp[r * H + i])) : xr[i];
+            if (add) hp[r * H + i] = hv;
+            hf[i] = widen(hv);
+            buf[i] = hf[i] * hf[i];
+          }
+          float ms = tree_sum_inplace(buf.data(), H) / fH;
+          float rstd = 1.0f / std::sqrt(ms + feps);
+          for (int64_t i = 0; i < H; ++i) {
+            float yv = widen(narrow<wt>(widen(narrow<xt>(hf[i] * rstd))));
+            yp[r * H + i] = narrow<wt>(yv * widen(wp[i]));
+          }
+        }
+      });
+    });
+  });
+  return {y, h};
+}
+
+// rope (rotate_half): out = [x1*c - x2*s, x2*c + x1*s] in fp32, one cast to x's dtype.
+at::Tensor rope(const at::Tensor& x_in, const at::Tensor& positions_in, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  TORCH_CHECK_VALUE(x_in.dim() == 3, "rlkernel::rope wants x [T, heads, d]");
+  auto x = x_in.contiguous();
+  auto pos = positions_in.to(at::kLong).contiguous();
+  auto cs = cos_in.contiguous();
+  auto sn = sin_in.contiguous();
+  const int64_t T = x.size(0), Hh = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK_VALUE(cs.size(1) == half, "rlkernel::rope: table width does not match head_dim/2");
+  auto out = at::empty_like(x);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const float* cp = cs.data_ptr<float>();
+  const float* sp = sn.data_ptr<float>();
+  const int64_t npos = cs.size(0);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK_VALUE(pp[t] >= 0 && pp[t] < npos, "rlkernel::rope: position outside the table");
+  RK_DISPATCH(x.scalar_type(), "rk_rope", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const float* c = cp + pp[t] * half;
+        const float* s = sp + pp[t] * half;
+        for (int64_t hh = 0; hh < Hh; ++hh) {
+          const scalar_t* xr = xp + (t * Hh + hh) * d;
+          scalar_t* orow = op + (t * Hh + hh) * d;
+          for (int64_t i = 0; i < half; ++i) {
+            float x1 = widen(xr[i]), x2 = widen(xr[i + half]);
+            float a = x1 * c[i];
+            float bb = x2 * s[i];
+            float cc = x2 * c[i];
+            float dd = x1 * s[i];
+            orow[i] = narrow<scalar_t>(a - bb);
+            orow[i + half] = narrow<scalar_t>(cc + dd);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// ---- attention ----------------------------------------------------------------------------------
+// The reference (ops/attention.py `_attend`) per query and chunk of ATTN_CHUNK keys anchored at
+// absolute positions: s = (q . k) * scale as one fp32 tile GEMM row, masked past the query's
+// position; m' = max(m, max s); alpha = exp(m - m'); p = exp(s - m'); l = l*alpha + tree(p);
+// o = o*alpha + p . V as one fp32 tile GEMM row; out = o / l. The tile GEMMs here are the BLAS
+// kernel's own order for K <= 192 (one fused multiply-add per term, k ascending, from 0):
+// the loader checks that this machine's BLAS agrees before it enables the kernel.
+
+struct KeySource {
+  // paged: key j of request b lives in block block_table[b][j / bs] at offset j % bs.
+  // flat:  key j of request b is row key_start[b] + j.
+  const char* k;
+  const char* v;
+  int64_t s_block, s_off, s_head;  // element strides (k and v share them)
+  int64_t bs;                      // block size (paged), or 0 for flat
+  const int64_t* table;            // [B, max_blocks] (paged)
+  int64_t table_stride;
+  const int64_t* key_start;  // [B] (flat)
+
+  inline int64_t offset(int64_t b, int64_t j, int64_t h) const {
+    if (bs) return table[b * table_stride + j / bs] * s_block + (j % bs) * s_off + h * s_head;
+    return (key_start[b] + j) * s_off + h * s_head;
+  }
+};
+
+constexpr int64_t kChunk = 32;
+
+template <typename kv_t>
+static void attend_kernel(const float* q, float* out, int64_t Hq, int64_t Hkv, int64_t D, const KeySource& src,
+                          const int64_t* q_start, const int64_t* q_len, const int64_t* first_pos, const int64_t* key_len,
+                          int64_t B, float scale) {
+  const int64_t groups = Hq / Hkv;
+  const kv_t* K = reinterpret_cast<const kv_t*>(src.k);
+  const kv_t* V = reinterpret_cast<const kv_t*>(src.v);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t wb, int64_t we) {
+    std::vector<float> kt(D * kChunk), vc(kChunk * D), s(kChunk), p(kChunk), tbuf(kChunk), pv(D);
+    std::vector<float> m, l, o;
+    for (int64_t w = wb; w < we; ++w) {
+      const int64_t b = w / Hkv, hk = w % Hkv;
+      const int64_t n = q_len[b];
+      if (n == 0) continue;
+      const int64_t rows = n * groups;
+      m.assign(rows, -kInf);
+      l.assign(rows, 0.0f);
+      o.assign(rows * D, 0.0f);
+      const int64_t last = first_pos[b] + n - 1;  // highest query position of this request
+      const int64_t nchunks = last / kChunk + 1;
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const int64_t lo = c * kChunk;
+        // gather the chunk as fp32: kt [D][32] (transposed) and vc [32][D]; zeros past the keys
+        for (int64_t j = 0; j < kChunk; ++j) {
+          const int64_t key = lo + j;
+          if (key < key_len[b]) {
+            const int64_t off = src.offset(b, key, hk);
+            for (int64_t d = 0; d < D; ++d) {
+              kt[d * kChunk + j] = widen(K[off + d]);
+              vc[j * D + d] = widen(V[off + d]);
+            }
+          } else {
+            for (int64_t d = 0; d < D; ++d) {
+              kt[d * kChunk + j] = 0.0f;
+              vc[j * D + d] = 0.0f;
+            }
+          }
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t pos = first_pos[b] + i;
+          if (pos < lo) continue;  // a chunk past the query's position is an exact identity
+          const int64_t visible = pos - lo + 1;  // keys lo..pos of this chunk (may exceed 32)
+          for (int64_t g = 0; g < groups; ++g) {
+            const int64_t hq = hk * groups + g;
+            const float* qr = q + ((q_start[b] + i) * Hq + hq) * D;
+            const int64_t row = i * groups + g;
+            // scores: s[j] = fma-chain over d, then * scale; masked keys -inf
+            for (int64_t j = 0; j < kChunk; ++j) s[j] = 0.0f;
+            for (int64_t d = 0; d < D; ++d) {
+              const float qd = qr[d];
+              const float* kr = kt.data() + d * kChunk;
+              for (int64_t j = 0; j < kChunk; ++j) s[j] = std::fma(qd, kr[j], s[j]);
+            }
+            float cmax = -kInf;
+            for (int64_t j = 0; j < kChunk; ++j) {
+              s[j] = j < visible ? s[j] * scale : -kInf;
+              cmax = s[j] > cmax ? s[j] : cmax;
+            }
+            const float m_old = m[row];
+            const float m_new = m_old > cmax ? m_old : cmax;
+            const float alpha = sexp(m_old - m_new);
+            for (int64_t j = 0; j < kChunk; ++j) {
+              p[j] = sexp(s[j] - m_new);
+              tbuf[j] = p[j];
+            }
+            l[row] = l[row] * alpha + tree_sum_inplace(tbuf.data(), kChunk);
+            for (int64_t d = 0; d < D; ++d) pv[d] = 0.0f;
+            for (int64_t j = 0; j < kChunk; ++j) {
+              const float pj = p[j];
+              const float* vr = vc.data() + j * D;
+              for (int64_t d = 0; d < D; ++d) pv[d] = std::fma(pj, vr[d], pv[d]);
+            }
+            float* orow = o.data() + row * D;
+            for (int64_t d = 0; d < D; ++d) orow[d] = orow[d] * alpha + pv[d];
+            m[row] = m_new;
+          }
+        }
+      }
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t row = i * groups + g, hq = hk * groups + g;
+          float* dst = out + ((q_start[b] + i) * Hq + hq) * D;
+          const float* orow = o.data() + row * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = orow[d] / l[row];
+        }
+    }
+  });
+}
+
+static at::Tensor run_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, KeySource src,
+                                const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& first_pos,
+                                const at::Tensor& key_len, double scale) {
+  TORCH_CHECK_VALUE(k.scalar_type() == v.scalar_type(), "rlkernel::attention: k and v dtypes differ");
+  TORCH_CHECK_VALUE(k.stride(-1) == 1 && v.stride(-1) == 1, "rlkernel::attention: k/v last dim must be contiguous");
+  TORCH_CHECK_VALUE(k.strides() == v.strides(), "rlkernel::attention: k and v strides differ");
+  auto q = q_in.to(at::kFloat).contiguous();
+  const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(-2);
+  TORCH_CHECK_VALUE(Hq % Hkv == 0, "rlkernel::attention: query heads are not a multiple of kv heads");
+  auto out = at::zeros(q.sizes(), q.options());
+  RK_DISPATCH(k.scalar_type(), "rk_attention", [&] {
+    src.k = reinterpret_cast<const char*>(k.data_ptr<scalar_t>());
+    src.v = reinterpret_cast<const char*>(v.data_ptr<scalar_t>());
+    attend_kernel<scalar_t>(q.data_ptr<float>(), out.data_ptr<float>(), Hq, Hkv, D, src, q_start.data_ptr<int64_t>(),
+                            q_len.data_ptr<int64_t>(), first_pos.data_ptr<int64_t>(), key_len.data_ptr<int64_t>(),
+                            q_start.size(0), static_cast<float>(scale));
+  });
+  return out;
+}
+
+// Packed causal prefill: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1]. Returns fp32.
+at::Tensor attention_varlen(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& cu_in, double scale) {
+  auto k = k_in.contiguous(), v = v_in.contiguous();
+  auto cu = cu_in.to(at::kLong).contiguous();
+  const int64_t B = cu.size(0) - 1;
+  auto starts = cu.slice(0, 0, B).contiguous();
+  auto lens = (cu.slice(0, 1, B + 1) - cu.slice(0, 0, B)).contiguous();
+  auto zeros = at::zeros({B}, cu.options());
+  KeySource src{nullptr, nullptr, 0, k.stride(0), k.stride(1), 0, nullptr, 0, starts.data_ptr<int64_t>()};
+  return run_attention(q, k, v, src, starts, lens, zeros, lens, scale);
+}
+
+// Queries against a paged cache: caches [num_blocks, block_size, Hkv, D] (any strides with a
+// contiguous last dim); request b owns q rows query_start_loc[b]..[b+1], the last tokens of its
+// seq_lens[b]. Returns fp32.
+at::Tensor attention_paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables_in,
+                           const at::Tensor& seq_lens_in, const at::Tensor& qsl_in, double scale) {
+  TORCH_CHECK_VALUE(k_cache.dim() == 4, "rlkernel::attention_paged wants caches [blocks, block_size, Hkv, D]");
+  auto lens = seq_lens_in.to(at::kLong).contiguous();
+  const int64_t B = lens.size(0);
+  auto qsl = qsl_in.to(at::kLong).contiguous();
+  auto table = block_tables_in.slice(0, 0, B).to(at::kLong).contiguous();
+  auto starts = qsl.slice(0, 0, B).contiguous();
+  auto qlens = (qsl.slice(0, 1, B + 1) - qsl.slice(0, 0, B)).contiguous();
+  const int64_t* ql = qlens.data_ptr<int64_t>();
+  const int64_t* sl = lens.data_ptr<int64_t>();
+  const int64_t bs = k_cache.size(1);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK_VALUE(ql[b] <= sl[b], "attention_paged: request ", b, " has ", ql[b], " queries but only ", sl[b], " tokens");
+    TORCH_CHECK_VALUE(sl[b] == 0 || (sl[b] - 1) / bs < table.size(1), "attention_paged: request ", b, " needs more blocks than its table has");
+  }
+  auto first = (lens - qlens).contiguous();
+  KeySource src{nullptr, nullptr, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bs, table.data_ptr<int64_t>(), table.size(1), nullptr};
+  return run_attention(q, k_cache, v_cache, src, starts, qlens, first, lens, scale);
+}
+
+// Exact copies of k/v [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at flat slots;
+// slots < 0 (vLLM's padding) are skipped.
+void write_kv(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots_in) {
+  auto slots = slots_in.to(at::kLong).contiguous();
+  auto k = k_in.to(k_cache.scalar_type()).contiguous(), v = v_in.to(v_cache.scalar_type()).contiguous();
+  TORCH_CHECK_VALUE(k_cache.stride(-1) == 1 && v_cache.stride(-1) == 1 && k_cache.strides() == v_cache.strides(), "rlkernel::write_kv: cache layout");
+  const int64_t T = slots.size(0), Hkv = k.size(1), D = k.size(2), bs = k_cache.size(1);
+  TORCH_CHECK_VALUE(k.size(0) >= T, "rlkernel::write_kv: fewer keys than slots");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t nslots = k_cache.size(0) * bs;
+  RK_DISPATCH(k_cache.scalar_type(), "rk_write_kv", [&] {
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = sp[t];
+      if (slot < 0) continue;
+      TORCH_CHECK_VALUE(slot < nslots, "rlkernel::write_kv: slot ", slot, " outside the cache");
+      const int64_t base = (slot / bs) * k_cache.stride(0) + (slot % bs) * k_cache.stride(1);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        std::memcpy(kc + base + h * k_cache.stride(2), kp + (t * Hkv + h) * D, D * sizeof(scalar_t));
+        std::memcpy(vc + base + h * v_cache.stride(2), vp + (t * Hkv + h) * D, D * sizeof(scalar_t));
+      }
+    }
+  });
+}
+
+// ---- linear and linear-logprob: the reference's tile GEMMs, its merges in one pass --------------
+constexpr int64_t kTileRows = 16;
+
+// primitives._tile_matmul for a 2-D a [M, K] and b [K, N]: the same at:: calls, so the same bits.
+static at::Tensor tile_matmul(const at::Tensor& a, const at::Tensor& b) {
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  const int64_t rem = (-m) % kTileRows;
+  const int64_t pad = rem < 0 ? rem + kTileRows : rem;
+  at::Tensor ap = pad ? at::constant_pad_nd(a, {0, 0, 0, pad}) : a;
+  const int64_t t = ap.size(0) / kTileRows;
+  auto at_ = ap.reshape({-1, kTileRows, k});
+  auto bt = b.unsqueeze(-3).expand({t, k, n}).reshape({-1, k, n});
+  auto out = at::bmm(at_, bt).reshape({t * kTileRows, n});
+  return out.slice(0, 0, m);
+}
+
+constexpr int64_t kMinCols = 16;
+
+static at::Tensor widen_weight(const at::Tensor& weight) {
+  auto w = weight.to(at::kFloat);
+  const int64_t n = w.size(0);
+  return n < kMinCols ? at::constant_pad_nd(w, {0, 0, 0, kMinCols - n}) : w;
+}
+
+// linear reference: x [.., K], weight [N, K], optional bias, k_segments canonical K-segments.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t k_segments) {
+  const int64_t k = x.size(-1), n = weight.size(0);
+  TORCH_CHECK_VALUE(weight.size(1) == k, "linear: x has K=", k, " but weight has K=", weight.size(1));
+  auto x2 = x.reshape({-1, k}).to(at::kFloat);
+  auto w = widen_weight(weight);
+  at::Tensor out;
+  if (k_segments == 1) {
+    out = tile_matmul(x2, w.t());
+  } else {
+    TORCH_CHECK_VALUE(k_segments >= 1 && k % k_segments == 0, "linear: K=", k, " is not divisible into ", k_segments, " canonical segments");
+    const int64_t seg = k / k_segments;
+    std::vector<at::Tensor> parts;
+    for (int64_t i = 0; i < k_segments; ++i)
+      parts.push_back(tile_matmul(x2.slice(1, i * seg, (i + 1) * seg), w.slice(1, i * seg, (i + 1) * seg).t()));
+    // tree_sum over the stacked partials: zero-pad to a power of two, add adjacent pairs
+    while (parts.size() & (parts.size() - 1)) parts.push_back(at::zeros_like(parts[0]));
+    while (parts.size() > 1) {
+      std::vector<at::Tensor> next;
+      for (size_t i = 0; i < parts.size(); i += 2) next.push_back(parts[i] + parts[i + 1]);
+      parts.swap(next);
+    }
+    out = parts[0];
+  }
+  if (bias.has_value()) out = out + bias->to(at::kFloat);
+  auto lead = x.sizes().vec();
+  lead.back() = n;
+  return out.slice(1, 0, n).to(x.scalar_type()).reshape(lead);
+}
+
+// Per vocab tile of VOCAB_TILE rows: z = tile_matmul(h32, W[lo:hi].float().t()) / T,
+// m = max z, l = tree(exp(z - m)); tiles merged by a balanced tree (identity-padded).
+constexpr int64_t kVocabTile = 512;
+
+struct ML {
+  float m, l;
+};
+
+static inline ML merge_ml(ML a, ML b) {
+  float m = a.m > b.m ? a.m : b.m;
+  float safe = (std::isinf(m) && m < 0) ? 0.0f : m;
+  float x = a.l * sexp(a.m - safe);
+  float y = b.l * sexp(b.m - safe);
+  return {m, x + y};
+}
+
+// kind 0: full table [T, V]; kind 1: logprob of targets [T]; kind 2: lse [T].
+static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& targets_in,
+                               double temperature, int64_t vocab, int kind) {
+  auto h32 = hidden.to(at::kFloat);
+  const int64_t T = h32.size(0);
+  const int64_t ntiles = (vocab + kVocabTile - 1) / kVocabTile;
+  const int64_t P = pow2_ceil(ntiles);
+  std::vector<float> ms(T * P, -kInf), ls(T * P, 0.0f);
+  at::Tensor full, zt_t;
+  std::vector<at::Tensor> tiles;
+  if (kind == 0) full = at::empty({T, vocab}, h32.options());
+  at::Tensor targets;
+  std::vector<float> zt(T, 0.0f);
+  if (kind == 1) targets = targets_in->to(at::kLong).contiguous();
+  for (int64_t ti = 0; ti < ntiles; ++ti) {
+    const int64_t lo = ti * kVocabTile, hi = std::min(lo + kVocabTile, vocab), w = hi - lo;
+    auto z = at::div(tile_matmul(h32, weight.slice(0, lo, hi).to(at::kFloat).t()), temperature).contiguous();
+    const float* zp = z.data_ptr<float>();
+    at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
+      std::vector<float> buf(pow2_ceil(w));
+      for (int64_t r = b; r < e; ++r) {
+        const float* zr = zp + r * w;
+        float m = -kInf;
+        for (int64_t j = 0; j < w; ++j) m = zr[j] > m ? zr[j] : m;
+        for (int64_t j = 0; j < w; ++j) buf[j] = sexp(zr[j] - m);
+        ms[r * P + ti] = m;
+        ls[r * P + ti] = tree_sum_inplace(buf.data(), w);
+      }
+    });
+    if (kind == 0) full.slice(1, lo, hi).copy_(z);
+    if (kind == 1) {
+      const int64_t* tp = targets.data_ptr<int64_t>();
+      for (int64_t r = 0; r < T; ++r)
+        if (tp[r] >= lo && tp[r] < hi) zt[r] = zp[r * w + (tp[r] - lo)];
+    }
+  }
+  std::vector<float> mfin(T), logl(T);
+  for (int64_t r = 0; r < T; ++r) {
+    std::vector<ML> v(P);
+    for (int64_t i = 0; i < P; ++i) v[i] = {ms[r * P + i], ls[r * P + i]};
+    for (int64_t len = P; len > 1; len >>= 1)
+      for (int64_t i = 0; i < len / 2; ++i) v[i] = merge_ml(v[2 * i], v[2 * i + 1]);
+    mfin[r] = v[0].m;
+    logl[r] = slog(v[0].l);
+  }
+  if (kind == 0) {
+    float* fp = full.data_ptr<float>();
+    at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r)
+        for (int64_t j = 0; j < vocab; ++j) fp[r * vocab + j] = (fp[r * vocab + j] - mfin[r]) - logl[r];
+    });
+    return full;
+  }
+  auto out = at::empty({T}, h32.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < T; ++r) op[r] = kind == 1 ? (zt[r] - mfin[r]) - logl[r] : mfin[r] + logl[r];
+  return out;
+}
+
+at::Tensor logprobs_full(const at::Tensor& hidden, const at::Tensor& weight, double temperature, int64_t vocab) {
+  return logprob_impl(hidden, weight, c10::nullopt, temperature, vocab, 0);
+}
+
+at::Tensor logprob_targets(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, double temperature, int64_t vocab) {
+  return logprob_impl(hidden, weight, targets, temperature, vocab, 1);
+}
+
+at::Tensor logsumexp(const at::Tensor& hidden, const at::Tensor& weight, double temperature, int64_t vocab) {
+  return logprob_impl(hidden, weight, c10::nullopt, temperature, vocab, 2);
+}
+
+}  // namespace rk
+
+TORCH_LIBRARY(rlkernel, m) {
+  m.def("exp(Tensor x) -> Tensor", &rk::exp_f32);
+  m.def("log(Tensor x) -> Tensor", &rk::log_f32);
+  m.def("swiglu(Tensor gate, Tensor up) -> Tensor", &rk::swiglu);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)", &rk::rms_norm);
+  m.def("rope(Tensor x, Tensor positions, Tensor cos, Tensor sin) -> Tensor", &rk::rope);
+  m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale) -> Tensor", &rk::attention_varlen);
+  m.def("attention_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor",
+        &rk::attention_paged);
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()", &rk::write_kv);
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, int k_segments) -> Tensor", &rk::linear);
+  m.def("logprobs_full(Tensor hidden, Tensor weight, float temperature, int vocab) -> Tensor", &rk::logprobs_full);
+  m.def("logprob_targets(Tensor hidden, Tensor weight, Tensor targets, float temperature, int vocab) -> Tensor", &rk::logprob_targets);
+  m.def("logsumexp(Tensor hidden, Tensor weight, float temperature, int vocab) -> Tensor", &rk::logsumexp);
+}

@@ -1,0 +1,197 @@
+"""Fused CPU kernels for the reference contracts: same bits, fewer passes.
+
+What this module decides: whether a reference-backend op on the CPU runs as its
+torch composition or as one call into `csrc/strict_cpu.cpp`. Both compute the
+same contract to the bit (the C++ repeats the composition's IEEE operations in
+its order; tile GEMMs are the same `at::bmm` calls), so this is an
+implementation choice, never a contract change: a rollout engine running the
+fused kernels and a trainer running the composition still agree bitwise
+(tests/test_fused_cpu.py checks every kernel with torch.equal).
+
+The library is compiled on first use (about a minute, once per machine; `make
+install` does it ahead) into `$RLKERNEL_BUILD_DIR` or `~/.cache/rlkernel`,
+keyed by the source, torch and CPU flags. Before a kernel whose order mirrors
+the BLAS tile GEMM (attention) serves a head size, it is checked against the
+composition on random data on this machine; a failed check or a failed build
+turns the fused path off with one warning, and the composition runs (same
+contract, slower). `RLKERNEL_FUSED=0` turns it off; `status()` says what ran,
+for provenance.
+
+The fused path serves calls that need no autograd graph (rollout, scoring,
+old-logprob passes); training forwards keep the composition and its backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import logging
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["available", "active", "disabled", "status", "build", "ops", "attention_ok"]
+
+log = logging.getLogger(__name__)
+_SRC = Path(__file__).parent / "csrc" / "strict_cpu.cpp"
+_LOCK = threading.Lock()
+_STATE: dict = {"loaded": None, "error": None, "path": None, "attention_checks": {}}
+_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("rlkernel_fused_off", default=False)
+# Longest K for which the BLAS fp32 tile GEMM is one fused-multiply-add chain (measured on
+# this CPU's MKL: K <= 192; K = 256 splits in two). Attention's q.k has K = head_dim.
+# Below 16 the BLAS takes another path (measured: head_dim 8 differs), so the fused kernel
+# serves 16 <= head_dim <= 192 and the composition the rest.
+MAX_FUSED_HEAD_DIM = 192
+MIN_FUSED_HEAD_DIM = 16
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _key() -> str:
+    h = hashlib.sha256()
+    for part in (_SRC.read_bytes(), torch.__version__.encode(), sys.version.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()):
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    root = Path(os.environ.get("RLKERNEL_BUILD_DIR") or Path.home() / ".cache" / "rlkernel")
+    return root / f"strict_cpu_{_key()}"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile (if not cached) and load the library; returns its path. Raises on failure."""
+    from torch.utils import cpp_extension
+
+    # ninja comes with the project's dependencies into the interpreter's bin/, which is not on
+    # PATH when the venv is not activated.
+    bindir = str(Path(sys.executable).parent)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    d = build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    name = f"rlkernel_strict_cpu_{_key()}"
+    lib = d / f"{name}.so"
+    if lib.exists():
+        torch.ops.load_library(str(lib))
+        return lib
+    if not verbose:
+        log.warning("rlkernel: compiling the fused CPU kernels (once per machine, about a minute) into %s", d)
+    cpp_extension.load(name=name, sources=[str(_SRC)], build_directory=str(d), extra_cflags=_FLAGS,
+                       is_python_module=False, verbose=verbose)
+    return lib
+
+
+def _load() -> bool:
+    if _STATE["loaded"] is not None:
+        return _STATE["loaded"]
+    with _LOCK:
+        if _STATE["loaded"] is not None:
+            return _STATE["loaded"]
+        if os.environ.get("RLKERNEL_FUSED", "1") == "0":
+            _STATE.update(loaded=False, error="RLKERNEL_FUSED=0")
+            return False
+        try:
+            _STATE["path"] = str(build())
+            ok = _check_elementwise()
+            _STATE.update(loaded=ok, error=None if ok else "self-check failed: fused exp/log differ from the composition")
+        except Exception as e:  # a missing compiler or a failed build: the composition runs
+            _STATE.update(loaded=False, error=f"{type(e).__name__}: {e}")
+        if not _STATE["loaded"]:
+            warnings.warn(f"rlkernel: fused CPU kernels off ({_STATE['error']}); the reference composition runs (same bits, slower)",
+                          RuntimeWarning, stacklevel=3)
+        return _STATE["loaded"]
+
+
+def available() -> bool:
+    """Whether the library is built, loaded and passed its self-check on this machine."""
+    return _load()
+
+
+def active(*tensors: torch.Tensor) -> bool:
+    """Whether a reference op on these tensors should take the fused path now."""
+    if _OFF.get():
+        return False
+    for t in tensors:
+        if t is not None and (t.device.type != "cpu" or (t.requires_grad and torch.is_grad_enabled())):
+            return False
+    return _load()
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run the enclosed reference ops as their torch composition (tests, negative controls)."""
+    token = _OFF.set(True)
+    try:
+        yield
+    finally:
+        _OFF.reset(token)
+
+
+def ops():
+    return torch.ops.rlkernel
+
+
+def status() -> dict:
+    """What the fused path is doing in this process (for run provenance)."""
+    loaded = _STATE["loaded"]
+    return {"fused_cpu": bool(loaded), "library": _STATE["path"], "error": _STATE["error"],
+            "attention_head_dims_checked": {str(k): v for k, v in sorted(_STATE["attention_checks"].items())}}
+
+
+def _check_elementwise() -> bool:
+    from . import primitives
+
+    g = torch.Generator().manual_seed(1234)
+    x = torch.cat([torch.randn(4099, generator=g) * 30, torch.tensor([0.0, -0.0, 1e-30, -87.33, -87.34, 88.72, 88.73, 100.0, -100.0,
+                                                                     float("inf"), float("-inf"), float("nan")])])
+    y = torch.rand(4096, generator=g) * 1e4 + 1e-30
+    with disabled():
+        ref_e, ref_l = primitives.strict_exp(x), primitives.strict_log(y)
+    return _same(torch.ops.rlkernel.exp(x), ref_e) and _same(torch.ops.rlkernel.log(y), ref_l)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+def attention_ok(head_dim: int, kv_dtype: torch.dtype) -> bool:
+    """Whether the fused attention may serve this head size: its q.k chain must be this machine's
+    BLAS tile order, checked once per (head_dim, dtype) against the composition."""
+    if not MIN_FUSED_HEAD_DIM <= head_dim <= MAX_FUSED_HEAD_DIM:
+        return False
+    key = (head_dim, str(kv_dtype).removeprefix("torch."))
+    ok = _STATE["attention_checks"].get(key)
+    if ok is None:
+        from .ops import attention
+
+        g = torch.Generator().manual_seed(head_dim)
+        lens = [1, 37, 70]
+        t, hkv = sum(lens), 2
+        q = torch.randn(t, 2 * hkv, head_dim, generator=g).to(kv_dtype)
+        k = torch.randn(t, hkv, head_dim, generator=g).to(kv_dtype)
+        v = torch.randn(t, hkv, head_dim, generator=g).to(kv_dtype)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        scale = head_dim ** -0.5
+        with disabled():
+            ref = attention._varlen(attention._attend, q, k, v, cu, scale)
+        got = torch.ops.rlkernel.attention_varlen(q, k, v, cu, scale).to(q.dtype)
+        ok = bool(torch.equal(got, ref))
+        _STATE["attention_checks"][key] = ok
+        if not ok:
+            warnings.warn(f"rlkernel: fused attention differs from the composition for head_dim {head_dim} on this machine; "
+                          "the composition serves it (same bits, slower)", RuntimeWarning, stacklevel=3)
+    return ok
