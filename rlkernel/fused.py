@@ -34,12 +34,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "active", "disabled", "status", "build", "ops", "attention_ok"]
+__all__ = ["available", "active", "disabled", "status", "build", "ops", "attention_ok", "plain_gemm_ok"]
 
 log = logging.getLogger(__name__)
 _SRC = Path(__file__).parent / "csrc" / "strict_cpu.cpp"
 _LOCK = threading.Lock()
-_STATE: dict = {"loaded": None, "error": None, "path": None, "attention_checks": {}}
+_STATE: dict = {"loaded": None, "error": None, "path": None, "attention_checks": {}, "gemm_checks": {}}
 _OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("rlkernel_fused_off", default=False)
 # Longest K for which the BLAS fp32 tile GEMM is one fused-multiply-add chain (measured on
 # this CPU's MKL: K <= 192; K = 256 splits in two). Attention's q.k has K = head_dim.
@@ -149,7 +149,8 @@ def status() -> dict:
     """What the fused path is doing in this process (for run provenance)."""
     loaded = _STATE["loaded"]
     return {"fused_cpu": bool(loaded), "library": _STATE["path"], "error": _STATE["error"],
-            "attention_head_dims_checked": {str(k): v for k, v in sorted(_STATE["attention_checks"].items())}}
+            "attention_head_dims_checked": {str(k): v for k, v in sorted(_STATE["attention_checks"].items())},
+            "plain_gemm_shapes_checked": {f"{k}x{n}": v for (k, n), v in sorted(_STATE["gemm_checks"].items())}}
 
 
 def _check_elementwise() -> bool:
@@ -194,4 +195,25 @@ def attention_ok(head_dim: int, kv_dtype: torch.dtype) -> bool:
         if not ok:
             warnings.warn(f"rlkernel: fused attention differs from the composition for head_dim {head_dim} on this machine; "
                           "the composition serves it (same bits, slower)", RuntimeWarning, stacklevel=3)
+    return ok
+
+
+def plain_gemm_ok(k: int, n: int) -> bool:
+    """Whether one plain fp32 GEMM gives tile_matmul's bits for a [*, k] x [k, n] product on this
+    machine (the BLAS's K order depends on K alone: measured, then checked here once per shape on
+    random rows, a single padded row included). Where it does not, the tile GEMMs run."""
+    key = (int(k), int(n))
+    ok = _STATE["gemm_checks"].get(key)
+    if ok is None:
+        from .primitives import TILE_ROWS, _tile_matmul
+
+        g = torch.Generator().manual_seed(k * 7919 + n)
+        x = torch.randn(3 * TILE_ROWS + 5, k, generator=g)
+        w = torch.randn(k, n, generator=g)
+        ref = _tile_matmul(x, w)
+        pad = torch.nn.functional.pad(x[:1], (0, 0, 0, TILE_ROWS - 1))
+        ok = bool(torch.equal(torch.mm(x, w), ref) and torch.equal(torch.mm(pad, w)[:1], ref[:1]))
+        _STATE["gemm_checks"][key] = ok
+        if not ok:
+            log.warning("rlkernel: a plain GEMM [*, %d] x [%d, %d] differs from the tile GEMMs here; the tiles run", k, k, n)
     return ok

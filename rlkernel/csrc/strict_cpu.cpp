@@ -18,6 +18,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -123,8 +124,12 @@ at::Tensor exp_f32(const at::Tensor& x_in) {
   auto out = at::empty_like(x);
   const float* src = x.data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) dst[i] = sexp(src[i]);
+  // Pointers are copied into the lambda (not captured by reference): a store through a
+  // by-reference capture may alias the capture itself, which keeps GCC from vectorising.
+  at::parallel_for(0, x.numel(), 1 << 14, [src, dst](int64_t b, int64_t e) {
+    const float* __restrict s = src;
+    float* __restrict d = dst;
+    for (int64_t i = b; i < e; ++i) d[i] = sexp(s[i]);
   });
   return out;
 }
@@ -140,6 +145,26 @@ at::Tensor log_f32(const at::Tensor& x_in) {
 }
 
 // swiglu: (g / (exp(-g) + 1)) * u in fp32, one rounding to gate's dtype.
+static void exp_span(const float* __restrict x, float* __restrict y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = sexp(x[i]);
+}
+
+// In blocks through a float buffer: the exp loop alone is what GCC vectorises reliably.
+template <typename T>
+static void swiglu_span(const T* __restrict g, const float* __restrict u, T* __restrict o, int64_t n) {
+  constexpr int64_t kBlock = 512;
+  float xs[kBlock], e[kBlock];
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t m = std::min(kBlock, n - b);
+    for (int64_t i = 0; i < m; ++i) xs[i] = -widen(g[b + i]);
+    exp_span(xs, e, m);
+    for (int64_t i = 0; i < m; ++i) {
+      float d = e[i] + 1.0f;
+      o[b + i] = narrow<T>((-xs[i] / d) * u[b + i]);
+    }
+  }
+}
+
 at::Tensor swiglu(const at::Tensor& gate_in, const at::Tensor& up_in) {
   TORCH_CHECK_VALUE(gate_in.sizes() == up_in.sizes(), "rlkernel::swiglu: gate and up differ in shape");
   auto gate = gate_in.contiguous();
@@ -149,13 +174,7 @@ at::Tensor swiglu(const at::Tensor& gate_in, const at::Tensor& up_in) {
   RK_DISPATCH(gate.scalar_type(), "rk_swiglu", [&] {
     const scalar_t* g = gate.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, gate.numel(), 1 << 14, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        float x = widen(g[i]);
-        float d = sexp(-x) + 1.0f;
-        o[i] = narrow<scalar_t>((x / d) * u[i]);
-      }
-    });
+    at::parallel_for(0, gate.numel(), 1 << 14, [g, o, u](int64_t b, int64_t e) { swiglu_span<scalar_t>(g + b, u + b, o + b, e - b); });
   });
   return out;
 }
@@ -189,21 +208,26 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const at::Te
       using wt = scalar_t;
       const wt* wp = weight.data_ptr<wt>();
       wt* yp = y.data_ptr<wt>();
-      at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-        std::vector<float> hf(H), buf(P);
+      at::parallel_for(0, rows, 16, [=](int64_t b, int64_t e) {
+        std::vector<float> hfv(H), bufv(P);
+        float* __restrict hf = hfv.data();
+        float* __restrict buf = bufv.data();
         for (int64_t r = b; r < e; ++r) {
-          const xt* xr = xp + r * H;
+          const xt* __restrict xr = xp + r * H;
+          const xt* __restrict rr = rp + r * H;
+          xt* __restrict hr = hp + r * H;
+          wt* __restrict yr = yp + r * H;
           for (int64_t i = 0; i < H; ++i) {
-            xt hv = add ? narrow<xt>(widen(xr[i]) + widen(rp[r * H + i])) : xr[i];
-            if (add) hp[r * H + i] = hv;
+            xt hv = add ? narrow<xt>(widen(xr[i]) + widen(rr[i])) : xr[i];
+            if (add) hr[i] = hv;
             hf[i] = widen(hv);
             buf[i] = hf[i] * hf[i];
           }
-          float ms = tree_sum_inplace(buf.data(), H) / fH;
+          float ms = tree_sum_inplace(buf, H) / fH;
           float rstd = 1.0f / std::sqrt(ms + feps);
           for (int64_t i = 0; i < H; ++i) {
             float yv = widen(narrow<wt>(widen(narrow<xt>(hf[i] * rstd))));
-            yp[r * H + i] = narrow<wt>(yv * widen(wp[i]));
+            yr[i] = narrow<wt>(yv * widen(wp[i]));
           }
         }
       });
@@ -230,13 +254,13 @@ at::Tensor rope(const at::Tensor& x_in, const at::Tensor& positions_in, const at
   RK_DISPATCH(x.scalar_type(), "rk_rope", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, T, 8, [=](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
-        const float* c = cp + pp[t] * half;
-        const float* s = sp + pp[t] * half;
+        const float* __restrict c = cp + pp[t] * half;
+        const float* __restrict s = sp + pp[t] * half;
         for (int64_t hh = 0; hh < Hh; ++hh) {
-          const scalar_t* xr = xp + (t * Hh + hh) * d;
-          scalar_t* orow = op + (t * Hh + hh) * d;
+          const scalar_t* __restrict xr = xp + (t * Hh + hh) * d;
+          scalar_t* __restrict orow = op + (t * Hh + hh) * d;
           for (int64_t i = 0; i < half; ++i) {
             float x1 = widen(xr[i]), x2 = widen(xr[i + half]);
             float a = x1 * c[i];
@@ -280,6 +304,60 @@ struct KeySource {
 
 constexpr int64_t kChunk = 32;
 
+// One query row against one chunk: scores, online-softmax update of (m, l, o). Kept out of the
+// parallel lambda with restrict pointers so GCC vectorises the j and d loops.
+static void chunk_update(const float* __restrict qr, const float* __restrict kt, const float* __restrict vc, int64_t D,
+                         int64_t visible, float scale, float* __restrict state_ml, float* __restrict orow, float* __restrict s,
+                         float* __restrict p, float* __restrict tbuf, float* __restrict pv) {
+  // scores: s[j] = fma chain over d (the BLAS tile order), then * scale; masked keys -inf
+  for (int64_t j = 0; j < kChunk; ++j) s[j] = 0.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float qd = qr[d];
+    const float* __restrict kr = kt + d * kChunk;
+    for (int64_t j = 0; j < kChunk; ++j) s[j] = std::fma(qd, kr[j], s[j]);
+  }
+  float cmax = -kInf;
+  for (int64_t j = 0; j < kChunk; ++j) {
+    s[j] = j < visible ? s[j] * scale : -kInf;
+    cmax = s[j] > cmax ? s[j] : cmax;
+  }
+  const float m_old = state_ml[0];
+  const float m_new = m_old > cmax ? m_old : cmax;
+  const float alpha = sexp(m_old - m_new);
+  for (int64_t j = 0; j < kChunk; ++j) tbuf[j] = s[j] - m_new;
+  exp_span(tbuf, p, kChunk);
+  for (int64_t j = 0; j < kChunk; ++j) tbuf[j] = p[j];
+  state_ml[1] = state_ml[1] * alpha + tree_sum_inplace(tbuf, kChunk);
+  for (int64_t d = 0; d < D; ++d) pv[d] = 0.0f;
+  for (int64_t j = 0; j < kChunk; ++j) {
+    const float pj = p[j];
+    const float* __restrict vr = vc + j * D;
+    for (int64_t d = 0; d < D; ++d) pv[d] = std::fma(pj, vr[d], pv[d]);
+  }
+  for (int64_t d = 0; d < D; ++d) orow[d] = orow[d] * alpha + pv[d];
+  state_ml[0] = m_new;
+}
+
+// Gather one chunk of keys as fp32: kt [D][32] (transposed) and vc [32][D]; zeros past the keys.
+template <typename kv_t>
+static void gather_chunk(const kv_t* __restrict K, const kv_t* __restrict V, const KeySource& src, int64_t b, int64_t hk, int64_t lo,
+                         int64_t key_len, int64_t D, float* __restrict kt, float* __restrict vc) {
+  for (int64_t j = 0; j < kChunk; ++j) {
+    const int64_t key = lo + j;
+    float* __restrict vr = vc + j * D;
+    if (key < key_len) {
+      const int64_t off = src.offset(b, key, hk);
+      const kv_t* __restrict kr = K + off;
+      const kv_t* __restrict vs = V + off;
+      for (int64_t d = 0; d < D; ++d) kt[d * kChunk + j] = widen(kr[d]);
+      for (int64_t d = 0; d < D; ++d) vr[d] = widen(vs[d]);
+    } else {
+      for (int64_t d = 0; d < D; ++d) kt[d * kChunk + j] = 0.0f;
+      for (int64_t d = 0; d < D; ++d) vr[d] = 0.0f;
+    }
+  }
+}
+
 template <typename kv_t>
 static void attend_kernel(const float* q, float* out, int64_t Hq, int64_t Hkv, int64_t D, const KeySource& src,
                           const int64_t* q_start, const int64_t* q_len, const int64_t* first_pos, const int64_t* key_len,
@@ -287,74 +365,31 @@ static void attend_kernel(const float* q, float* out, int64_t Hq, int64_t Hkv, i
   const int64_t groups = Hq / Hkv;
   const kv_t* K = reinterpret_cast<const kv_t*>(src.k);
   const kv_t* V = reinterpret_cast<const kv_t*>(src.v);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t wb, int64_t we) {
-    std::vector<float> kt(D * kChunk), vc(kChunk * D), s(kChunk), p(kChunk), tbuf(kChunk), pv(D);
-    std::vector<float> m, l, o;
+  at::parallel_for(0, B * Hkv, 1, [=, &src](int64_t wb, int64_t we) {
+    std::vector<float> kt(D * kChunk), vc(kChunk * D), s(kChunk), p(kChunk), tbuf(kChunk), pv(D), ml, o;
     for (int64_t w = wb; w < we; ++w) {
       const int64_t b = w / Hkv, hk = w % Hkv;
       const int64_t n = q_len[b];
       if (n == 0) continue;
       const int64_t rows = n * groups;
-      m.assign(rows, -kInf);
-      l.assign(rows, 0.0f);
+      ml.resize(2 * rows);
+      for (int64_t r = 0; r < rows; ++r) {
+        ml[2 * r] = -kInf;  // m
+        ml[2 * r + 1] = 0.0f;  // l
+      }
       o.assign(rows * D, 0.0f);
       const int64_t last = first_pos[b] + n - 1;  // highest query position of this request
       const int64_t nchunks = last / kChunk + 1;
       for (int64_t c = 0; c < nchunks; ++c) {
         const int64_t lo = c * kChunk;
-        // gather the chunk as fp32: kt [D][32] (transposed) and vc [32][D]; zeros past the keys
-        for (int64_t j = 0; j < kChunk; ++j) {
-          const int64_t key = lo + j;
-          if (key < key_len[b]) {
-            const int64_t off = src.offset(b, key, hk);
-            for (int64_t d = 0; d < D; ++d) {
-              kt[d * kChunk + j] = widen(K[off + d]);
-              vc[j * D + d] = widen(V[off + d]);
-            }
-          } else {
-            for (int64_t d = 0; d < D; ++d) {
-              kt[d * kChunk + j] = 0.0f;
-              vc[j * D + d] = 0.0f;
-            }
-          }
-        }
+        gather_chunk<kv_t>(K, V, src, b, hk, lo, key_len[b], D, kt.data(), vc.data());
         for (int64_t i = 0; i < n; ++i) {
           const int64_t pos = first_pos[b] + i;
           if (pos < lo) continue;  // a chunk past the query's position is an exact identity
-          const int64_t visible = pos - lo + 1;  // keys lo..pos of this chunk (may exceed 32)
           for (int64_t g = 0; g < groups; ++g) {
-            const int64_t hq = hk * groups + g;
-            const float* qr = q + ((q_start[b] + i) * Hq + hq) * D;
-            const int64_t row = i * groups + g;
-            // scores: s[j] = fma-chain over d, then * scale; masked keys -inf
-            for (int64_t j = 0; j < kChunk; ++j) s[j] = 0.0f;
-            for (int64_t d = 0; d < D; ++d) {
-              const float qd = qr[d];
-              const float* kr = kt.data() + d * kChunk;
-              for (int64_t j = 0; j < kChunk; ++j) s[j] = std::fma(qd, kr[j], s[j]);
-            }
-            float cmax = -kInf;
-            for (int64_t j = 0; j < kChunk; ++j) {
-              s[j] = j < visible ? s[j] * scale : -kInf;
-              cmax = s[j] > cmax ? s[j] : cmax;
-            }
-            const float m_old = m[row];
-            const float m_new = m_old > cmax ? m_old : cmax;
-            const float alpha = sexp(m_old - m_new);
-            for (int64_t j = 0; j < kChunk; ++j) {
-              p[j] = sexp(s[j] - m_new);
-              tbuf[j] = p[j];
-            }
-            l[row] = l[row] * alpha + tree_sum_inplace(tbuf.data(), kChunk);
-            for (int64_t d = 0; d < D; ++d) pv[d] = 0.0f;
-            for (int64_t j = 0; j < kChunk; ++j) {
-              const float pj = p[j];
-              const float* vr = vc.data() + j * D;
-              for (int64_t d = 0; d < D; ++d) pv[d] = std::fma(pj, vr[d], pv[d]);
-            }
-            float* orow = o.data() + row * D;
-            for (int64_t d = 0; d < D; ++d) orow[d] = orow[d] * alpha + pv[d];
-            m[row] = m_new;
+            const int64_t hq = hk * groups + g, row = i * groups + g;
+            chunk_update(q + ((q_start[b] + i) * Hq + hq) * D, kt.data(), vc.data(), D, pos - lo + 1, scale, ml.data() + 2 * row,
+                         o.data() + row * D, s.data(), p.data(), tbuf.data(), pv.data());
           }
         }
       }
@@ -363,7 +398,8 @@ static void attend_kernel(const float* q, float* out, int64_t Hq, int64_t Hkv, i
           const int64_t row = i * groups + g, hq = hk * groups + g;
           float* dst = out + ((q_start[b] + i) * Hq + hq) * D;
           const float* orow = o.data() + row * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = orow[d] / l[row];
+          const float lr = ml[2 * row + 1];
+          for (int64_t d = 0; d < D; ++d) dst[d] = orow[d] / lr;
         }
     }
   });
@@ -469,6 +505,18 @@ static at::Tensor tile_matmul(const at::Tensor& a, const at::Tensor& b) {
   return out.slice(0, 0, m);
 }
 
+// The same product as one plain GEMM: rows zero-padded to at least one tile. The BLAS's
+// fp32 GEMM reduces K in an order that depends on K alone, not on M, N or the thread count
+// (measured over M 16..1500, K 32..4096, N 16..4096, 1 and 2 threads), so each row's bits equal
+// tile_matmul's; the loader checks this per weight shape before it uses the plain GEMM.
+static at::Tensor plain_matmul(const at::Tensor& a, const at::Tensor& b) {
+  const int64_t m = a.size(0);
+  if (m >= kTileRows) return at::mm(a, b);
+  return at::mm(at::constant_pad_nd(a, {0, 0, 0, kTileRows - m}), b).slice(0, 0, m);
+}
+
+static at::Tensor matmul(const at::Tensor& a, const at::Tensor& b, bool plain) { return plain ? plain_matmul(a, b) : tile_matmul(a, b); }
+
 constexpr int64_t kMinCols = 16;
 
 static at::Tensor widen_weight(const at::Tensor& weight) {
@@ -478,20 +526,20 @@ static at::Tensor widen_weight(const at::Tensor& weight) {
 }
 
 // linear reference: x [.., K], weight [N, K], optional bias, k_segments canonical K-segments.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t k_segments) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t k_segments, bool plain) {
   const int64_t k = x.size(-1), n = weight.size(0);
   TORCH_CHECK_VALUE(weight.size(1) == k, "linear: x has K=", k, " but weight has K=", weight.size(1));
   auto x2 = x.reshape({-1, k}).to(at::kFloat);
   auto w = widen_weight(weight);
   at::Tensor out;
   if (k_segments == 1) {
-    out = tile_matmul(x2, w.t());
+    out = matmul(x2, w.t(), plain);
   } else {
     TORCH_CHECK_VALUE(k_segments >= 1 && k % k_segments == 0, "linear: K=", k, " is not divisible into ", k_segments, " canonical segments");
     const int64_t seg = k / k_segments;
     std::vector<at::Tensor> parts;
     for (int64_t i = 0; i < k_segments; ++i)
-      parts.push_back(tile_matmul(x2.slice(1, i * seg, (i + 1) * seg), w.slice(1, i * seg, (i + 1) * seg).t()));
+      parts.push_back(matmul(x2.slice(1, i * seg, (i + 1) * seg), w.slice(1, i * seg, (i + 1) * seg).t(), plain));
     // tree_sum over the stacked partials: zero-pad to a power of two, add adjacent pairs
     while (parts.size() & (parts.size() - 1)) parts.push_back(at::zeros_like(parts[0]));
     while (parts.size() > 1) {
@@ -525,7 +573,7 @@ static inline ML merge_ml(ML a, ML b) {
 
 // kind 0: full table [T, V]; kind 1: logprob of targets [T]; kind 2: lse [T].
 static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& targets_in,
-                               double temperature, int64_t vocab, int kind) {
+                               double temperature, int64_t vocab, int kind, bool plain) {
   auto h32 = hidden.to(at::kFloat);
   const int64_t T = h32.size(0);
   const int64_t ntiles = (vocab + kVocabTile - 1) / kVocabTile;
@@ -539,17 +587,22 @@ static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weigh
   if (kind == 1) targets = targets_in->to(at::kLong).contiguous();
   for (int64_t ti = 0; ti < ntiles; ++ti) {
     const int64_t lo = ti * kVocabTile, hi = std::min(lo + kVocabTile, vocab), w = hi - lo;
-    auto z = at::div(tile_matmul(h32, weight.slice(0, lo, hi).to(at::kFloat).t()), temperature).contiguous();
+    auto z = at::div(matmul(h32, weight.slice(0, lo, hi).to(at::kFloat).t(), plain), temperature).contiguous();
     const float* zp = z.data_ptr<float>();
-    at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
-      std::vector<float> buf(pow2_ceil(w));
+    float* msp = ms.data();
+    float* lsp = ls.data();
+    at::parallel_for(0, T, 4, [=](int64_t b, int64_t e) {
+      std::vector<float> bufv(pow2_ceil(w)), dv(w);
+      float* __restrict buf = bufv.data();
+      float* __restrict dz = dv.data();
       for (int64_t r = b; r < e; ++r) {
-        const float* zr = zp + r * w;
+        const float* __restrict zr = zp + r * w;
         float m = -kInf;
         for (int64_t j = 0; j < w; ++j) m = zr[j] > m ? zr[j] : m;
-        for (int64_t j = 0; j < w; ++j) buf[j] = sexp(zr[j] - m);
-        ms[r * P + ti] = m;
-        ls[r * P + ti] = tree_sum_inplace(buf.data(), w);
+        for (int64_t j = 0; j < w; ++j) dz[j] = zr[j] - m;
+        exp_span(dz, buf, w);
+        msp[r * P + ti] = m;
+        lsp[r * P + ti] = tree_sum_inplace(buf, w);
       }
     });
     if (kind == 0) full.slice(1, lo, hi).copy_(z);
@@ -570,9 +623,14 @@ static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weigh
   }
   if (kind == 0) {
     float* fp = full.data_ptr<float>();
-    at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r)
-        for (int64_t j = 0; j < vocab; ++j) fp[r * vocab + j] = (fp[r * vocab + j] - mfin[r]) - logl[r];
+    const float* mf = mfin.data();
+    const float* ll = logl.data();
+    at::parallel_for(0, T, 1, [=](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        float* __restrict row = fp + r * vocab;
+        const float mr = mf[r], lr = ll[r];
+        for (int64_t j = 0; j < vocab; ++j) row[j] = (row[j] - mr) - lr;
+      }
     });
     return full;
   }
@@ -582,16 +640,17 @@ static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weigh
   return out;
 }
 
-at::Tensor logprobs_full(const at::Tensor& hidden, const at::Tensor& weight, double temperature, int64_t vocab) {
-  return logprob_impl(hidden, weight, c10::nullopt, temperature, vocab, 0);
+at::Tensor logprobs_full(const at::Tensor& hidden, const at::Tensor& weight, double temperature, int64_t vocab, bool plain) {
+  return logprob_impl(hidden, weight, c10::nullopt, temperature, vocab, 0, plain);
 }
 
-at::Tensor logprob_targets(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, double temperature, int64_t vocab) {
-  return logprob_impl(hidden, weight, targets, temperature, vocab, 1);
+at::Tensor logprob_targets(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, double temperature, int64_t vocab,
+                           bool plain) {
+  return logprob_impl(hidden, weight, targets, temperature, vocab, 1, plain);
 }
 
-at::Tensor logsumexp(const at::Tensor& hidden, const at::Tensor& weight, double temperature, int64_t vocab) {
-  return logprob_impl(hidden, weight, c10::nullopt, temperature, vocab, 2);
+at::Tensor logsumexp(const at::Tensor& hidden, const at::Tensor& weight, double temperature, int64_t vocab, bool plain) {
+  return logprob_impl(hidden, weight, c10::nullopt, temperature, vocab, 2, plain);
 }
 
 }  // namespace rk
@@ -606,8 +665,9 @@ TORCH_LIBRARY(rlkernel, m) {
   m.def("attention_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor",
         &rk::attention_paged);
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()", &rk::write_kv);
-  m.def("linear(Tensor x, Tensor weight, Tensor? bias, int k_segments) -> Tensor", &rk::linear);
-  m.def("logprobs_full(Tensor hidden, Tensor weight, float temperature, int vocab) -> Tensor", &rk::logprobs_full);
-  m.def("logprob_targets(Tensor hidden, Tensor weight, Tensor targets, float temperature, int vocab) -> Tensor", &rk::logprob_targets);
-  m.def("logsumexp(Tensor hidden, Tensor weight, float temperature, int vocab) -> Tensor", &rk::logsumexp);
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, int k_segments, bool plain_gemm) -> Tensor", &rk::linear);
+  m.def("logprobs_full(Tensor hidden, Tensor weight, float temperature, int vocab, bool plain_gemm) -> Tensor", &rk::logprobs_full);
+  m.def("logprob_targets(Tensor hidden, Tensor weight, Tensor targets, float temperature, int vocab, bool plain_gemm) -> Tensor",
+        &rk::logprob_targets);
+  m.def("logsumexp(Tensor hidden, Tensor weight, float temperature, int vocab, bool plain_gemm) -> Tensor", &rk::logsumexp);
 }

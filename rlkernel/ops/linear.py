@@ -86,8 +86,9 @@ def _linear_reference(x, weight, bias=None, k_segments: int = 1):
     k = x.shape[-1]
     if weight.shape[-1] != k:
         raise ValueError(f"linear: x has K={k} but weight is {tuple(weight.shape)}")
-    if fused.active(x, weight, bias):
-        return fused.ops().linear(x, weight, bias, k_segments)
+    if fused.active(x, weight, bias) and k_segments >= 1 and k % k_segments == 0:
+        plain = fused.plain_gemm_ok(k // k_segments, max(weight.shape[0], MIN_COLS))
+        return fused.ops().linear(x, weight, bias, k_segments, plain)
     lead, n = x.shape[:-1], weight.shape[0]
     x2 = x.reshape(-1, k).float()
     w = _widen(weight)

@@ -196,9 +196,11 @@ class _LinearEntropy(torch.autograd.Function):
 @dispatch.register("linear_logprob", "reference", REFERENCE)
 def _linear_logprob_reference(kind, hidden, weight, targets, temperature, vocab_size):
     if kind != "entropy" and fused.active(hidden, weight):
+        h, last = hidden.shape[1], vocab_size % VOCAB_TILE
+        plain = fused.plain_gemm_ok(h, min(VOCAB_TILE, vocab_size)) and (last == 0 or fused.plain_gemm_ok(h, last))
         if kind == "full":
-            return fused.ops().logprobs_full(hidden, weight, temperature, vocab_size)
-        return fused.ops().logprob_targets(hidden, weight, targets, temperature, vocab_size)
+            return fused.ops().logprobs_full(hidden, weight, temperature, vocab_size, plain)
+        return fused.ops().logprob_targets(hidden, weight, targets, temperature, vocab_size, plain)
     if kind == "full":
         return _full(hidden.float(), weight, temperature, vocab_size)
     if kind == "entropy":
