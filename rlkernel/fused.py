@@ -122,7 +122,8 @@ def available() -> bool:
 
 
 def active(*tensors: torch.Tensor) -> bool:
-    """Whether a reference op on these tensors should take the fused path now."""
+    """Whether a reference op on these tensors may run its fused forward now (CPU tensors, no
+    autograd graph wanted). With no tensors: whether the fused path is on at all."""
     if _OFF.get():
         return False
     for t in tensors:
@@ -172,7 +173,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def attention_ok(head_dim: int, kv_dtype: torch.dtype) -> bool:
     """Whether the fused attention may serve this head size: its q.k chain must be this machine's
     BLAS tile order, checked once per (head_dim, dtype) against the composition."""
-    if not MIN_FUSED_HEAD_DIM <= head_dim <= MAX_FUSED_HEAD_DIM:
+    if not MIN_FUSED_HEAD_DIM <= head_dim <= MAX_FUSED_HEAD_DIM or _OFF.get() or not _load():
         return False
     key = (head_dim, str(kv_dtype).removeprefix("torch."))
     ok = _STATE["attention_checks"].get(key)

@@ -59,3 +59,30 @@ class TrainBatch:
             advantages=advantages,
             rollout_logprobs=[torch.from_numpy(r.rollout_logprobs.copy()) for r in records],
         )
+
+    # Pickling (Ray moves batches between roles): each per-sample list travels as one flat
+    # tensor plus lengths. Ray serialises every tensor of a list on its own (measured: 256
+    # five-element tensors cost 146 ms a call, one tensor 4 ms); values are unchanged.
+    _LISTS = ("loss_mask", "rollout_logprobs", "old_logprobs")
+
+    def __getstate__(self) -> dict:
+        state = {f: getattr(self, f) for f in self.__slots__}
+        for f in self._LISTS:
+            if state[f] is not None:
+                state[f] = pack_tensors(state[f])
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for f in self.__slots__:
+            v = state[f]
+            setattr(self, f, unpack_tensors(v) if f in self._LISTS and v is not None else v)
+
+
+def pack_tensors(xs: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """One flat tensor and the lengths of a list of 1-D tensors (cheap to move between processes)."""
+    return (torch.cat(xs) if xs else torch.zeros(0)), [int(x.shape[0]) for x in xs]
+
+
+def unpack_tensors(packed: tuple[torch.Tensor, list[int]]) -> list[torch.Tensor]:
+    flat, lens = packed
+    return list(flat.split(lens)) if lens else []

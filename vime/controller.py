@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .batch import TrainBatch
+from .batch import TrainBatch, unpack_tensors
 from .config import VimeConfig
 from .grpo import GRPOConfig, group_advantages
 from .metrics import compare_logprobs
@@ -45,7 +45,8 @@ def train(cfg: VimeConfig, config_dict: dict) -> Path:
             t1 = time.perf_counter()
             batch = TrainBatch.from_records(records, advantages=_advantages(records, cfg))
             sinks.phase("score")
-            scored_version, train_lp = trainer.call("score", batch)                   # Megatron: old-policy logprobs
+            scored_version, packed = trainer.call("score", batch)                     # Megatron: old-policy logprobs
+            train_lp = unpack_tensors(packed)
             cmp = comparability(records, batch, scored_version, version)
             stats = compare_logprobs([r.rollout_logprobs for r in records], train_lp) if cmp["comparable"] else _not_compared()
             t2 = time.perf_counter()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .batch import TrainBatch
+from .batch import TrainBatch, pack_tensors
 from .config import VimeConfig
 from .data.prompts import Prompt
 from .data.rewards import math_reward
@@ -106,9 +106,9 @@ class TrainerRole:
     def vocab_size(self) -> int:
         return self.trainer.spec.decoder.vocab_size
 
-    def score(self, batch: TrainBatch) -> tuple[int, list[torch.Tensor]]:
-        """(weight version scored with, per-sample float32 logprobs)."""
-        return self.trainer.weight_version, self.trainer.score(batch)
+    def score(self, batch: TrainBatch) -> tuple[int, tuple[torch.Tensor, list[int]]]:
+        """(weight version scored with, per-sample float32 logprobs packed flat: see batch.pack_tensors)."""
+        return self.trainer.weight_version, pack_tensors(self.trainer.score(batch))
 
     def update(self, batch: TrainBatch) -> dict:
         return self.trainer.update(batch)

@@ -359,7 +359,7 @@ static void gather_chunk(const kv_t* __restrict K, const kv_t* __restrict V, con
 }
 
 template <typename kv_t>
-static void attend_kernel(const float* q, float* out, int64_t Hq, int64_t Hkv, int64_t D, const KeySource& src,
+static void attend_kernel(const float* q, float* out, float* lse, int64_t Hq, int64_t Hkv, int64_t D, const KeySource& src,
                           const int64_t* q_start, const int64_t* q_len, const int64_t* first_pos, const int64_t* key_len,
                           int64_t B, float scale) {
   const int64_t groups = Hq / Hkv;
@@ -400,6 +400,7 @@ static void attend_kernel(const float* q, float* out, int64_t Hq, int64_t Hkv, i
           const float* orow = o.data() + row * D;
           const float lr = ml[2 * row + 1];
           for (int64_t d = 0; d < D; ++d) dst[d] = orow[d] / lr;
+          if (lse) lse[(q_start[b] + i) * Hq + hq] = ml[2 * row] + slog(lr);  // for the backward
         }
     }
   });
@@ -407,7 +408,7 @@ static void attend_kernel(const float* q, float* out, int64_t Hq, int64_t Hkv, i
 
 static at::Tensor run_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, KeySource src,
                                 const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& first_pos,
-                                const at::Tensor& key_len, double scale) {
+                                const at::Tensor& key_len, double scale, at::Tensor* lse_out = nullptr) {
   TORCH_CHECK_VALUE(k.scalar_type() == v.scalar_type(), "rlkernel::attention: k and v dtypes differ");
   TORCH_CHECK_VALUE(k.stride(-1) == 1 && v.stride(-1) == 1, "rlkernel::attention: k/v last dim must be contiguous");
   TORCH_CHECK_VALUE(k.strides() == v.strides(), "rlkernel::attention: k and v strides differ");
@@ -415,18 +416,25 @@ static at::Tensor run_attention(const at::Tensor& q_in, const at::Tensor& k, con
   const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(-2);
   TORCH_CHECK_VALUE(Hq % Hkv == 0, "rlkernel::attention: query heads are not a multiple of kv heads");
   auto out = at::zeros(q.sizes(), q.options());
+  float* lse = nullptr;
+  if (lse_out) {
+    *lse_out = at::zeros({q.size(0), Hq}, q.options());
+    lse = lse_out->data_ptr<float>();
+  }
   RK_DISPATCH(k.scalar_type(), "rk_attention", [&] {
     src.k = reinterpret_cast<const char*>(k.data_ptr<scalar_t>());
     src.v = reinterpret_cast<const char*>(v.data_ptr<scalar_t>());
-    attend_kernel<scalar_t>(q.data_ptr<float>(), out.data_ptr<float>(), Hq, Hkv, D, src, q_start.data_ptr<int64_t>(),
+    attend_kernel<scalar_t>(q.data_ptr<float>(), out.data_ptr<float>(), lse, Hq, Hkv, D, src, q_start.data_ptr<int64_t>(),
                             q_len.data_ptr<int64_t>(), first_pos.data_ptr<int64_t>(), key_len.data_ptr<int64_t>(),
                             q_start.size(0), static_cast<float>(scale));
   });
   return out;
 }
 
-// Packed causal prefill: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1]. Returns fp32.
-at::Tensor attention_varlen(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& cu_in, double scale) {
+// Packed causal prefill: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1]. Returns fp32 out
+// (and, with lse, the fp32 log-sum-exp [T, Hq] of each query's scaled scores, for the backward).
+static at::Tensor varlen_impl(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& cu_in, double scale,
+                              at::Tensor* lse) {
   auto k = k_in.contiguous(), v = v_in.contiguous();
   auto cu = cu_in.to(at::kLong).contiguous();
   const int64_t B = cu.size(0) - 1;
@@ -434,7 +442,18 @@ at::Tensor attention_varlen(const at::Tensor& q, const at::Tensor& k_in, const a
   auto lens = (cu.slice(0, 1, B + 1) - cu.slice(0, 0, B)).contiguous();
   auto zeros = at::zeros({B}, cu.options());
   KeySource src{nullptr, nullptr, 0, k.stride(0), k.stride(1), 0, nullptr, 0, starts.data_ptr<int64_t>()};
-  return run_attention(q, k, v, src, starts, lens, zeros, lens, scale);
+  return run_attention(q, k, v, src, starts, lens, zeros, lens, scale, lse);
+}
+
+at::Tensor attention_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu, double scale) {
+  return varlen_impl(q, k, v, cu, scale, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen_lse(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu,
+                                                        double scale) {
+  at::Tensor lse;
+  auto out = varlen_impl(q, k, v, cu, scale, &lse);
+  return {out, lse};
 }
 
 // Queries against a paged cache: caches [num_blocks, block_size, Hkv, D] (any strides with a
@@ -584,7 +603,7 @@ static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weigh
   if (kind == 0) full = at::empty({T, vocab}, h32.options());
   at::Tensor targets;
   std::vector<float> zt(T, 0.0f);
-  if (kind == 1) targets = targets_in->to(at::kLong).contiguous();
+  if (kind == 1 || kind == 3) targets = targets_in->to(at::kLong).contiguous();
   for (int64_t ti = 0; ti < ntiles; ++ti) {
     const int64_t lo = ti * kVocabTile, hi = std::min(lo + kVocabTile, vocab), w = hi - lo;
     auto z = at::div(matmul(h32, weight.slice(0, lo, hi).to(at::kFloat).t(), plain), temperature).contiguous();
@@ -606,7 +625,7 @@ static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weigh
       }
     });
     if (kind == 0) full.slice(1, lo, hi).copy_(z);
-    if (kind == 1) {
+    if (kind == 1 || kind == 3) {
       const int64_t* tp = targets.data_ptr<int64_t>();
       for (int64_t r = 0; r < T; ++r)
         if (tp[r] >= lo && tp[r] < hi) zt[r] = zp[r * w + (tp[r] - lo)];
@@ -637,6 +656,15 @@ static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weigh
   auto out = at::empty({T}, h32.options());
   float* op = out.data_ptr<float>();
   for (int64_t r = 0; r < T; ++r) op[r] = kind == 1 ? (zt[r] - mfin[r]) - logl[r] : mfin[r] + logl[r];
+  if (kind == 3) {  // [2, T]: logprob of targets and lse (what the backward needs), one pass
+    auto both = at::empty({2, T}, h32.options());
+    float* bp = both.data_ptr<float>();
+    for (int64_t r = 0; r < T; ++r) {
+      bp[r] = (zt[r] - mfin[r]) - logl[r];
+      bp[T + r] = mfin[r] + logl[r];
+    }
+    return both;
+  }
   return out;
 }
 
@@ -647,6 +675,11 @@ at::Tensor logprobs_full(const at::Tensor& hidden, const at::Tensor& weight, dou
 at::Tensor logprob_targets(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, double temperature, int64_t vocab,
                            bool plain) {
   return logprob_impl(hidden, weight, targets, temperature, vocab, 1, plain);
+}
+
+at::Tensor logprob_targets_lse(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, double temperature,
+                               int64_t vocab, bool plain) {
+  return logprob_impl(hidden, weight, targets, temperature, vocab, 3, plain);
 }
 
 at::Tensor logsumexp(const at::Tensor& hidden, const at::Tensor& weight, double temperature, int64_t vocab, bool plain) {
@@ -662,6 +695,7 @@ TORCH_LIBRARY(rlkernel, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)", &rk::rms_norm);
   m.def("rope(Tensor x, Tensor positions, Tensor cos, Tensor sin) -> Tensor", &rk::rope);
   m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale) -> Tensor", &rk::attention_varlen);
+  m.def("attention_varlen_lse(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale) -> (Tensor, Tensor)", &rk::attention_varlen_lse);
   m.def("attention_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor",
         &rk::attention_paged);
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()", &rk::write_kv);
@@ -669,5 +703,7 @@ TORCH_LIBRARY(rlkernel, m) {
   m.def("logprobs_full(Tensor hidden, Tensor weight, float temperature, int vocab, bool plain_gemm) -> Tensor", &rk::logprobs_full);
   m.def("logprob_targets(Tensor hidden, Tensor weight, Tensor targets, float temperature, int vocab, bool plain_gemm) -> Tensor",
         &rk::logprob_targets);
+  m.def("logprob_targets_lse(Tensor hidden, Tensor weight, Tensor targets, float temperature, int vocab, bool plain_gemm) -> Tensor",
+        &rk::logprob_targets_lse);
   m.def("logsumexp(Tensor hidden, Tensor weight, float temperature, int vocab, bool plain_gemm) -> Tensor", &rk::logsumexp);
 }

@@ -170,12 +170,69 @@ def _impl(attend):
     return run
 
 
+def _varlen_backward(q, k, v, out, lse, cu_seqlens, scale, g):
+    """Gradients of packed causal attention from its output and per-query log-sum-exp, batched
+    over requests: P = exp(S - lse) on the causal mask, dV = P^T dO, dS = P (dO V^T - rowsum(dO O)),
+    dQ = dS K scale, dK = dS^T Q scale, kv-head gradients summed over their query heads by a tree.
+    Every reduction is a tile GEMM or a tree, so the result is deterministic and thread-independent."""
+    cu = cu_seqlens.to(q.device).long()
+    starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    b, n = lens.shape[0], int(lens.max())
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    groups = hq // hkv
+    j = torch.arange(n, device=q.device)
+    real = j[None, :] < lens[:, None]  # [B, n]
+
+    def heads(x):  # packed [T, H, ...] -> [B*H, n, ...], zeros past each request
+        p = _gather_padded(x.float(), starts, lens, n)
+        return p.transpose(1, 2).reshape(b * x.shape[1], n, *x.shape[2:])
+
+    qh, oh, gh, lse_h = heads(q), heads(out), heads(g), heads(lse[..., None])[..., 0]
+    kx = _expand_kv(_gather_padded(k.float(), starts, lens, n), groups).reshape(b * hq, n, d)
+    vx = _expand_kv(_gather_padded(v.float(), starts, lens, n), groups).reshape(b * hq, n, d)
+    allowed = (j[:, None] >= j[None, :])[None] & real[:, None, :]  # [B, n_q, n_k]
+    allowed = allowed[:, None].expand(b, hq, n, n).reshape(b * hq, n, n)
+    s = (tile_matmul(qh, kx.transpose(1, 2)) * scale).masked_fill(~allowed, -math.inf)
+    p = strict_exp(s - lse_h[..., None])
+    dv = tile_matmul(p.transpose(1, 2), gh)
+    dp = tile_matmul(gh, vx.transpose(1, 2))
+    ds = p * (dp - tree_sum(gh * oh, dim=-1)[..., None])
+    dq = tile_matmul(ds, kx) * scale
+    dk = tile_matmul(ds.transpose(1, 2), qh) * scale
+
+    def packed(x, h):  # [B*H, n, D] -> packed [T, H, D]
+        return x.reshape(b, h, n, d).transpose(1, 2)[real]
+
+    dk = tree_sum(dk.reshape(b, hkv, groups, n, d), dim=2).reshape(b * hkv, n, d)
+    dv = tree_sum(dv.reshape(b, hkv, groups, n, d), dim=2).reshape(b * hkv, n, d)
+    return packed(dq, hq).to(q.dtype), packed(dk, hkv).to(k.dtype), packed(dv, hkv).to(v.dtype)
+
+
+class _FusedVarlen(torch.autograd.Function):
+    """Training forward through the fused kernel (the reference bits) with `_varlen_backward`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        out, lse = fused.ops().attention_varlen_lse(q, k, v, cu_seqlens, scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.scale = scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        return (*_varlen_backward(q, k, v, out, lse, cu, ctx.scale, g), None, None)
+
+
 def _reference(kind, q, k, v, *args):
     """The reference contract: one fused C++ call on the CPU where it is checked to give the
     composition's bits (rlkernel/fused.py), else the composition."""
-    if fused.active(q, k, v) and fused.attention_ok(q.shape[-1], k.dtype):
-        out = (fused.ops().attention_varlen if kind == "varlen" else fused.ops().attention_paged)(q, k, v, *args)
-        return out.to(q.dtype)
+    if q.device.type == "cpu" and fused.attention_ok(q.shape[-1], k.dtype):
+        if fused.active(q, k, v):
+            out = (fused.ops().attention_varlen if kind == "varlen" else fused.ops().attention_paged)(q, k, v, *args)
+            return out.to(q.dtype)
+        if kind == "varlen" and fused.active():  # a training forward: fused bits, explicit backward
+            return _FusedVarlen.apply(q, k, v, *args)
     return (_varlen if kind == "varlen" else _paged)(_attend, q, k, v, *args)
 
 

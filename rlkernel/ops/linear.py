@@ -81,14 +81,40 @@ def linear_segment_partials(x: torch.Tensor, weight: torch.Tensor, k_segments: i
     return [p[:, :n] for p in _partials(x.reshape(-1, x.shape[-1]).float(), w, k_segments)]
 
 
+class _FusedLinear(torch.autograd.Function):
+    """Training forward through the fused kernel (the reference bits); backward by tile GEMMs
+    (dx = g W, dW = g^T x) and a tree over rows for the bias: deterministic, thread-independent."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, k_segments, plain):
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return fused.ops().linear(x, weight, bias, k_segments, plain)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g32 = g.reshape(-1, w.shape[0]).float()
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = tile_matmul(g32, w.float()).to(x.dtype).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            gw = tile_matmul(g32.t(), x.reshape(-1, x.shape[-1]).float()).to(w.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            gb = tree_sum(g32, dim=0).to(ctx.bias_dtype)
+        return gx, gw, gb, None, None
+
+
 @dispatch.register("linear", "reference", REFERENCE)
 def _linear_reference(x, weight, bias=None, k_segments: int = 1):
     k = x.shape[-1]
     if weight.shape[-1] != k:
         raise ValueError(f"linear: x has K={k} but weight is {tuple(weight.shape)}")
-    if fused.active(x, weight, bias) and k_segments >= 1 and k % k_segments == 0:
+    if x.device.type == "cpu" and k_segments >= 1 and k % k_segments == 0 and fused.active():
         plain = fused.plain_gemm_ok(k // k_segments, max(weight.shape[0], MIN_COLS))
-        return fused.ops().linear(x, weight, bias, k_segments, plain)
+        if fused.active(x, weight, bias):
+            return fused.ops().linear(x, weight, bias, k_segments, plain)
+        return _FusedLinear.apply(x, weight, bias, k_segments, plain)
     lead, n = x.shape[:-1], weight.shape[0]
     x2 = x.reshape(-1, k).float()
     w = _widen(weight)

@@ -116,9 +116,12 @@ def _tiled_backward(ctx, hidden, weight, grad_z):
 class _LinearLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, vocab_size):
-        h32 = hidden.float()
-        lp, m, l = _forward(h32, weight, targets, temperature, vocab_size)
-        ctx.save_for_backward(hidden, weight, targets, m + strict_log(l))
+        if hidden.device.type == "cpu" and fused.active():  # the same bits in one fused pass
+            lp, lse = fused.ops().logprob_targets_lse(hidden, weight, targets, temperature, vocab_size, _plain(hidden, vocab_size))
+        else:
+            lp, m, l = _forward(hidden.float(), weight, targets, temperature, vocab_size)
+            lse = m + strict_log(l)
+        ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.vocab_size = temperature, vocab_size
         return lp
 
@@ -161,7 +164,15 @@ def _full(h32, weight, temperature, vocab_size):
     return torch.cat([(z - m[:, None]) - log_l[:, None] for z in zs], dim=-1)
 
 
+def _plain(hidden, vocab_size):
+    """Whether the fused kernel may run the vocab tiles as plain GEMMs (see fused.plain_gemm_ok)."""
+    h, last = hidden.shape[1], vocab_size % VOCAB_TILE
+    return fused.plain_gemm_ok(h, min(VOCAB_TILE, vocab_size)) and (last == 0 or fused.plain_gemm_ok(h, last))
+
+
 def _lse(h32, weight, temperature, vocab_size):
+    if h32.device.type == "cpu" and fused.active():
+        return fused.ops().logsumexp(h32, weight, temperature, vocab_size, _plain(h32, vocab_size))
     _, ms, ls = _tile_ml(h32, weight, temperature, vocab_size, keep_logits=False)
     m, l = tree_merge_ml(ms, ls)
     return m + strict_log(l)
@@ -196,8 +207,7 @@ class _LinearEntropy(torch.autograd.Function):
 @dispatch.register("linear_logprob", "reference", REFERENCE)
 def _linear_logprob_reference(kind, hidden, weight, targets, temperature, vocab_size):
     if kind != "entropy" and fused.active(hidden, weight):
-        h, last = hidden.shape[1], vocab_size % VOCAB_TILE
-        plain = fused.plain_gemm_ok(h, min(VOCAB_TILE, vocab_size)) and (last == 0 or fused.plain_gemm_ok(h, last))
+        plain = _plain(hidden, vocab_size)
         if kind == "full":
             return fused.ops().logprobs_full(hidden, weight, temperature, vocab_size, plain)
         return fused.ops().logprob_targets(hidden, weight, targets, temperature, vocab_size, plain)

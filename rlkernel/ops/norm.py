@@ -43,11 +43,43 @@ def _add_residual(x, residual):
     return x if residual is None else x + residual
 
 
+class _FusedRmsNorm(torch.autograd.Function):
+    """Training forward through the fused kernel (the reference bits); explicit backward with
+    trees over the row (dh) and over rows (dw): deterministic, thread-independent."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, residual):
+        y, h = fused.ops().rms_norm(x, weight, eps, residual)
+        ctx.save_for_backward(h, weight)
+        ctx.eps, ctx.has_residual = eps, residual is not None
+        return (y, h) if residual is not None else y
+
+    @staticmethod
+    def backward(ctx, gy, gh_out=None):
+        h, w = ctx.saved_tensors
+        hf, H = h.float(), h.shape[-1]
+        rstd = strict_rsqrt(tree_sum(hf * hf, dim=-1) / H + ctx.eps)[..., None]
+        xhat = hf * rstd
+        g32 = gy.float()
+        gw = None
+        if ctx.needs_input_grad[1]:
+            normed = xhat.to(h.dtype).to(w.dtype).float()  # what the forward multiplied the weight by
+            gw = tree_sum((g32 * normed).reshape(-1, H), dim=0).to(w.dtype)
+        gyw = g32 * w.float()
+        gh = rstd * (gyw - xhat * (tree_sum(gyw * xhat, dim=-1) / H)[..., None])
+        if gh_out is not None:
+            gh = gh + gh_out.float()
+        gx = gh.to(h.dtype)
+        return gx, gw, None, (gx if ctx.has_residual else None)
+
+
 @dispatch.register("rms_norm", "reference", REFERENCE)
 def _rms_norm_reference(x, weight, eps, residual=None):
-    if fused.active(x, weight, residual):
-        y, h = fused.ops().rms_norm(x, weight, eps, residual)
-        return y if residual is None else (y, h)
+    if x.device.type == "cpu" and fused.active():
+        if fused.active(x, weight, residual):
+            y, h = fused.ops().rms_norm(x, weight, eps, residual)
+            return y if residual is None else (y, h)
+        return _FusedRmsNorm.apply(x, weight, eps, residual)
     h = _add_residual(x, residual)
     hf = h.float()
     ms = tree_sum(hf * hf, dim=-1) / h.shape[-1]

@@ -69,12 +69,30 @@ def rope_table(head_dim: int, n_positions: int, theta: float, device: torch.devi
         return cos, sin
 
 
+class _FusedRope(torch.autograd.Function):
+    """Training forward through the fused kernel (the reference bits); the backward is the
+    inverse rotation (sin negated), element-wise."""
+
+    @staticmethod
+    def forward(ctx, x, positions, cos, sin):
+        # constants, kept as attributes: the cached table may be an inference tensor (made under
+        # vLLM's inference_mode in the same process), which save_for_backward refuses
+        ctx.positions, ctx.cos, ctx.sin = positions, cos, sin
+        return fused.ops().rope(x, positions, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g):
+        return fused.ops().rope(g.contiguous(), ctx.positions, ctx.cos, -ctx.sin), None, None, None
+
+
 @dispatch.register("rope", "reference", REFERENCE)
 def _rope_reference(x, positions, theta):
     d = x.shape[-1]
     cos, sin = rope_table(d, int(positions.max()) + 1 if positions.numel() else 1, theta, x.device)
-    if fused.active(x):
-        return fused.ops().rope(x, positions, cos, sin)
+    if x.device.type == "cpu" and fused.active():
+        if fused.active(x):
+            return fused.ops().rope(x, positions, cos, sin)
+        return _FusedRope.apply(x, positions, cos, sin)
     c = cos[positions].unsqueeze(-2)  # [T, 1, d/2]
     s = sin[positions].unsqueeze(-2)
     xf = x.float()

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import dispatch, fused
 from ..contract import Contract
-from ..primitives import strict_silu
+from ..primitives import strict_exp, strict_silu
 
 REFERENCE = Contract(
     op="swiglu",
@@ -38,10 +38,31 @@ NATIVE = Contract(
 )
 
 
+class _FusedSwiGLU(torch.autograd.Function):
+    """Training forward through the fused kernel (the reference bits); element-wise backward
+    with the position-independent exp: silu' = s (1 + g (1 - s)), s = 1 / (1 + exp(-g))."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return fused.ops().swiglu(gate, up)
+
+    @staticmethod
+    def backward(ctx, g):
+        gate, up = ctx.saved_tensors
+        gf, uf, g32 = gate.float(), up.float(), g.float()
+        s = 1.0 / (strict_exp(-gf) + 1.0)
+        silu = gf * s
+        dgate = g32 * uf * (s * (1.0 + gf * (1.0 - s)))
+        return dgate.to(gate.dtype), (g32 * silu).to(up.dtype)
+
+
 @dispatch.register("swiglu", "reference", REFERENCE)
 def _swiglu_reference(gate, up):
-    if fused.active(gate, up):
-        return fused.ops().swiglu(gate, up)
+    if gate.device.type == "cpu" and fused.active():
+        if fused.active(gate, up):
+            return fused.ops().swiglu(gate, up)
+        return _FusedSwiGLU.apply(gate, up)
     return (strict_silu(gate) * up.float()).to(gate.dtype)
 
 
