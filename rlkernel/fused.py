@@ -218,3 +218,12 @@ def plain_gemm_ok(k: int, n: int) -> bool:
         if not ok:
             log.warning("rlkernel: a plain GEMM [*, %d] x [%d, %d] differs from the tile GEMMs here; the tiles run", k, k, n)
     return ok
+
+
+if __name__ == "__main__":  # `python -m rlkernel.fused`: build now (make install does), report
+    import json
+
+    logging.basicConfig(level=logging.INFO)
+    ok = available()
+    print(json.dumps(status(), indent=1))
+    sys.exit(0 if ok else 1)

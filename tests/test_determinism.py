@@ -2,10 +2,14 @@
 gradients are bitwise identical on every run and on 1 vs 2 threads, through a small
 transformer-like block (rms_norm -> linear -> rope -> attention -> linear -> swiglu ->
 linear -> linear_logprob) on a packed batch."""
+import pytest
 import torch
 
 import rlkernel as rk
 from helpers import threads
+
+pytestmark = pytest.mark.usefixtures("impl")  # each test: fused kernels and torch composition
+
 
 T, HID, HQ, HKV, D, FF, V = 300, 256, 4, 2, 64, 520, 1500
 

@@ -37,7 +37,8 @@ class RolloutRole:
 
     def provenance(self) -> dict:
         p = self.engine.provenance
-        return {"env": p.env, "engine_args": p.engine_args, "allocator": self._alloc}
+        return {"env": p.env, "engine_args": p.engine_args, "allocator": self._alloc,
+                "rlkernel": self.engine.llm.collective_rpc("rlkernel_info")[0] if self.engine.config.engine == "rlkernel" else None}
 
     def vocab_size(self) -> int:
         return self.engine.llm.llm_engine.model_config.get_vocab_size()

@@ -84,6 +84,16 @@ class TrainerConfig:
             raise ValueError("entropy_coef > 0 needs the full-vocab entropy, implemented for tp=1 only (the vocab-parallel head has none yet)")
 
 
+def _fused_status(device: str) -> dict | None:
+    """Whether the reference ops run as rlkernel's fused CPU kernels here (same bits either way)."""
+    if device != "cpu":
+        return None
+    from rlkernel import fused
+
+    fused.available()  # loads (or builds) now, so the record says what the run will use
+    return fused.status()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,6 +158,7 @@ class MegatronTrainer:
             "tp": self.tp_group.size(), "dp": self.dp_group.size(), "threads": torch.get_num_threads(),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(), "seed": c.seed,
             "mode": c.mode, "ops": dict(c.ops), "dtype": c.dtype, "contracts": contracts,
+            "fused_cpu": _fused_status(c.device),
         }
 
     def close(self) -> None:

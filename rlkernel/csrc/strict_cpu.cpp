@@ -568,10 +568,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     }
     out = parts[0];
   }
+  out = out.slice(1, 0, n);  // drop the zero columns of a narrow weight before the bias
   if (bias.has_value()) out = out + bias->to(at::kFloat);
   auto lead = x.sizes().vec();
   lead.back() = n;
-  return out.slice(1, 0, n).to(x.scalar_type()).reshape(lead);
+  return out.to(x.scalar_type()).reshape(lead);
 }
 
 // Per vocab tile of VOCAB_TILE rows: z = tile_matmul(h32, W[lo:hi].float().t()) / T,

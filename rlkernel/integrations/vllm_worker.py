@@ -28,9 +28,13 @@ class StrictWorkerExtension:
         return int(getattr(self.model_runner.model, "weight_version", -1))
 
     def rlkernel_info(self) -> dict:
+        from .. import fused
+
         model = self.model_runner.model
         attn = getattr(model, "attn", None)
+        fused.available()
         return {
+            "fused_cpu": fused.status(),
             "model_class": type(model).__name__,
             "attention_impl": type(attn[0].impl).__name__ if attn else None,
             "temperature": getattr(model, "rollout_temperature", None),

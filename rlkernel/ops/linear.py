@@ -122,9 +122,10 @@ def _linear_reference(x, weight, bias=None, k_segments: int = 1):
         out = tile_matmul(x2, w.t())
     else:
         out = tree_sum(torch.stack(_partials(x2, w, k_segments), dim=-1), dim=-1)
+    out = out[:, :n]  # drop the zero columns of a narrow weight (see _widen) before the bias
     if bias is not None:
         out = out + bias.float()
-    return out[:, :n].to(x.dtype).reshape(*lead, n)
+    return out.to(x.dtype).reshape(*lead, n)
 
 
 @dispatch.register("linear", "native", NATIVE)
