@@ -200,9 +200,10 @@ def attention_ok(head_dim: int, kv_dtype: torch.dtype) -> bool:
 
 
 def plain_gemm_ok(k: int, n: int) -> bool:
-    """Whether one plain fp32 GEMM gives tile_matmul's bits for a [*, k] x [k, n] product on this
-    machine (the BLAS's K order depends on K alone: measured, then checked here once per shape on
-    random rows, a single padded row included). Where it does not, the tile GEMMs run."""
+    """Whether one plain fp32 GEMM (or a batch of them, as the fused linear runs its K-segments)
+    gives tile_matmul's bits for a [*, k] x [k, n] product on this machine (the BLAS's K order
+    depends on K alone: measured, then checked here once per shape on random rows, a single
+    padded row and a batched call included). Where it does not, the tile GEMMs run."""
     key = (int(k), int(n))
     ok = _STATE["gemm_checks"].get(key)
     if ok is None:
@@ -213,7 +214,9 @@ def plain_gemm_ok(k: int, n: int) -> bool:
         w = torch.randn(k, n, generator=g)
         ref = _tile_matmul(x, w)
         pad = torch.nn.functional.pad(x[:1], (0, 0, 0, TILE_ROWS - 1))
-        ok = bool(torch.equal(torch.mm(x, w), ref) and torch.equal(torch.mm(pad, w)[:1], ref[:1]))
+        batched = torch.bmm(torch.stack([x, x.flip(0)]), torch.stack([w, w]).transpose(1, 2).contiguous().transpose(1, 2))
+        ok = bool(torch.equal(torch.mm(x, w), ref) and torch.equal(torch.mm(pad, w)[:1], ref[:1])
+                  and torch.equal(batched[0], ref) and torch.equal(batched[1].flip(0), ref))
         _STATE["gemm_checks"][key] = ok
         if not ok:
             log.warning("rlkernel: a plain GEMM [*, %d] x [%d, %d] differs from the tile GEMMs here; the tiles run", k, k, n)

@@ -22,6 +22,7 @@ from helpers import threads
 from rlkernel import fused, primitives
 from rlkernel.ops import logprob as LP
 
+fused.available()  # loads the library (builds it on a fresh machine), so torch.ops.rlkernel exists
 F = torch.ops.rlkernel
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -555,10 +555,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     out = matmul(x2, w.t(), plain);
   } else {
     TORCH_CHECK_VALUE(k_segments >= 1 && k % k_segments == 0, "linear: K=", k, " is not divisible into ", k_segments, " canonical segments");
-    const int64_t seg = k / k_segments;
+    const int64_t seg = k / k_segments, m = x2.size(0), nw = w.size(0);
     std::vector<at::Tensor> parts;
-    for (int64_t i = 0; i < k_segments; ++i)
-      parts.push_back(matmul(x2.slice(1, i * seg, (i + 1) * seg), w.slice(1, i * seg, (i + 1) * seg).t(), plain));
+    if (plain) {
+      // all segments as one batched GEMM: problem i is segment i's [M, K/S] x [K/S, N] (the
+      // same problem as its own GEMM, so the same bits; checked with the plain GEMM)
+      at::Tensor xp = m >= kTileRows ? x2 : at::constant_pad_nd(x2, {0, 0, 0, kTileRows - m});
+      auto a = xp.reshape({xp.size(0), k_segments, seg}).transpose(0, 1);
+      auto b = w.reshape({nw, k_segments, seg}).permute({1, 2, 0});
+      auto prod = at::bmm(a, b);
+      for (int64_t i = 0; i < k_segments; ++i) parts.push_back(prod[i].slice(0, 0, m));
+    } else {
+      for (int64_t i = 0; i < k_segments; ++i)
+        parts.push_back(tile_matmul(x2.slice(1, i * seg, (i + 1) * seg), w.slice(1, i * seg, (i + 1) * seg).t()));
+    }
     // tree_sum over the stacked partials: zero-pad to a power of two, add adjacent pairs
     while (parts.size() & (parts.size() - 1)) parts.push_back(at::zeros_like(parts[0]));
     while (parts.size() > 1) {
@@ -591,6 +601,43 @@ static inline ML merge_ml(ML a, ML b) {
   return {m, x + y};
 }
 
+// The full table with every vocab tile's logits from one plain GEMM over the whole vocab (a
+// column's bits do not depend on the other columns; the loader checks this shape), then per row:
+// per-tile (m, l), the tile tree, and the final formula, as logprob_impl does tile by tile.
+static at::Tensor logprobs_full_one_gemm(const at::Tensor& h32, const at::Tensor& weight, double temperature, int64_t vocab, int64_t ntiles,
+                                         int64_t P) {
+  const int64_t T = h32.size(0);
+  auto full = at::div(plain_matmul(h32, weight.slice(0, 0, vocab).to(at::kFloat).t()), temperature).contiguous();
+  float* fp = full.data_ptr<float>();
+  at::parallel_for(0, T, 1, [=](int64_t b, int64_t e) {
+    std::vector<float> bufv(kVocabTile), dv(kVocabTile);
+    std::vector<ML> v(P);
+    float* __restrict buf = bufv.data();
+    float* __restrict dz = dv.data();
+    for (int64_t r = b; r < e; ++r) {
+      float* __restrict row = fp + r * vocab;
+      for (int64_t ti = 0; ti < P; ++ti) {
+        if (ti >= ntiles) {
+          v[ti] = {-kInf, 0.0f};
+          continue;
+        }
+        const int64_t lo = ti * kVocabTile, w = std::min(lo + kVocabTile, vocab) - lo;
+        const float* __restrict zr = row + lo;
+        float m = -kInf;
+        for (int64_t j = 0; j < w; ++j) m = zr[j] > m ? zr[j] : m;
+        for (int64_t j = 0; j < w; ++j) dz[j] = zr[j] - m;
+        exp_span(dz, buf, w);
+        v[ti] = {m, tree_sum_inplace(buf, w)};
+      }
+      for (int64_t len = P; len > 1; len >>= 1)
+        for (int64_t i = 0; i < len / 2; ++i) v[i] = merge_ml(v[2 * i], v[2 * i + 1]);
+      const float mr = v[0].m, lr = slog(v[0].l);
+      for (int64_t j = 0; j < vocab; ++j) row[j] = (row[j] - mr) - lr;
+    }
+  });
+  return full;
+}
+
 // kind 0: full table [T, V]; kind 1: logprob of targets [T]; kind 2: lse [T].
 static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& targets_in,
                                double temperature, int64_t vocab, int kind, bool plain) {
@@ -598,6 +645,7 @@ static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weigh
   const int64_t T = h32.size(0);
   const int64_t ntiles = (vocab + kVocabTile - 1) / kVocabTile;
   const int64_t P = pow2_ceil(ntiles);
+  if (kind == 0 && plain) return logprobs_full_one_gemm(h32, weight, temperature, vocab, ntiles, P);
   std::vector<float> ms(T * P, -kInf), ls(T * P, 0.0f);
   at::Tensor full, zt_t;
   std::vector<at::Tensor> tiles;

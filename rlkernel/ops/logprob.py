@@ -208,7 +208,8 @@ class _LinearEntropy(torch.autograd.Function):
 def _linear_logprob_reference(kind, hidden, weight, targets, temperature, vocab_size):
     if kind != "entropy" and fused.active(hidden, weight):
         plain = _plain(hidden, vocab_size)
-        if kind == "full":
+        if kind == "full":  # plain: every tile from one GEMM over the whole vocab, so check that shape too
+            plain = plain and fused.plain_gemm_ok(hidden.shape[1], vocab_size)
             return fused.ops().logprobs_full(hidden, weight, temperature, vocab_size, plain)
         return fused.ops().logprob_targets(hidden, weight, targets, temperature, vocab_size, plain)
     if kind == "full":
