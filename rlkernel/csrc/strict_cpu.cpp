@@ -118,31 +118,26 @@ static inline T narrow(float v) { return static_cast<T>(v); }
 #define RK_DISPATCH(TYPE, NAME, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
 
 // ---- element-wise ops ------------------------------------------------------------------------
-at::Tensor exp_f32(const at::Tensor& x_in) {
-  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat, "rlkernel::exp wants float32");
+// fn over a float32 tensor. Pointers are copied into the lambda (not captured by reference): a
+// store through a by-reference capture may alias the capture itself, which keeps GCC from
+// vectorising.
+template <float (*fn)(float)>
+static at::Tensor map_f32(const at::Tensor& x_in, const char* name) {
+  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat, name, " wants float32");
   auto x = x_in.contiguous();
   auto out = at::empty_like(x);
   const float* src = x.data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  // Pointers are copied into the lambda (not captured by reference): a store through a
-  // by-reference capture may alias the capture itself, which keeps GCC from vectorising.
   at::parallel_for(0, x.numel(), 1 << 14, [src, dst](int64_t b, int64_t e) {
     const float* __restrict s = src;
     float* __restrict d = dst;
-    for (int64_t i = b; i < e; ++i) d[i] = sexp(s[i]);
+    for (int64_t i = b; i < e; ++i) d[i] = fn(s[i]);
   });
   return out;
 }
 
-at::Tensor log_f32(const at::Tensor& x_in) {
-  TORCH_CHECK_VALUE(x_in.scalar_type() == at::kFloat, "rlkernel::log wants float32");
-  auto x = x_in.contiguous();
-  auto out = at::empty_like(x);
-  const float* src = x.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  for (int64_t i = 0; i < x.numel(); ++i) dst[i] = slog(src[i]);
-  return out;
-}
+at::Tensor exp_f32(const at::Tensor& x) { return map_f32<sexp>(x, "rlkernel::exp"); }
+at::Tensor log_f32(const at::Tensor& x) { return map_f32<slog>(x, "rlkernel::log"); }
 
 // swiglu: (g / (exp(-g) + 1)) * u in fp32, one rounding to gate's dtype.
 static void exp_span(const float* __restrict x, float* __restrict y, int64_t n) {
