@@ -85,7 +85,7 @@ def build(verbose: bool = False) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     name = f"rlkernel_strict_cpu_{_key()}"
     lib = d / f"{name}.so"
-    if lib.exists():
+    if lib.exists() and not (d / "lock").exists():  # built, and no other process is building it now
         torch.ops.load_library(str(lib))
         return lib
     if not verbose:
