@@ -13,6 +13,9 @@
 //
 // Signed zeros are not part of the contract (-0.0 == +0.0 under torch.equal).
 #include <ATen/ATen.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -333,23 +336,57 @@ static void chunk_update(const float* __restrict qr, const float* __restrict kt,
   state_ml[0] = m_new;
 }
 
+// dst[c][r] = src[r][c] for an 8 x 8 block (pure data movement: no value changes).
+static inline void transpose8(const float* __restrict src, int64_t lds, float* __restrict dst, int64_t ldd) {
+#if defined(__AVX2__)
+  __m256 r[8], t[8], s[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3 (h = 0) and 4-7 (h = 1)
+    s[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    s[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    s[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    s[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(s[i], s[4 + i], 0x20));
+    _mm256_storeu_ps(dst + (4 + i) * ldd, _mm256_permute2f128_ps(s[i], s[4 + i], 0x31));
+  }
+#else
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) dst[j * ldd + i] = src[i * lds + j];
+#endif
+}
+
 // Gather one chunk of keys as fp32: kt [D][32] (transposed) and vc [32][D]; zeros past the keys.
+// Rows are widened into kbuf [32][D] first, then transposed in 8 x 8 blocks.
 template <typename kv_t>
 static void gather_chunk(const kv_t* __restrict K, const kv_t* __restrict V, const KeySource& src, int64_t b, int64_t hk, int64_t lo,
-                         int64_t key_len, int64_t D, float* __restrict kt, float* __restrict vc) {
+                         int64_t key_len, int64_t D, float* __restrict kt, float* __restrict vc, float* __restrict kbuf) {
   for (int64_t j = 0; j < kChunk; ++j) {
     const int64_t key = lo + j;
     float* __restrict vr = vc + j * D;
+    float* __restrict kr = kbuf + j * D;
     if (key < key_len) {
       const int64_t off = src.offset(b, key, hk);
-      const kv_t* __restrict kr = K + off;
+      const kv_t* __restrict ks = K + off;
       const kv_t* __restrict vs = V + off;
-      for (int64_t d = 0; d < D; ++d) kt[d * kChunk + j] = widen(kr[d]);
+      for (int64_t d = 0; d < D; ++d) kr[d] = widen(ks[d]);
       for (int64_t d = 0; d < D; ++d) vr[d] = widen(vs[d]);
     } else {
-      for (int64_t d = 0; d < D; ++d) kt[d * kChunk + j] = 0.0f;
+      for (int64_t d = 0; d < D; ++d) kr[d] = 0.0f;
       for (int64_t d = 0; d < D; ++d) vr[d] = 0.0f;
     }
+  }
+  if (D % 8 == 0) {
+    for (int64_t j = 0; j < kChunk; j += 8)
+      for (int64_t d = 0; d < D; d += 8) transpose8(kbuf + j * D + d, D, kt + d * kChunk + j, kChunk);
+  } else {
+    for (int64_t j = 0; j < kChunk; ++j)
+      for (int64_t d = 0; d < D; ++d) kt[d * kChunk + j] = kbuf[j * D + d];
   }
 }
 
@@ -361,7 +398,7 @@ static void attend_kernel(const float* q, float* out, float* lse, int64_t Hq, in
   const kv_t* K = reinterpret_cast<const kv_t*>(src.k);
   const kv_t* V = reinterpret_cast<const kv_t*>(src.v);
   at::parallel_for(0, B * Hkv, 1, [=, &src](int64_t wb, int64_t we) {
-    std::vector<float> kt(D * kChunk), vc(kChunk * D), s(kChunk), p(kChunk), tbuf(kChunk), pv(D), ml, o;
+    std::vector<float> kt(D * kChunk), vc(kChunk * D), kbuf(kChunk * D), s(kChunk), p(kChunk), tbuf(kChunk), pv(D), ml, o;
     for (int64_t w = wb; w < we; ++w) {
       const int64_t b = w / Hkv, hk = w % Hkv;
       const int64_t n = q_len[b];
@@ -377,7 +414,7 @@ static void attend_kernel(const float* q, float* out, float* lse, int64_t Hq, in
       const int64_t nchunks = last / kChunk + 1;
       for (int64_t c = 0; c < nchunks; ++c) {
         const int64_t lo = c * kChunk;
-        gather_chunk<kv_t>(K, V, src, b, hk, lo, key_len[b], D, kt.data(), vc.data());
+        gather_chunk<kv_t>(K, V, src, b, hk, lo, key_len[b], D, kt.data(), vc.data(), kbuf.data());
         for (int64_t i = 0; i < n; ++i) {
           const int64_t pos = first_pos[b] + i;
           if (pos < lo) continue;  // a chunk past the query's position is an exact identity
