@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import hashlib
 import logging
 import os
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "active", "disabled", "status", "build", "ops", "attention_ok", "plain_gemm_ok"]
+__all__ = ["available", "active", "route", "disabled", "status", "build", "ops", "attention_ok", "plain_gemm_ok"]
 
 log = logging.getLogger(__name__)
 _SRC = Path(__file__).parent / "csrc" / "strict_cpu.cpp"
@@ -60,6 +61,7 @@ def _cpu_flags() -> str:
     return ""
 
 
+@functools.cache
 def _key() -> str:
     h = hashlib.sha256()
     for part in (_SRC.read_bytes(), torch.__version__.encode(), sys.version.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()):
@@ -121,15 +123,28 @@ def available() -> bool:
     return _load()
 
 
-def active(*tensors: torch.Tensor) -> bool:
-    """Whether a reference op on these tensors may run its fused forward now (CPU tensors, no
-    autograd graph wanted). With no tensors: whether the fused path is on at all."""
+def route(*tensors: torch.Tensor | None) -> str | None:
+    """How a reference op on these tensors runs now: "kernel" (CPU tensors, no autograd graph
+    wanted: the fused kernel alone), "autograd" (a CPU training forward: the fused kernel inside
+    the op's autograd function), or None (the composition: turned off, not on the CPU, or the
+    library is unavailable). None entries (an absent bias or residual) are skipped."""
     if _OFF.get():
-        return False
+        return None
+    graph = False
     for t in tensors:
-        if t is not None and (t.device.type != "cpu" or (t.requires_grad and torch.is_grad_enabled())):
-            return False
-    return _load()
+        if t is None:
+            continue
+        if t.device.type != "cpu":
+            return None
+        graph = graph or (t.requires_grad and torch.is_grad_enabled())
+    if not _load():
+        return None
+    return "autograd" if graph else "kernel"
+
+
+def active(*tensors: torch.Tensor | None) -> bool:
+    """Whether a reference op on these tensors may run its fused kernel alone now (see route)."""
+    return route(*tensors) == "kernel"
 
 
 @contextlib.contextmanager
@@ -147,8 +162,9 @@ def ops():
 
 
 def status() -> dict:
-    """What the fused path is doing in this process (for run provenance)."""
-    loaded = _STATE["loaded"]
+    """What the fused path does in this process (for run provenance); loads the library first
+    (building it if needed), so the record says what the run will use."""
+    loaded = _load()
     return {"fused_cpu": bool(loaded), "library": _STATE["path"], "error": _STATE["error"],
             "attention_head_dims_checked": {str(k): v for k, v in sorted(_STATE["attention_checks"].items())},
             "plain_gemm_shapes_checked": {f"{k}x{n}": v for (k, n), v in sorted(_STATE["gemm_checks"].items())}}

@@ -90,7 +90,6 @@ def _fused_status(device: str) -> dict | None:
         return None
     from rlkernel import fused
 
-    fused.available()  # loads (or builds) now, so the record says what the run will use
     return fused.status()
 
 

@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace rk {
@@ -633,6 +635,14 @@ static inline ML merge_ml(ML a, ML b) {
   return {m, x + y};
 }
 
+// The tiles' (m, l) merged by one balanced tree (v has a power-of-two length, identity-padded
+// with (-inf, 0)); returns (m, log l). v is destroyed.
+static inline std::pair<float, float> tree_merge_ml(ML* v, int64_t P) {
+  for (int64_t len = P; len > 1; len >>= 1)
+    for (int64_t i = 0; i < len / 2; ++i) v[i] = merge_ml(v[2 * i], v[2 * i + 1]);
+  return {v[0].m, slog(v[0].l)};
+}
+
 // The full table with every vocab tile's logits from one plain GEMM over the whole vocab (a
 // column's bits do not depend on the other columns; the loader checks this shape), then per row:
 // per-tile (m, l), the tile tree, and the final formula, as logprob_impl does tile by tile.
@@ -661,16 +671,14 @@ static at::Tensor logprobs_full_one_gemm(const at::Tensor& h32, const at::Tensor
         exp_span(dz, buf, w);
         v[ti] = {m, tree_sum_inplace(buf, w)};
       }
-      for (int64_t len = P; len > 1; len >>= 1)
-        for (int64_t i = 0; i < len / 2; ++i) v[i] = merge_ml(v[2 * i], v[2 * i + 1]);
-      const float mr = v[0].m, lr = slog(v[0].l);
+      const auto [mr, lr] = tree_merge_ml(v.data(), P);
       for (int64_t j = 0; j < vocab; ++j) row[j] = (row[j] - mr) - lr;
     }
   });
   return full;
 }
 
-// kind 0: full table [T, V]; kind 1: logprob of targets [T]; kind 2: lse [T].
+// kind 0: full table [T, V]; kind 1: logprob of targets [T]; kind 2: lse [T]; kind 3: both [2, T].
 static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& targets_in,
                                double temperature, int64_t vocab, int kind, bool plain) {
   auto h32 = hidden.to(at::kFloat);
@@ -679,8 +687,7 @@ static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weigh
   const int64_t P = pow2_ceil(ntiles);
   if (kind == 0 && plain) return logprobs_full_one_gemm(h32, weight, temperature, vocab, ntiles, P);
   std::vector<float> ms(T * P, -kInf), ls(T * P, 0.0f);
-  at::Tensor full, zt_t;
-  std::vector<at::Tensor> tiles;
+  at::Tensor full;
   if (kind == 0) full = at::empty({T, vocab}, h32.options());
   at::Tensor targets;
   std::vector<float> zt(T, 0.0f);
@@ -713,13 +720,10 @@ static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weigh
     }
   }
   std::vector<float> mfin(T), logl(T);
+  std::vector<ML> v(P);
   for (int64_t r = 0; r < T; ++r) {
-    std::vector<ML> v(P);
     for (int64_t i = 0; i < P; ++i) v[i] = {ms[r * P + i], ls[r * P + i]};
-    for (int64_t len = P; len > 1; len >>= 1)
-      for (int64_t i = 0; i < len / 2; ++i) v[i] = merge_ml(v[2 * i], v[2 * i + 1]);
-    mfin[r] = v[0].m;
-    logl[r] = slog(v[0].l);
+    std::tie(mfin[r], logl[r]) = tree_merge_ml(v.data(), P);
   }
   if (kind == 0) {
     float* fp = full.data_ptr<float>();
@@ -734,17 +738,13 @@ static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weigh
     });
     return full;
   }
-  auto out = at::empty({T}, h32.options());
+  // kind 1: [T] logprobs of targets; kind 2: [T] lse; kind 3: [2, T] both (what the backward needs)
+  const bool lp = kind != 2, lse = kind != 1;
+  auto out = kind == 3 ? at::empty({2, T}, h32.options()) : at::empty({T}, h32.options());
   float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < T; ++r) op[r] = kind == 1 ? (zt[r] - mfin[r]) - logl[r] : mfin[r] + logl[r];
-  if (kind == 3) {  // [2, T]: logprob of targets and lse (what the backward needs), one pass
-    auto both = at::empty({2, T}, h32.options());
-    float* bp = both.data_ptr<float>();
-    for (int64_t r = 0; r < T; ++r) {
-      bp[r] = (zt[r] - mfin[r]) - logl[r];
-      bp[T + r] = mfin[r] + logl[r];
-    }
-    return both;
+  for (int64_t r = 0; r < T; ++r) {
+    if (lp) op[r] = (zt[r] - mfin[r]) - logl[r];
+    if (lse) op[(lp ? T : 0) + r] = mfin[r] + logl[r];
   }
   return out;
 }

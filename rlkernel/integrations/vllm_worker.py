@@ -32,7 +32,6 @@ class StrictWorkerExtension:
 
         model = self.model_runner.model
         attn = getattr(model, "attn", None)
-        fused.available()
         return {
             "fused_cpu": fused.status(),
             "model_class": type(model).__name__,

@@ -227,11 +227,12 @@ class _FusedVarlen(torch.autograd.Function):
 def _reference(kind, q, k, v, *args):
     """The reference contract: one fused C++ call on the CPU where it is checked to give the
     composition's bits (rlkernel/fused.py), else the composition."""
-    if q.device.type == "cpu" and fused.attention_ok(q.shape[-1], k.dtype):
-        if fused.active(q, k, v):
+    path = fused.route(q, k, v)
+    if path is not None and fused.attention_ok(q.shape[-1], k.dtype):
+        if path == "kernel":
             out = (fused.ops().attention_varlen if kind == "varlen" else fused.ops().attention_paged)(q, k, v, *args)
             return out.to(q.dtype)
-        if kind == "varlen" and fused.active():  # a training forward: fused bits, explicit backward
+        if kind == "varlen":  # a training forward: fused bits, explicit backward
             return _FusedVarlen.apply(q, k, v, *args)
     return (_varlen if kind == "varlen" else _paged)(_attend, q, k, v, *args)
 

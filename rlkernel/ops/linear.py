@@ -110,9 +110,10 @@ def _linear_reference(x, weight, bias=None, k_segments: int = 1):
     k = x.shape[-1]
     if weight.shape[-1] != k:
         raise ValueError(f"linear: x has K={k} but weight is {tuple(weight.shape)}")
-    if x.device.type == "cpu" and k_segments >= 1 and k % k_segments == 0 and fused.active():
+    path = fused.route(x, weight, bias) if k_segments >= 1 and k % k_segments == 0 else None
+    if path is not None:
         plain = fused.plain_gemm_ok(k // k_segments, max(weight.shape[0], MIN_COLS))
-        if fused.active(x, weight, bias):
+        if path == "kernel":
             return fused.ops().linear(x, weight, bias, k_segments, plain)
         return _FusedLinear.apply(x, weight, bias, k_segments, plain)
     lead, n = x.shape[:-1], weight.shape[0]

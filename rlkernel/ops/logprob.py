@@ -116,7 +116,7 @@ def _tiled_backward(ctx, hidden, weight, grad_z):
 class _LinearLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, vocab_size):
-        if hidden.device.type == "cpu" and fused.active():  # the same bits in one fused pass
+        if fused.route(hidden, weight) is not None:  # the same bits in one fused pass
             lp, lse = fused.ops().logprob_targets_lse(hidden, weight, targets, temperature, vocab_size, _plain(hidden, vocab_size))
         else:
             lp, m, l = _forward(hidden.float(), weight, targets, temperature, vocab_size)
@@ -171,7 +171,7 @@ def _plain(hidden, vocab_size):
 
 
 def _lse(h32, weight, temperature, vocab_size):
-    if h32.device.type == "cpu" and fused.active():
+    if fused.route(h32, weight) is not None:
         return fused.ops().logsumexp(h32, weight, temperature, vocab_size, _plain(h32, vocab_size))
     _, ms, ls = _tile_ml(h32, weight, temperature, vocab_size, keep_logits=False)
     m, l = tree_merge_ml(ms, ls)

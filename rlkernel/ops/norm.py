@@ -75,10 +75,11 @@ class _FusedRmsNorm(torch.autograd.Function):
 
 @dispatch.register("rms_norm", "reference", REFERENCE)
 def _rms_norm_reference(x, weight, eps, residual=None):
-    if x.device.type == "cpu" and fused.active():
-        if fused.active(x, weight, residual):
-            y, h = fused.ops().rms_norm(x, weight, eps, residual)
-            return y if residual is None else (y, h)
+    path = fused.route(x, weight, residual)
+    if path == "kernel":
+        y, h = fused.ops().rms_norm(x, weight, eps, residual)
+        return y if residual is None else (y, h)
+    if path == "autograd":
         return _FusedRmsNorm.apply(x, weight, eps, residual)
     h = _add_residual(x, residual)
     hf = h.float()

@@ -89,9 +89,10 @@ class _FusedRope(torch.autograd.Function):
 def _rope_reference(x, positions, theta):
     d = x.shape[-1]
     cos, sin = rope_table(d, int(positions.max()) + 1 if positions.numel() else 1, theta, x.device)
-    if x.device.type == "cpu" and fused.active():
-        if fused.active(x):
-            return fused.ops().rope(x, positions, cos, sin)
+    path = fused.route(x)
+    if path == "kernel":
+        return fused.ops().rope(x, positions, cos, sin)
+    if path == "autograd":
         return _FusedRope.apply(x, positions, cos, sin)
     c = cos[positions].unsqueeze(-2)  # [T, 1, d/2]
     s = sin[positions].unsqueeze(-2)

@@ -59,9 +59,10 @@ class _FusedSwiGLU(torch.autograd.Function):
 
 @dispatch.register("swiglu", "reference", REFERENCE)
 def _swiglu_reference(gate, up):
-    if gate.device.type == "cpu" and fused.active():
-        if fused.active(gate, up):
-            return fused.ops().swiglu(gate, up)
+    path = fused.route(gate, up)
+    if path == "kernel":
+        return fused.ops().swiglu(gate, up)
+    if path == "autograd":
         return _FusedSwiGLU.apply(gate, up)
     return (strict_silu(gate) * up.float()).to(gate.dtype)
 
