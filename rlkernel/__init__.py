@@ -1,18 +1,25 @@
 """rlkernel: strict ops whose numerics are a declared contract.
 
-The public API is flat. With no mode set every op runs its strict path on the
-device's default strict backend (`reference` on CPU); `rlkernel.mode("native")`
-runs the production ops instead, for ablations and negative controls.
+The public API is flat. With no mode set every op runs its strict contract on the best
+implementation for the device (`cpu` kernels on the CPU when built, else the `reference`
+composition: the same bits); `rlkernel.mode("native")` runs the production ops instead,
+for ablations and negative controls. Layout: `contracts/` (the orders and constants, as
+data), `backends/` (reference, cpu, native, triton), `ops/` (the public functions),
+`parallel/` (collectives), `models/` and `integrations/` (vLLM, Megatron).
 """
-from .collectives import all_gather, canonical_tree_sum, native_all_reduce, tree_all_reduce, vocab_parallel_logprob
-from .contract import Contract, FieldDiff, diff
-from .dispatch import OPS, BackendUnavailable, ExecutionPolicy, ProvenanceCounter, ProvenanceRecord, contract_for, contracts_match, current_policy, mode, record_provenance
-from .ops.attention import ATTN_CHUNK, attention_paged, attention_varlen, write_kv_cache
+from .contracts import Contract, FieldDiff, diff
+from .contracts.attention import ATTN_CHUNK
+from .contracts.logprob import VOCAB_TILE
+from .dispatch import (OPS, BackendUnavailable, ExecutionPolicy, ProvenanceCounter, ProvenanceRecord, contract_for, contracts_match,
+                       current_policy, mode, record_provenance)
+from .ops.attention import attention_paged, attention_varlen, write_kv_cache
 from .ops.linear import linear
-from .ops.logprob import VOCAB_TILE, linear_entropy, linear_logprob, linear_logprobs_full
+from .ops.logprob import linear_entropy, linear_logprob, linear_logprobs_full
 from .ops.norm import rms_norm
 from .ops.rope import rope, rope_table
 from .ops.swiglu import swiglu
+from .backends.reference.primitives import tree_sum
+from .parallel import all_gather, canonical_tree_sum, native_all_reduce, tree_all_reduce, vocab_parallel_logprob
 
 __all__ = [
     "OPS",
@@ -45,5 +52,6 @@ __all__ = [
     "rope",
     "rope_table",
     "swiglu",
+    "tree_sum",
     "write_kv_cache",
 ]

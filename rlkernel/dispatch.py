@@ -1,14 +1,20 @@
-"""Backend selection, the op registry and provenance.
+"""Selection: mode -> contract; device + availability -> implementation; provenance.
 
-What this module decides: which implementation runs each op call, and what is
-recorded about it. Selection is explicit and scoped: `rlkernel.mode(...)` is a
-context manager over a `contextvars.ContextVar`, so it nests, it is restored on
-any exception, and threads/async tasks do not leak into each other. With no mode
-set, every op runs strict on the device's default strict backend. In strict
-mode an unavailable backend raises — there is no silent fallback.
+What this module decides: which implementation runs each op call, and what is recorded
+about it. The one selection mechanism is `rlkernel.mode(...)`, a context manager over a
+`contextvars.ContextVar`: it nests, it is restored on any exception, and threads/async tasks
+do not leak into each other. A mode picks the *contract* ("strict" or "native", per op if
+wanted); the device and what is available pick the *implementation* of that contract:
 
-Backends register per op (`register`); a Triton backend adds itself the same
-way, which is the seam for the GPU issue.
+  strict on CPU:  "cpu" (C++ kernels, rlkernel/backends/cpu) when built and self-checked,
+                  else "reference" (the torch composition: same contract, same bits, slower)
+  strict on CUDA: "triton" once registered, else "reference"
+  native:         "native" (torch's production ops)
+
+`mode(impl="reference")` (or any implementation name) pins the strict implementation; a
+pinned implementation that cannot run raises — there is no silent fallback. Provenance
+records the contract id *and* the implementation that ran, so a strict run whose
+implementation fell back to the composition is visible.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from .contract import Contract
+from .contracts.base import Contract
 
 __all__ = [
     "OPS",
@@ -31,6 +37,7 @@ __all__ = [
     "register",
     "contract_for",
     "resolve",
+    "Implementation",
     "record_provenance",
     "ProvenanceCounter",
 ]
@@ -48,8 +55,8 @@ class BackendUnavailable(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class ExecutionPolicy:
     mode: str = "strict"  # "strict" or "native": the default for every op
-    backend: str | None = None  # strict backend override ("reference", "triton"); None: device default
-    ops: tuple = ()  # per-op overrides: ((op, "strict" | "native" | backend name), ...)
+    impl: str | None = None  # pinned strict implementation ("cpu", "reference", "triton"); None: by device
+    ops: tuple = ()  # per-op overrides: ((op, "strict" | "native" | implementation name), ...)
 
     def __post_init__(self):
         if self.mode not in _CHOICES:
@@ -72,12 +79,17 @@ def current_policy() -> ExecutionPolicy:
 
 
 @contextlib.contextmanager
-def mode(mode: str = "strict", *, backend: str | None = None, ops: Mapping[str, str] | None = None) -> Iterator[ExecutionPolicy]:
+def mode(mode: str = "strict", *, impl: str | None = None, ops: Mapping[str, str] | None = None) -> Iterator[ExecutionPolicy]:
     """Run the enclosed ops under a policy; nests and restores on exit or exception.
+    `impl` pins the strict implementation; left out, an enclosing block's pin is kept
+    (`impl="auto"` drops it).
 
     >>> with rlkernel.mode("native", ops={"attention": "strict"}): ...
+    >>> with rlkernel.mode(impl="reference"): ...   # the torch composition, same bits
     """
-    policy = ExecutionPolicy(mode=mode, backend=backend, ops=tuple(sorted((ops or {}).items())))
+    if impl is None:
+        impl = _POLICY.get().impl
+    policy = ExecutionPolicy(mode=mode, impl=None if impl == "auto" else impl, ops=tuple(sorted((ops or {}).items())))
     token = _POLICY.set(policy)
     try:
         yield policy
@@ -86,55 +98,64 @@ def mode(mode: str = "strict", *, backend: str | None = None, ops: Mapping[str, 
 
 
 @dataclass(frozen=True, slots=True)
-class _Impl:
-    fn: Callable
-    contract: Contract
+class Implementation:
+    name: str  # "native", "reference", "cpu", "triton"
+    fn: Callable  # the op's implementation, called with the public function's arguments
+    contract: Contract  # the contract it implements (implementations of one contract agree bitwise)
     devices: tuple  # device types it runs on ("cpu", "cuda")
+    available: Callable[[], bool]  # whether it can run in this process (built, self-checked)
+    prims: object = None  # its primitives (backends.reference.primitives.Prims) for strict building blocks
 
 
-_REGISTRY: dict[tuple[str, str], _Impl] = {}
+_REGISTRY: dict[tuple[str, str], Implementation] = {}
+# strict implementations in order of preference, by device type
+_STRICT_ORDER = {"cpu": ("cpu", "reference"), "cuda": ("triton", "reference")}
 
 
-def register(op: str, backend: str, contract: Contract, devices=("cpu", "cuda")):
-    """Decorator: register `fn` as `backend`'s implementation of `op`."""
+def _always() -> bool:
+    return True
+
+
+def register(op: str, impl: str, contract: Contract, devices=("cpu", "cuda"), available: Callable[[], bool] = _always, prims=None):
+    """Decorator: register `fn` as implementation `impl` of `op` under `contract`."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}")
-    if contract.op != op or contract.backend != backend:
-        raise ValueError(f"contract {contract.op}/{contract.backend} registered as {op}/{backend}")
+    if contract.op != op:
+        raise ValueError(f"contract of {contract.op!r} registered for {op!r}")
 
     def deco(fn):
-        _REGISTRY[(op, backend)] = _Impl(fn, contract, tuple(devices))
+        _REGISTRY[(op, impl)] = Implementation(impl, fn, contract, tuple(devices), available, prims)
         return fn
 
     return deco
 
 
-def default_strict_backend(device: torch.device) -> str:
-    """The strict backend used when none is named: triton on GPUs once it is registered, else reference."""
-    if device.type == "cuda" and any(b == "triton" for (_, b) in _REGISTRY):
-        return "triton"
-    return "reference"
-
-
-def _backend_name(op: str, device: torch.device, policy: ExecutionPolicy, explicit: str | None) -> str:
+def _choice(op: str, policy: ExecutionPolicy, explicit: str | None) -> str:
     choice = explicit or policy.choice(op)
-    if choice == "native":
-        return "native"
-    if choice == "strict":
-        return policy.backend or default_strict_backend(device)
+    if choice == "strict" and policy.impl:
+        return policy.impl
     return choice
 
 
-def resolve(op: str, device: torch.device, backend: str | None = None) -> _Impl:
-    """The implementation that will run `op` on `device` under the current policy."""
-    policy = _POLICY.get()
-    name = _backend_name(op, device, policy, backend)
-    impl = _REGISTRY.get((op, name))
+def resolve(op: str, device: torch.device, backend: str | None = None) -> Implementation:
+    """The implementation that will run `op` on `device` under the current policy (or under
+    `backend`: "strict", "native" or an implementation name)."""
+    _ensure_backends()
+    choice = _choice(op, _POLICY.get(), backend)
+    if choice == "strict":
+        for name in _STRICT_ORDER.get(device.type, ("reference",)):
+            impl = _REGISTRY.get((op, name))
+            if impl is not None and device.type in impl.devices and impl.available():
+                return impl
+        raise BackendUnavailable(f"rlkernel: no strict implementation of {op!r} runs on {device.type}")
+    impl = _REGISTRY.get((op, choice))
     if impl is None:
         known = sorted(b for (o, b) in _REGISTRY if o == op)
-        raise BackendUnavailable(f"rlkernel: no {name!r} backend for {op!r} (registered: {known}); strict mode never falls back")
+        raise BackendUnavailable(f"rlkernel: no {choice!r} implementation of {op!r} (registered: {known}); strict mode never falls back")
     if device.type not in impl.devices:
-        raise BackendUnavailable(f"rlkernel: backend {name!r} of {op!r} does not run on {device.type}; strict mode never falls back")
+        raise BackendUnavailable(f"rlkernel: implementation {choice!r} of {op!r} does not run on {device.type}; strict mode never falls back")
+    if not impl.available():
+        raise BackendUnavailable(f"rlkernel: implementation {choice!r} of {op!r} is not available here; strict mode never falls back")
     return impl
 
 
@@ -143,11 +164,21 @@ def contract_for(op: str, backend: str | None = None, device: str | torch.device
     return resolve(op, torch.device(device), backend).contract
 
 
+def _ensure_backends() -> None:
+    """Importing the backends registers them (once); kept out of import time so `dispatch` has no
+    upward import."""
+    if not _REGISTRY:
+        import importlib
+
+        importlib.import_module("rlkernel.backends")
+
+
 @dataclass(frozen=True, slots=True)
 class ProvenanceRecord:
     op: str  # op name
-    backend: str  # backend that ran
-    contract_id: str  # Contract.contract_id of that backend's contract
+    backend: str  # the contract family that ran ("strict", "native", ...)
+    impl: str  # the implementation that ran ("cpu", "reference", "native", "triton")
+    contract_id: str  # Contract.contract_id of that contract
     shapes: tuple  # shapes of the tensor arguments, in call order
     dtypes: tuple  # their dtypes, as strings
     device: str  # device type the call ran on
@@ -169,7 +200,7 @@ def record_provenance() -> Iterator[list]:
         _COLLECTOR.reset(token)
 
 
-def _record(op: str, impl: _Impl, tensors: tuple) -> None:
+def _record(op: str, impl: Implementation, tensors: tuple) -> None:
     collectors = _COLLECTOR.get()
     if not collectors:
         return
@@ -177,13 +208,14 @@ def _record(op: str, impl: _Impl, tensors: tuple) -> None:
     rec = None
     for sink in collectors:
         if isinstance(sink, dict):  # a ProvenanceCounter's counts: no per-call record is built
-            key = (op, c.backend, c.contract_id, device)
+            key = (op, c.backend, impl.name, c.contract_id, device)
             sink[key] = sink.get(key, 0) + 1
             continue
         if rec is None:
             rec = ProvenanceRecord(
                 op=op,
                 backend=c.backend,
+                impl=impl.name,
                 contract_id=c.contract_id,
                 shapes=tuple(tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor)),
                 dtypes=tuple(str(t.dtype) for t in tensors if isinstance(t, torch.Tensor)),
@@ -200,17 +232,17 @@ def call(op: str, backend: str | None, tensors: tuple, *args, **kwargs):
     return impl.fn(*args, **kwargs)
 
 
-def note_call(op: str, backend: str, tensors: tuple) -> None:
-    """Record a call that a backend's building block makes outside `call` (e.g. the partial
-    GEMMs of a row-parallel layer), so provenance still shows which contract ran."""
-    _record(op, resolve(op, tensors[0].device, backend), tensors)
+def note_call(op: str, impl: Implementation, tensors: tuple) -> None:
+    """Record a call that a building block makes outside `call` (e.g. the partial GEMMs of a
+    row-parallel layer), so provenance still shows which contract and implementation ran."""
+    _record(op, impl, tensors)
 
 class ProvenanceCounter:
     """Aggregates ProvenanceRecords into per-op call counts by (backend, contract id): what an
     engine archives per step without keeping every call."""
 
     def __init__(self):
-        self.counts: dict[tuple[str, str, str, str], int] = {}
+        self.counts: dict[tuple[str, str, str, str, str], int] = {}
 
     @contextlib.contextmanager
     def collect(self) -> Iterator[None]:
@@ -221,10 +253,10 @@ class ProvenanceCounter:
             _COLLECTOR.reset(token)
 
     def take(self) -> dict[str, list[dict]]:
-        """{op: [{backend, contract_id, device, calls}, ...]} since the last take; resets."""
+        """{op: [{backend, impl, contract_id, device, calls}, ...]} since the last take; resets."""
         out: dict[str, list[dict]] = {}
-        for (op, backend, cid, device), n in sorted(self.counts.items()):
-            out.setdefault(op, []).append({"backend": backend, "contract_id": cid, "device": device, "calls": n})
+        for (op, backend, impl, cid, device), n in sorted(self.counts.items()):
+            out.setdefault(op, []).append({"backend": backend, "impl": impl, "contract_id": cid, "device": device, "calls": n})
         self.counts.clear()
         return out
 

@@ -1,21 +1,20 @@
 """Shared fixtures.
 
-`impl`: the strict reference contract has two CPU implementations that must give the same
-bits (rlkernel/fused.py): the fused C++ kernels and the torch composition. Invariance and
-determinism modules opt in with `pytestmark = pytest.mark.usefixtures("impl")`, so each
-of their tests runs once per implementation.
+`impl`: the strict contracts have two CPU implementations that must give the same bits: the
+C++ kernels ("cpu", rlkernel/backends/cpu) and the torch composition ("reference",
+rlkernel/backends/reference). Invariance and determinism modules opt in with
+`pytestmark = pytest.mark.usefixtures("impl")`, so each of their tests runs once per
+implementation, pinned with `rlkernel.mode(impl=...)`.
 """
-import contextlib
-
 import pytest
 
-from rlkernel import fused
+import rlkernel as rk
+from rlkernel.backends import cpu
 
 
-@pytest.fixture(params=["fused", "composition"])
+@pytest.fixture(params=["cpu", "reference"])
 def impl(request):
-    if request.param == "fused" and not fused.available():
-        pytest.fail(f"the fused CPU kernels did not load: {fused.status()['error']}")
-    ctx = fused.disabled() if request.param == "composition" else contextlib.nullcontext()
-    with ctx:
+    if request.param == "cpu" and not cpu.available():
+        pytest.fail(f"the CPU kernels did not load: {cpu.status()['error']}")
+    with rk.mode("strict", impl=request.param):
         yield request.param

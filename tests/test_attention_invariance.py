@@ -92,7 +92,7 @@ def test_strict_prefill_equals_decode_and_chunked_prefill(dtype):
     q, k, v, cu = _qkv(dtype)
     prefill = rk.attention_varlen(q, k, v, cu)
     for block_size in (16, 5, 32):
-        assert torch.equal(_decode(q, k, v, cu, block_size, dtype, "reference", seed=block_size), prefill), block_size
+        assert torch.equal(_decode(q, k, v, cu, block_size, dtype, "strict", seed=block_size), prefill), block_size
     for seed, block_size in ((0, 16), (1, 7), (2, 64)):
         assert torch.equal(_chunked(q, k, v, cu, block_size, dtype, seed), prefill), (seed, block_size)
 

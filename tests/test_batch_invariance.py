@@ -63,29 +63,29 @@ def _rope_case(dtype, backend):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_strict_linear_is_batch_invariant(dtype):
-    assert _linear_case(dtype, "reference") == []
+    assert _linear_case(dtype, "strict") == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("residual", [False, True])
 def test_strict_rms_norm_is_batch_invariant(dtype, residual):
-    assert _norm_case(dtype, "reference", residual) == []
+    assert _norm_case(dtype, "strict", residual) == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [5, I])
 def test_strict_swiglu_is_batch_invariant(dtype, width):
-    assert _swiglu_case(dtype, "reference", width) == []
+    assert _swiglu_case(dtype, "strict", width) == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_strict_linear_logprob_is_batch_invariant(dtype):
-    assert _logprob_case(dtype, "reference") == []
+    assert _logprob_case(dtype, "strict") == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_strict_rope_is_batch_invariant(dtype):
-    assert _rope_case(dtype, "reference") == []
+    assert _rope_case(dtype, "strict") == []
 
 
 def test_negative_control_native_fp32_linear_depends_on_batch():

@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 
 import rlkernel
-from rlkernel import collectives as C
-from rlkernel.contract import diff
-from rlkernel.ops import logprob as LP
+from rlkernel.parallel import collectives as C
+from rlkernel.contracts import diff
+from rlkernel.contracts import collectives as CC
+from rlkernel.contracts import logprob as LP
 from helpers import run_gloo_ranks
 
 S = 8  # canonical segments, fixed; each rank owns S // world of them
@@ -225,6 +226,6 @@ def test_cross_rank_mismatch_raises_on_every_rank(runs):
 
 
 def test_contracts_predict_the_difference():
-    assert [d.field for d in diff(C.ALL_REDUCE_REFERENCE, C.ALL_REDUCE_NATIVE)] == ["domain", "partition", "merge", "precision", "rounding"]
+    assert [d.field for d in diff(CC.ALL_REDUCE_REFERENCE, CC.ALL_REDUCE_NATIVE)] == ["domain", "partition", "merge", "precision", "rounding"]
     # The vocab-parallel op is numerically the single-process linear-logprob contract.
-    assert diff(dataclasses.replace(C.VOCAB_PARALLEL_LOGPROB_REFERENCE, op="linear_logprob"), LP.REFERENCE) == []
+    assert diff(dataclasses.replace(CC.VOCAB_PARALLEL_LOGPROB_REFERENCE, op="linear_logprob"), LP.STRICT) == []

@@ -11,9 +11,15 @@ import rlkernel as rk
 from rlkernel import dispatch
 
 
-def test_default_is_strict_reference_on_cpu():
+def test_default_is_strict_on_the_cpu_kernels():
     assert rk.current_policy().mode == "strict"
-    assert rk.contract_for("linear").backend == "reference"
+    assert rk.contract_for("linear").backend == "strict"
+    assert dispatch.resolve("linear", torch.device("cpu")).name == "cpu"
+    with rk.mode(impl="reference"):  # pinning the composition: the same contract
+        assert dispatch.resolve("linear", torch.device("cpu")).name == "reference"
+        assert rk.contract_for("linear") == rk.contract_for("linear", "cpu")
+        with rk.mode("strict"):  # an inner block keeps the pin
+            assert dispatch.resolve("linear", torch.device("cpu")).name == "reference"
 
 
 def test_modes_nest_and_restore_after_exceptions():
@@ -22,7 +28,7 @@ def test_modes_nest_and_restore_after_exceptions():
         with pytest.raises(KeyError):
             with rk.mode("strict", ops={"attention": "native"}):
                 assert rk.contract_for("attention").backend == "native"
-                assert rk.contract_for("linear").backend == "reference"
+                assert rk.contract_for("linear").backend == "strict"
                 raise KeyError("boom")
         assert rk.current_policy().mode == "native"
     assert rk.current_policy() == rk.ExecutionPolicy()
@@ -41,7 +47,7 @@ def test_strict_never_falls_back():
     x = torch.randn(2, 4)
     with pytest.raises(rk.BackendUnavailable):
         rk.linear(x, torch.randn(3, 4), backend="triton")
-    with rk.mode("strict", backend="triton"):
+    with rk.mode("strict", impl="triton"):
         with pytest.raises(rk.BackendUnavailable):
             rk.rms_norm(x, torch.ones(4))
 
@@ -80,7 +86,7 @@ def test_provenance_records_each_call():
         rk.linear(x, torch.randn(3, 8))
         with rk.mode("native"):
             rk.rms_norm(x, torch.ones(8))
-    assert [(r.op, r.backend) for r in recs] == [("linear", "reference"), ("rms_norm", "native")]
+    assert [(r.op, r.backend, r.impl) for r in recs] == [("linear", "strict", "cpu"), ("rms_norm", "native", "native")]
     assert recs[0].shapes == ((5, 8), (3, 8)) and recs[0].device == "cpu" and recs[0].threads >= 1
     assert recs[0].contract_id == rk.contract_for("linear").contract_id
     with rk.record_provenance() as outer:
@@ -90,7 +96,7 @@ def test_provenance_records_each_call():
 
 
 def test_registry_rejects_mismatched_contracts():
-    c = rk.Contract(op="linear", backend="other", domain="K")
+    c = rk.Contract(op="rms_norm", backend="other", domain="K")
     with pytest.raises(ValueError):
         dispatch.register("linear", "reference2", c)
     with pytest.raises(ValueError):
@@ -106,5 +112,5 @@ def test_provenance_counter_and_contract_match():
     with b.collect(), rk.mode("native"):
         rk.linear(x, w)
     sa, sb = a.take(), b.take()
-    assert [(e["backend"], e["calls"]) for e in sa["linear"]] == [("reference", 2)] and a.take() == {}
+    assert [(e["backend"], e["impl"], e["calls"]) for e in sa["linear"]] == [("strict", "cpu", 2)] and a.take() == {}
     assert rk.contracts_match(sa, sa) == (True, []) and rk.contracts_match(sa, sb) == (False, ["linear"])

@@ -49,7 +49,7 @@ def test_strict_loop_then_resume(tmp):
         prov = json.loads((out / "provenance" / f"step_{m['step']:06d}.json").read_text())
         assert m["contracts_match"] and prov["contracts_match"]
         for side in ("rollout", "trainer"):  # both engines ran the strict contracts, and only those
-            assert {e["backend"] for op in ("attention", "linear_logprob", "rms_norm") for e in prov[side][op]} == {"reference"}
+            assert {e["backend"] for op in ("attention", "linear_logprob", "rms_norm") for e in prov[side][op]} == {"strict"}
     wandb_runs = list((out / "wandb").glob("offline-run-*"))
     assert wandb_runs and (out / "provenance.json").exists() and (out / "checkpoints" / "latest").read_text() == "step_000003"
     prov = json.loads((out / "provenance.json").read_text())

@@ -80,7 +80,7 @@ def test_megatron_strict_score_equals_strict_decoder(checkpoint, batch, referenc
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == torch.float32 and torch.isfinite(a).all()
         assert torch.equal(a, b), f"sample {i}: max |diff| {(a - b).abs().max().item():.3e}"
-    assert {r.backend for r in records} == {"reference"}
+    assert {r.backend for r in records} == {"strict"}
     assert {r.op for r in records} == set(rk.OPS)
 
 

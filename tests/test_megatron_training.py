@@ -115,7 +115,7 @@ def test_native_scores_mismatch_the_strict_decoder(checkpoint):
 def test_provenance_and_restored_settings(strict_run, checkpoint):
     p = strict_run["provenance"]
     assert p["deterministic_algorithms"] is True and p["seed"] == 7 and p["mode"] == "strict" and p["backend"] == "gloo"
-    assert p["contracts"]["linear"].startswith("linear/reference/")
+    assert p["contracts"]["linear"].startswith("linear/strict/")
     assert not torch.are_deterministic_algorithms_enabled()  # restored by close()
     n_threads = torch.get_num_threads()
     with pytest.raises(RuntimeError, match="divisible"):

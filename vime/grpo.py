@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlkernel.primitives import tree_sum
+from rlkernel import tree_sum
 
 KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
 

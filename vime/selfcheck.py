@@ -56,10 +56,10 @@ def run_selfcheck(rows: int = 64) -> dict:
     report = {"machine": platform.machine(), "torch": torch.__version__, "threads": torch.get_num_threads(), "ops": {}}
     strict_total = 0
     for op, (fn, make) in tqdm(cases.items(), desc="rlkernel selfcheck", unit="op"):
-        s, n = _row_mismatch(fn("reference"), make, rows), _row_mismatch(fn("native"), make, rows)
+        s, n = _row_mismatch(fn("strict"), make, rows), _row_mismatch(fn("native"), make, rows)
         report["ops"][op] = {"strict_mismatch": s, "native_mismatch": n}
         strict_total += s
-    s, n = _attention_prefill_vs_decode("reference"), _attention_prefill_vs_decode("native")
+    s, n = _attention_prefill_vs_decode("strict"), _attention_prefill_vs_decode("native")
     report["ops"]["attention(prefill vs decode)"] = {"strict_mismatch": s, "native_mismatch": n}
     report["strict_mismatches"] = strict_total + s
     return report

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 import rlkernel as rk
 from rlkernel.models.decoder import DecoderConfig, pack_sequences
-from rlkernel.primitives import tree_sum
+from rlkernel import tree_sum
 
 from .batch import TrainBatch
 from .grpo import GRPOConfig, grpo_loss
@@ -84,13 +84,13 @@ class TrainerConfig:
             raise ValueError("entropy_coef > 0 needs the full-vocab entropy, implemented for tp=1 only (the vocab-parallel head has none yet)")
 
 
-def _fused_status(device: str) -> dict | None:
-    """Whether the reference ops run as rlkernel's fused CPU kernels here (same bits either way)."""
+def _cpu_kernels_status(device: str) -> dict | None:
+    """Whether the strict ops run as rlkernel's CPU kernels here or as the composition (same bits)."""
     if device != "cpu":
         return None
-    from rlkernel import fused
+    from rlkernel.backends import cpu
 
-    return fused.status()
+    return cpu.status()
 
 
 def _free_port() -> int:
@@ -157,7 +157,7 @@ class MegatronTrainer:
             "tp": self.tp_group.size(), "dp": self.dp_group.size(), "threads": torch.get_num_threads(),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(), "seed": c.seed,
             "mode": c.mode, "ops": dict(c.ops), "dtype": c.dtype, "contracts": contracts,
-            "fused_cpu": _fused_status(c.device),
+            "cpu_kernels": _cpu_kernels_status(c.device),
         }
 
     def close(self) -> None:

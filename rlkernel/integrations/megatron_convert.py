@@ -141,7 +141,7 @@ def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], cfg: MegatronSp
 
 def gather_shards(local: Mapping[str, torch.Tensor], params: Mapping[str, torch.nn.Parameter], group) -> list[dict[str, torch.Tensor]]:
     """Every TP rank's state dict, on every rank: TP-sharded params all-gathered (rank order), replicated ones local."""
-    from rlkernel.collectives import all_gather
+    from rlkernel import all_gather
 
     world = group.size()
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]

@@ -59,9 +59,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 import rlkernel as rk
 from rlkernel.models.decoder import DecoderConfig
-from rlkernel.ops import logprob as _lp
 from rlkernel.ops.linear import canonical_segments, linear_segment_partials
-from rlkernel.primitives import strict_exp, strict_log, tile_matmul
+from rlkernel.parallel import vocab_parallel_logprob_fn
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -281,51 +280,6 @@ def layer_spec(cfg: MegatronSpecConfig) -> ModuleSpec:
     )
 
 
-class _VocabParallelLogprob(torch.autograd.Function):
-    """Differentiable vocab-parallel logprob (TP>1 training). Forward: rk.vocab_parallel_logprob;
-    the global log-sum-exp for the backward comes from the ranks' per-tile (m, l) merged by the
-    canonical tile tree; the backward recomputes each local tile and tree-reduces dL/dhidden."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, start, vocab_size, temperature, group):
-        lp = rk.vocab_parallel_logprob(hidden, weight, targets, vocab_start=start, vocab_size=vocab_size, temperature=temperature, group=group)
-        h32 = hidden.float()
-        shard, world = weight.shape[0], group.size()
-        spans = [(min(r * shard, vocab_size), min((r + 1) * shard, vocab_size)) for r in range(world)]
-        counts = [-(-(hi - lo) // rk.VOCAB_TILE) for lo, hi in spans]
-        width, (lo, hi) = max(counts), spans[group.rank()]
-        buf = torch.zeros(2, max(width, 1), hidden.shape[0], device=hidden.device)
-        for i, a in enumerate(range(lo, hi, rk.VOCAB_TILE)):
-            b = min(a + rk.VOCAB_TILE, vocab_size)
-            buf[0, i], buf[1, i], _, _ = _lp.tile_stats(h32, weight, targets, a - start, b - start, temperature)
-        every = rk.all_gather(buf.unsqueeze(0), group, dim=0)  # [world, 2, width, T]
-        ms = [every[r, 0, i] for r in range(world) for i in range(counts[r])]
-        ls = [every[r, 1, i] for r in range(world) for i in range(counts[r])]
-        m, l = _lp.tree_merge_ml(ms, ls)
-        ctx.save_for_backward(hidden, weight, targets, m + strict_log(l))
-        ctx.span, ctx.start, ctx.temperature, ctx.group = (lo, hi), start, temperature, group
-        return lp
-
-    @staticmethod
-    def backward(ctx, grad):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        (lo, hi), start, t = ctx.span, ctx.start, ctx.temperature
-        h32, g = hidden.float(), grad.float()
-        gh = torch.zeros_like(h32)
-        gw = torch.zeros_like(weight, dtype=torch.float32)
-        for a in range(lo, hi, rk.VOCAB_TILE):  # fixed tile order
-            b = min(a + rk.VOCAB_TILE, hi)
-            z = _lp.tile_logits(h32, weight, a - start, b - start, t)
-            gz = -strict_exp(z - lse[:, None])
-            rows = ((targets >= a) & (targets < b)).nonzero()[:, 0]
-            gz[rows, targets[rows] - a] += 1.0
-            gz = gz * g[:, None] / t
-            gh = gh + tile_matmul(gz, weight[a - start:b - start].float())
-            gw[a - start:b - start] = tile_matmul(gz.t(), h32)
-        gh = rk.tree_all_reduce([gh], ctx.group)  # each rank's vocab block contributes to dL/dhidden
-        return gh.to(hidden.dtype), gw.to(weight.dtype), None, None, None, None, None
-
-
 class StrictLogprobHead(torch.nn.Module):
     """The output layer as a selected-token logprob op (never full logits on the strict path).
 
@@ -357,7 +311,7 @@ class StrictLogprobHead(torch.nn.Module):
             logits = logits.masked_fill(pad, -math.inf)
             return -vocab_parallel_cross_entropy(logits[:, None], targets[:, None])[:, 0]
         if torch.is_grad_enabled() and (hidden.requires_grad or w.requires_grad):
-            return _VocabParallelLogprob.apply(hidden, w, targets.long(), start, self.vocab_size, float(temperature), self.tp_group)
+            return vocab_parallel_logprob_fn(hidden, w, targets.long(), start, self.vocab_size, float(temperature), self.tp_group)
         return rk.vocab_parallel_logprob(hidden, w, targets, vocab_start=start, vocab_size=self.vocab_size,
                                          temperature=temperature, group=self.tp_group)
 

@@ -28,12 +28,12 @@ class StrictWorkerExtension:
         return int(getattr(self.model_runner.model, "weight_version", -1))
 
     def rlkernel_info(self) -> dict:
-        from .. import fused
+        from ..backends import cpu
 
         model = self.model_runner.model
         attn = getattr(model, "attn", None)
         return {
-            "fused_cpu": fused.status(),
+            "cpu_kernels": cpu.status(),
             "model_class": type(model).__name__,
             "attention_impl": type(attn[0].impl).__name__ if attn else None,
             "temperature": getattr(model, "rollout_temperature", None),

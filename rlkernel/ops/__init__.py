@@ -1,1 +1,1 @@
-"""One module per reduction class; each registers its backends with `rlkernel.dispatch`."""
+"""The public op functions: shape checks and dispatch only (numerics live in backends/, orders in contracts/)."""

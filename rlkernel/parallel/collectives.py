@@ -29,16 +29,18 @@ of hanging one of them inside a collective.
 """
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .contract import Contract
-from .ops import logprob as _lp
-from .primitives import strict_log, tree_sum
+from .. import dispatch
+
+from ..backends.reference import logprob as _lp
+from ..backends.reference.primitives import tree_sum
+from ..contracts.collectives import ALL_GATHER_REFERENCE, ALL_REDUCE_NATIVE, ALL_REDUCE_REFERENCE, VOCAB_PARALLEL_LOGPROB_REFERENCE
+from ..contracts.logprob import VOCAB_TILE
 
 __all__ = [
     "ALL_REDUCE_REFERENCE",
@@ -52,43 +54,11 @@ __all__ = [
     "vocab_parallel_logprob",
 ]
 
-ALL_REDUCE_REFERENCE = Contract(
-    op="all_reduce",
-    backend="reference",
-    domain="ranks, as S canonical segments",
-    partition=(("segments", "S = world_size * k, fixed by the caller"), ("ownership", "rank r owns segments [r*k, r*k + k)"), ("transport", "all_gather, rank order")),
-    merge="balanced binary tree over canonical segment index (zero-padded to a power of two), run identically on every rank",
-    precision=(("payload", "segment dtype, sent unchanged"), ("accumulate", "float32 (float64 stays float64)"), ("output", "payload dtype")),
-    rounding=("one cast of the tree sum to the payload dtype",),
-    primitives=(("add", "IEEE element-wise"),),
-    invariant=("world size", "rank", "run to run"),
-)
-ALL_REDUCE_NATIVE = Contract(
-    op="all_reduce",
-    backend="native",
-    domain="ranks",
-    partition=(("segments", "one partial sum per rank"), ("ownership", "rank r owns segments [r*k, r*k + k)"), ("transport", "dist.all_reduce (backend algorithm)")),
-    merge="left-to-right sum of the rank's own segments, then the backend's reduction order (depends on world size, algorithm, chunk)",
-    precision=(("payload", "segment dtype"), ("accumulate", "payload dtype"), ("output", "payload dtype")),
-    rounding=("every add rounds to the payload dtype",),
-    primitives=(("add", "IEEE element-wise"),),
-)
-ALL_GATHER_REFERENCE = Contract(
-    op="all_gather",
-    backend="reference",
-    domain="ranks",
-    partition=(("ownership", "rank r owns block r"),),
-    merge="concatenation in rank order (no arithmetic)",
-    precision=(("payload", "input dtype, unchanged"),),
-    invariant=("rank", "run to run"),
-)
-# Numerically the single-process linear-logprob contract: only the op name and the
-# claimed invariance differ, which is the point (diff against it with op renamed is empty).
-VOCAB_PARALLEL_LOGPROB_REFERENCE = dataclasses.replace(
-    _lp.REFERENCE,
-    op="vocab_parallel_logprob",
-    invariant=_lp.REFERENCE.invariant + ("tensor-parallel world size (shard boundaries multiples of VOCAB_TILE)",),
-)
+def strict_prims(device: torch.device):
+    """The primitives of the strict implementation that serves linear-logprob on `device` now."""
+    impl = dispatch.resolve("linear_logprob", device, "strict")
+    dispatch.note_call("linear_logprob", impl, (torch.empty(0, device=device),))
+    return impl.prims
 
 
 def _world(group) -> tuple[int, int]:
@@ -181,7 +151,7 @@ def all_gather(tensor: torch.Tensor, group=None, dim: int = 0) -> torch.Tensor:
 
 def _check_shards(ranges: list[list[int]], vocab_size: int) -> None:
     """Shards must tile [0, vocab_size) exactly once, every boundary on a VOCAB_TILE multiple (or at vocab_size)."""
-    tile = _lp.VOCAB_TILE
+    tile = VOCAB_TILE
     for r, (lo, hi) in enumerate(ranges):
         for b in (lo, hi) if hi > lo else ():
             if b % tile and b != vocab_size:
@@ -224,7 +194,8 @@ def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
         raise ValueError(f"vocab_parallel_logprob: ranks disagree on (tokens, vocab_size): {[m[2:] for m in meta]}")
     _check_shards([m[:2] for m in meta], vocab_size)
 
-    tile = _lp.VOCAB_TILE
+    tile = VOCAB_TILE
+    prims = strict_prims(hidden.device)
     n_tiles = [-(-(end - start) // tile) for start, end, *_ in meta]
     width = max(n_tiles)  # ranks own different tile counts: pad every rank's stats to the widest
     h32, local_t = hidden.float(), targets - vocab_start
@@ -234,7 +205,7 @@ def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
     for a in range(lo, hi, tile):
         b = min(a + tile, vocab_size)
         # Offsets relative to the shard select exactly the rows tile [a, b) has in the full lm_head.
-        m, l, z, own = _lp.tile_stats(h32, weight_shard, local_t, a - vocab_start, b - vocab_start, temperature)
+        m, l, z, own = _lp.tile_stats(h32, weight_shard, local_t, a - vocab_start, b - vocab_start, temperature, prims)
         ms.append(m)
         ls.append(l)
         zt, own_any = torch.where(own, z, zt), own_any | own
@@ -252,5 +223,5 @@ def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
         all_m += list(g[: n_tiles[r]])
         all_l += list(g[width : width + n_tiles[r]])
         zt = torch.where(g[2 * width + 1] > 0, g[2 * width], zt)  # exactly one rank owns each target: a select, not a sum
-    m, l = _lp.tree_merge_ml(all_m, all_l)
-    return (zt - m) - strict_log(l)
+    m, l = _lp.tree_merge_ml(all_m, all_l, prims)
+    return (zt - m) - prims.log(l)

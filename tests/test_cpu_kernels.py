@@ -1,12 +1,12 @@
-"""The fused CPU kernels (rlkernel/csrc/strict_cpu.cpp) compute the reference contracts to the
-bit: every kernel equals the torch composition of the reference backend (torch.equal, or bit
-patterns where NaNs are involved) on shapes that are multiples of no tile, in fp32, bf16 and
-fp16, on 1 and 2 threads. Training forwards run the same kernels with explicit backwards
-whose gradients agree with the composition's and native autograd.
+"""The CPU kernels (rlkernel/backends/cpu/csrc) compute the strict contracts to the bit: every
+kernel equals the torch composition of the reference implementation (torch.equal, or bit
+patterns where NaNs are involved) at odd shapes, in fp32, bf16 and fp16, on 1 and 2 threads,
+at every head size — forward *and* backward (both implementations share one explicit backward
+and the kernels' GEMM equals the composition's fma chains), so `RLKERNEL_CPU_KERNELS=0` or a
+failed build changes no training trajectory.
 
-Negative controls: the raw attention kernel at head sizes outside the checked range (8, 256)
-differs from the composition, which is why the loader guards it; torch's own float32 CPU
-sqrt is not IEEE on this machine, which is why the strict rsqrt takes the float64 route."""
+Negative controls: torch's own float32 CPU sqrt is not IEEE on this machine (recorded where it
+happens not to differ), which is why the strict rsqrt takes the float64 route."""
 import json
 import os
 import random
@@ -19,10 +19,11 @@ import torch
 
 import rlkernel as rk
 from helpers import threads
-from rlkernel import fused, primitives
-from rlkernel.ops import logprob as LP
+from rlkernel.backends import cpu
+from rlkernel.backends.reference import logprob as LP
+from rlkernel.backends.reference import primitives
 
-fused.available()  # loads the library (builds it on a fresh machine), so torch.ops.rlkernel exists
+cpu.available()  # loads the library (builds it on a fresh machine), so torch.ops.rlkernel exists
 F = torch.ops.rlkernel
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -32,9 +33,10 @@ def _gen(seed):
 
 
 def _both(fn):
-    """fn() on the fused path and on the torch composition."""
-    got = fn()
-    with fused.disabled():
+    """fn() on the CPU kernels and on the torch composition."""
+    with rk.mode(impl="cpu"):
+        got = fn()
+    with rk.mode(impl="reference"):
         ref = fn()
     return got, ref
 
@@ -49,9 +51,10 @@ def _assert_equal(a, b):
 
 
 def test_library_builds_loads_and_reports():
-    assert fused.available(), fused.status()
-    st = fused.status()
-    assert st["fused_cpu"] and st["error"] is None and os.path.exists(st["library"])
+    assert cpu.available(), cpu.status()
+    st = cpu.status()
+    assert st["cpu_kernels"] and st["error"] is None and os.path.exists(st["library"])
+    assert st["self_check"].endswith("golden cases reproduced")
 
 
 def test_exp_and_log_bit_patterns():
@@ -73,8 +76,9 @@ def test_strict_sqrt_is_ieee_and_torch_float32_sqrt_is_not():
     ieee = torch.from_numpy(np.sqrt(x.numpy()))  # numpy: the hardware's correctly rounded sqrt
     assert torch.equal(primitives.strict_sqrt(x), ieee)
     assert torch.equal(primitives.strict_rsqrt(x), 1.0 / ieee)
-    # negative control, documented: torch's float32 CPU sqrt (MKL VML) misses IEEE on this machine
-    assert int((torch.sqrt(x) != ieee).sum()) > 0
+    # negative control, recorded (not asserted: another CPU's torch may be exact): torch's float32
+    # CPU sqrt (MKL VML) missed IEEE for about one value in six on the machine this was written on
+    print(f"torch float32 sqrt != IEEE for {int((torch.sqrt(x) != ieee).sum())} of {x.numel()} values here")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -101,22 +105,25 @@ def test_swiglu_and_rope_bitwise(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 5, 16, 37, 300])
-def test_linear_bitwise_plain_gemm_and_tiles(dtype, m):
+def test_linear_bitwise(dtype, m):
     g = _gen(4 + m)
     for k, n, seg, bias in ((64, 192, 1, False), (576, 1536, 1, True), (1536, 576, 4, False), (96, 8, 1, True), (200, 70, 2, False)):
         x = torch.randn(m, k, generator=g).to(dtype)
         w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
         b = torch.randn(n, generator=g).to(dtype) if bias else None
-        with fused.disabled():
-            ref = rk.linear(x, w, b, k_segments=seg)
-        for plain in (False, True):  # the tile GEMMs and, where checked, one plain GEMM
-            _assert_equal(F.linear(x, w, b, seg, plain), ref)
-        _assert_equal(rk.linear(x, w, b, k_segments=seg), ref)
+        if m * k * n > 64 * 576 * 1536:  # the composition takes K element-wise steps: check a row sample
+            x = x[::37]
+        _assert_equal(*_both(lambda: rk.linear(x, w, b, k_segments=seg)))
 
 
-def test_plain_gemm_is_checked_per_shape():
-    assert fused.plain_gemm_ok(64, 192) is True  # measured on this machine: the BLAS K order depends on K only
-    assert "64x192" in fused.status()["plain_gemm_shapes_checked"]
+def test_gemm_kernel_equals_the_fma_chain_on_special_values():
+    """The kernel GEMM is the contract's chain: zeros, signed zeros, inf, nan, huge and tiny values."""
+    vals = torch.tensor([0.0, -0.0, 1.0, -1.0, 3e38, -3e38, 1e-38, 1e-45, float("inf"), float("-inf"), float("nan"), 0.5, 7.0])
+    g = _gen(40)
+    a = vals[torch.randint(0, len(vals), (9, 17), generator=g)]
+    b = vals[torch.randint(0, len(vals), (17, 11), generator=g)]
+    got, ref = F.mm(a, b), primitives.matmul(a, b)
+    assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got[~got.isnan()], ref[~ref.isnan()])
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
@@ -129,12 +136,7 @@ def test_linear_logprob_bitwise(dtype, temperature):
         tgt = torch.randint(0, v, (t,), generator=g)
         _assert_equal(*_both(lambda: rk.linear_logprobs_full(hid, w, temperature, vocab_size=v)))
         _assert_equal(*_both(lambda: rk.linear_logprob(hid, w, tgt, temperature, vocab_size=v)))
-        _assert_equal(F.logsumexp(hid, w, temperature, v, LP._plain(hid, v)), _lse_ref(hid, w, temperature, v))
-
-
-def _lse_ref(hid, w, temperature, v):
-    with fused.disabled():
-        return LP._lse(hid.float(), w, temperature, v)
+        _assert_equal(F.logsumexp(hid, w, temperature, v), LP.lse(hid, w, temperature, v))
 
 
 def _qkv(lens, hq, hkv, d, dtype, seed):
@@ -144,7 +146,7 @@ def _qkv(lens, hq, hkv, d, dtype, seed):
     return q, k, v, torch.tensor([0, *np.cumsum(lens).tolist()])
 
 
-@pytest.mark.parametrize("d", [16, 32, 64, 128, 192])
+@pytest.mark.parametrize("d", [8, 16, 64, 128, 256])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_varlen_bitwise(d, dtype):
     for hq, hkv in ((4, 4), (4, 2), (6, 2)):
@@ -189,18 +191,7 @@ def test_write_kv_cache_skips_padding_slots_on_both_paths():
     assert int(kc.view(12, -1).ne(0).any(-1).sum()) == 3
 
 
-@pytest.mark.parametrize("d", [8, 256])
-def test_negative_control_head_sizes_outside_the_checked_range_differ_and_are_guarded(d):
-    q, k, v, cu = _qkv([1, 40, 77], 4, 2, d, torch.float32, seed=d)
-    with fused.disabled():
-        ref = rk.attention_varlen(q, k, v, cu)
-    raw = F.attention_varlen(q, k, v, cu, d**-0.5)  # the kernel's own fma order: not the BLAS order here
-    assert not torch.equal(raw, ref)
-    assert fused.attention_ok(d, torch.float32) is False
-    _assert_equal(rk.attention_varlen(q, k, v, cu), ref)  # so the composition serves these sizes
-
-
-def test_fused_bits_do_not_depend_on_thread_count():
+def test_kernel_bits_do_not_depend_on_thread_count():
     q, k, v, cu = _qkv([5, 70, 130, 33], 4, 2, 64, torch.bfloat16, seed=9)
     g = _gen(10)
     h, w = torch.randn(64, 96, generator=g), torch.randn(1300, 96, generator=g) * 0.2
@@ -209,9 +200,9 @@ def test_fused_bits_do_not_depend_on_thread_count():
            lambda: rk.linear(x, wl), lambda: rk.rms_norm(x, torch.ones(576), 1e-6), lambda: rk.swiglu(x, x * 0.5))
     with threads(1):
         one = [f() for f in fns]
-    with threads(2):
-        two = [f() for f in fns]
-    _assert_equal(one, two)
+    for n in (2, 3, 4, 8):
+        with threads(n):
+            _assert_equal([f() for f in fns], one)
 
 
 def _train_block(x, w, wn, q, k, v, cu, pos):
@@ -221,7 +212,7 @@ def _train_block(x, w, wn, q, k, v, cu, pos):
     return (y * y).sum() + (res * 0.3).sum() + (rk.swiglu(y, y * 0.7) ** 2).sum() + (a * torch.linspace(-1, 1, a.numel()).reshape(a.shape)).sum()
 
 
-def test_training_forward_is_the_same_bits_and_backward_agrees():
+def test_training_forward_and_backward_are_the_same_bits():
     g = _gen(11)
     lens = [30, 45]
     cu, pos = torch.tensor([0, 30, 75]), torch.cat([torch.arange(n) for n in lens])
@@ -236,21 +227,21 @@ def test_training_forward_is_the_same_bits_and_backward_agrees():
 
     (loss_f, grads_f), (loss_c, grads_c) = _both(run)
     assert torch.equal(loss_f, loss_c)  # the forward is the contract: same bits either way
-    for a, b in zip(grads_f, grads_c):
-        assert ((a - b).abs().max() / b.abs().max()) < 1e-4
-    loss_again, grads_again = run()  # and the fused backward is deterministic
+    for a, b in zip(grads_f, grads_c):  # and so is the shared explicit backward
+        assert torch.equal(a, b)
+    loss_again, grads_again = run()  # and it is deterministic
     assert torch.equal(loss_again, loss_f) and all(torch.equal(a, b) for a, b in zip(grads_again, grads_f))
 
 
-def test_rlkernel_fused_0_turns_the_fused_path_off_with_the_same_bits():
-    code = ("import json, torch, rlkernel as rk; from rlkernel import fused; g = torch.Generator().manual_seed(0); "
-            "h = torch.randn(9, 64, generator=g); w = torch.randn(300, 64, generator=g); "
-            "print(json.dumps({'status': fused.status()['fused_cpu'], 'active': fused.active(h), "
+def test_rlkernel_cpu_kernels_0_turns_the_kernels_off_with_the_same_bits():
+    code = ("import json, torch, rlkernel as rk; from rlkernel.backends import cpu; from rlkernel import dispatch; "
+            "g = torch.Generator().manual_seed(0); h = torch.randn(9, 64, generator=g); w = torch.randn(300, 64, generator=g); "
+            "print(json.dumps({'status': cpu.status()['cpu_kernels'], 'impl': dispatch.resolve('linear', h.device).name, "
             "'lp': rk.linear_logprobs_full(h, w).flatten().tolist()}))")
-    env = {**os.environ, "RLKERNEL_FUSED": "0"}
+    env = {**os.environ, "RLKERNEL_CPU_KERNELS": "0"}
     out = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
-    assert out["active"] is False and out["status"] is False
+    assert out["impl"] == "reference" and out["status"] is False
     g = _gen(0)
     h, w = torch.randn(9, 64, generator=g), torch.randn(300, 64, generator=g)
-    assert fused.active(h)
+    assert rk.dispatch.resolve("linear", h.device).name == "cpu"
     assert torch.equal(torch.tensor(out["lp"]), rk.linear_logprobs_full(h, w).flatten())

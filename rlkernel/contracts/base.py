@@ -26,7 +26,7 @@ def _freeze(value):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Contract:
     op: str  # op name, as in rlkernel's public API ("linear", "attention", ...)
-    backend: str  # "reference", "native", "triton", ...
+    backend: str  # the contract family: "strict" (CPU kernels and the reference composition), "native", "triton-sm90", ...
     domain: str  # D: what is reduced ("K", "hidden", "visible keys", "vocab", "ranks")
     partition: tuple = ()  # Π: (name, value) pairs, e.g. (("m_tile", 16), ("split_k", 1))
     merge: str = ""  # T: the order partial results are combined in

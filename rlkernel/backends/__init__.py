@@ -1,0 +1,10 @@
+"""Implementations of rlkernel's contracts, registered with `rlkernel.dispatch` on import.
+
+| folder | implements | runs on |
+|---|---|---|
+| `reference/` | the strict contracts as a torch composition: the executable spec, with the explicit backwards every implementation shares | any device |
+| `cpu/` | the strict contracts as C++ kernels (same bits as `reference`, checked at load) | CPU |
+| `native.py` | the native contracts: torch's production ops (the "P" side of every ablation) | any device |
+| `triton/` | GPU kernels under their own GPU contracts | CUDA |
+"""
+from . import cpu, native, reference  # noqa: F401  (registration)

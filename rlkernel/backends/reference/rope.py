@@ -1,0 +1,71 @@
+"""RoPE under the strict contract (contracts/rope.py): the cos/sin table, the rotation, its backward."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ...contracts.rope import ROPE_BLOCK
+from .linear import wants_grad
+
+_LOCK = threading.Lock()
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def rope_table(head_dim: int, n_positions: int, theta: float, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [>= n_positions, head_dim // 2] float32, grown in fixed blocks and cached."""
+    if head_dim % 2:
+        raise ValueError(f"rope: head_dim must be even, got {head_dim}")
+    device = torch.device(device)
+    key = (head_dim, float(theta), device)
+    with _LOCK:
+        cos, sin = _TABLES.get(key, (None, None))
+        have = 0 if cos is None else cos.shape[0]
+        if have >= n_positions:
+            return cos, sin
+        inv_freq = 1.0 / (float(theta) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        new_c, new_s = [], []
+        for start in range(have, n_positions, ROPE_BLOCK):
+            pos = torch.arange(start, start + ROPE_BLOCK, dtype=torch.float64)
+            ang = pos[:, None] * inv_freq[None, :]
+            new_c.append(torch.cos(ang).float())
+            new_s.append(torch.sin(ang).float())
+        add_c = torch.cat(new_c).to(device)
+        add_s = torch.cat(new_s).to(device)
+        cos = add_c if cos is None else torch.cat([cos, add_c])
+        sin = add_s if sin is None else torch.cat([sin, add_s])
+        _TABLES[key] = (cos, sin)
+        return cos, sin
+
+
+def forward(x, positions, cos, sin):
+    """[x1*c - x2*s, x2*c + x1*s] in fp32, one cast to x's dtype."""
+    d = x.shape[-1]
+    c = cos[positions].unsqueeze(-2)  # [T, 1, d/2]
+    s = sin[positions].unsqueeze(-2)
+    xf = x.float()
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+class RopeFn(torch.autograd.Function):
+    """Forward bits from `fwd`; the backward is the inverse rotation (sin negated), element-wise."""
+
+    @staticmethod
+    def forward(ctx, x, positions, cos, sin, fwd):
+        # constants, kept as attributes: the cached table may be an inference tensor (made under
+        # vLLM's inference_mode in the same process), which save_for_backward refuses
+        ctx.positions, ctx.cos, ctx.sin, ctx.fwd = positions, cos, sin, fwd
+        return fwd(x, positions, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.fwd(g.contiguous(), ctx.positions, ctx.cos, -ctx.sin), None, None, None, None
+
+
+def rope(x, positions, theta, *, fwd=forward):
+    d = x.shape[-1]
+    cos, sin = rope_table(d, int(positions.max()) + 1 if positions.numel() else 1, theta, x.device)
+    if wants_grad(x):
+        return RopeFn.apply(x, positions, cos, sin, fwd)
+    return fwd(x, positions, cos, sin)

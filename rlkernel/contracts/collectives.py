@@ -1,0 +1,50 @@
+"""Collectives: reductions over ranks whose bits do not depend on the world size.
+
+The strict path reduces over *canonical segments*, not ranks: the payload is cut into S
+segments (S fixed by the model, not by the world size); rank r owns the contiguous block
+r*k .. r*k+k-1; segments travel unchanged (all_gather, rank order) and every rank sums all S
+with one balanced binary tree over segment index, accumulating in float32, rounding once.
+The vocab-parallel logprob is the linear-logprob contract with vocab tiles as the segments.
+"""
+import dataclasses
+
+from . import logprob
+from .base import Contract
+
+ALL_REDUCE_REFERENCE = Contract(
+    op="all_reduce",
+    backend="strict",
+    domain="ranks, as S canonical segments",
+    partition=(("segments", "S = world_size * k, fixed by the caller"), ("ownership", "rank r owns segments [r*k, r*k + k)"), ("transport", "all_gather, rank order")),
+    merge="balanced binary tree over canonical segment index (zero-padded to a power of two), run identically on every rank",
+    precision=(("payload", "segment dtype, sent unchanged"), ("accumulate", "float32 (float64 stays float64)"), ("output", "payload dtype")),
+    rounding=("one cast of the tree sum to the payload dtype",),
+    primitives=(("add", "IEEE element-wise"),),
+    invariant=("world size", "rank", "run to run"),
+)
+ALL_REDUCE_NATIVE = Contract(
+    op="all_reduce",
+    backend="native",
+    domain="ranks",
+    partition=(("segments", "one partial sum per rank"), ("ownership", "rank r owns segments [r*k, r*k + k)"), ("transport", "dist.all_reduce (backend algorithm)")),
+    merge="left-to-right sum of the rank's own segments, then the backend's reduction order (depends on world size, algorithm, chunk)",
+    precision=(("payload", "segment dtype"), ("accumulate", "payload dtype"), ("output", "payload dtype")),
+    rounding=("every add rounds to the payload dtype",),
+    primitives=(("add", "IEEE element-wise"),),
+)
+ALL_GATHER_REFERENCE = Contract(
+    op="all_gather",
+    backend="strict",
+    domain="ranks",
+    partition=(("ownership", "rank r owns block r"),),
+    merge="concatenation in rank order (no arithmetic)",
+    precision=(("payload", "input dtype, unchanged"),),
+    invariant=("rank", "run to run"),
+)
+# Numerically the single-process linear-logprob contract: only the op name and the
+# claimed invariance differ, which is the point (diff against it with op renamed is empty).
+VOCAB_PARALLEL_LOGPROB_REFERENCE = dataclasses.replace(
+    logprob.STRICT,
+    op="vocab_parallel_logprob",
+    invariant=logprob.STRICT.invariant + ("tensor-parallel world size (shard boundaries multiples of VOCAB_TILE)",),
+)

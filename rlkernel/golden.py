@@ -1,0 +1,180 @@
+"""The golden-bits suite: every strict op, fp32 and bf16, forward and backward, hashed.
+
+What this module decides: a small fixed set of strict computations whose output bits every
+machine must reproduce. Inputs are built from integers (never `torch.randn`, whose bits may
+depend on the ISA), outputs are hashed (sha256 of their bytes), and the hashes are committed
+in `golden.json` with the contract id of each op they were made under. `make test` checks
+every implementation against them (tests/test_golden.py), so a machine that computes other
+bits — another ISA, thread count, BLAS or compiler — fails loudly; the CPU kernels run the
+cases marked `slice` at load (`self_check`). Regenerating (`python -m rlkernel.golden --write`)
+is refused unless the contracts changed, i.e. a contract version was bumped.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+GOLDEN = Path(__file__).with_name("golden.json")
+_GOLDEN_OPS = ("linear", "rms_norm", "swiglu", "rope", "attention", "linear_logprob")
+
+
+class GoldenMismatch(RuntimeError):
+    """An implementation's bits differ from the committed golden hash of a case."""
+
+
+def ints(*shape: int, seed: int = 0, scale: float = 1 / 64, dtype=torch.float32) -> torch.Tensor:
+    """Deterministic values from integers: ((i * 7919 + seed * 104729) % 2003 - 1001) * scale."""
+    n = 1
+    for s in shape:
+        n *= s
+    i = torch.arange(n, dtype=torch.int64)
+    v = ((i * 7919 + seed * 104729) % 2003 - 1001).to(torch.float64) * scale
+    return v.to(torch.float32).to(dtype).reshape(shape)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    op: str  # the contract it exercises
+    fn: Callable[[], list[torch.Tensor]]  # returns the outputs to hash
+    slice: bool = False  # run by the load-time self-check (fast with the kernels)
+
+
+def _grads(out: torch.Tensor, inputs: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    g = ints(*out.shape, seed=seed, scale=1 / 512).to(out.dtype)
+    return list(torch.autograd.grad(out, inputs, g))
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+def _cases() -> list[Case]:
+    import rlkernel as rk
+
+    cases = []
+    for dt, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        def linear(dt=dt, segs=1):
+            x, w, b = _leaf(ints(5, 72, seed=1, dtype=dt)), _leaf(ints(33, 72, seed=2, scale=1 / 256, dtype=dt)), _leaf(ints(33, seed=3, dtype=dt))
+            y = rk.linear(x, w, b, k_segments=segs)
+            return [y, *_grads(y, [x, w, b], 4)]
+
+        def big_linear(dt=dt):  # a K and N where vendor GEMMs change order with threads
+            with torch.no_grad():
+                return [rk.linear(ints(3, 1000, seed=5, dtype=dt), ints(300, 1000, seed=6, scale=1 / 512, dtype=dt))]
+
+        def norm(dt=dt):
+            x, w, r = _leaf(ints(5, 70, seed=7, dtype=dt)), _leaf((ints(70, seed=8) + 20).to(dt)), _leaf(ints(5, 70, seed=9, dtype=dt))
+            y, h = rk.rms_norm(x, w, 1e-6, residual=r)
+            return [y, h, *_grads(y, [x, w, r], 10)]
+
+        def swiglu(dt=dt):
+            a, b = _leaf(ints(5, 70, seed=11, scale=1 / 16, dtype=dt)), _leaf(ints(5, 70, seed=12, dtype=dt))
+            y = rk.swiglu(a, b)
+            return [y, *_grads(y, [a, b], 13)]
+
+        def rope(dt=dt):
+            x = _leaf(ints(6, 2, 16, seed=14, dtype=dt))
+            y = rk.rope(x, torch.tensor([0, 1, 2, 300, 301, 700]), 1e4)
+            return [y, *_grads(y, [x], 15)]
+
+        def attention(dt=dt):
+            q, k, v = (_leaf(ints(40, h, 16, seed=16 + i, scale=1 / 128, dtype=dt)) for i, h in enumerate((4, 2, 2)))
+            cu = torch.tensor([0, 7, 40])
+            y = rk.attention_varlen(q, k, v, cu)
+            return [y, *_grads(y, [q, k, v], 19)]
+
+        def decode(dt=dt):
+            q, k, v = (ints(40, h, 16, seed=16 + i, scale=1 / 128, dtype=dt) for i, h in enumerate((4, 2, 2)))
+            kc, vc = torch.zeros(6, 8, 2, 16, dtype=dt), torch.zeros(6, 8, 2, 16, dtype=dt)
+            table = torch.tensor([[4, 0, 5, 1, 3]])
+            slots = torch.cat([table[0, t // 8:t // 8 + 1] * 8 + t % 8 for t in range(33)])
+            rk.write_kv_cache(k[7:], v[7:], kc, vc, slots)
+            with torch.no_grad():
+                return [rk.attention_paged(q[37:40], kc, vc, table, torch.tensor([33]), torch.tensor([0, 3]))]
+
+        def logprob(dt=dt):
+            h, w = _leaf(ints(6, 24, seed=20, dtype=dt)), _leaf(ints(1100, 24, seed=21, scale=1 / 256, dtype=dt))
+            t = torch.tensor([0, 5, 511, 512, 1049, 700])
+            lp = rk.linear_logprob(h, w, t, 0.8, vocab_size=1050)
+            ent = rk.linear_entropy(h, w, 0.8, vocab_size=1050)
+            with torch.no_grad():
+                full = rk.linear_logprobs_full(h, w, 0.8, vocab_size=1050)
+            return [lp, ent, full, *_grads(lp + ent, [h, w], 22)]
+
+        cases += [Case(f"linear_{tag}", "linear", linear, slice=True), Case(f"linear_seg4_{tag}", "linear", lambda dt=dt: linear(dt, 4)),
+                  Case(f"linear_k1000_{tag}", "linear", big_linear, slice=True),
+                  Case(f"rms_norm_{tag}", "rms_norm", norm, slice=True), Case(f"swiglu_{tag}", "swiglu", swiglu, slice=True),
+                  Case(f"rope_{tag}", "rope", rope, slice=True), Case(f"attention_{tag}", "attention", attention),
+                  Case(f"attention_paged_{tag}", "attention", decode, slice=True), Case(f"linear_logprob_{tag}", "linear_logprob", logprob)]
+    return cases
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().contiguous()
+        h.update(str((tuple(t.shape), str(t.dtype))).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:24]
+
+
+def compute(impl: str, only_slice: bool = False) -> dict[str, str]:
+    """{case: hash} with the strict contracts run by implementation `impl`."""
+    import rlkernel as rk
+
+    with rk.mode("strict", impl=impl):
+        return {c.name: digest(c.fn()) for c in _cases() if c.slice or not only_slice}
+
+
+def contract_ids() -> dict[str, str]:
+    import rlkernel as rk
+
+    return {op: rk.contract_for(op, "reference").contract_id for op in _GOLDEN_OPS}
+
+
+def committed() -> dict:
+    return json.loads(GOLDEN.read_text())
+
+
+def check(impl: str, only_slice: bool = False) -> list[str]:
+    """The cases whose bits differ from the committed hashes ("name (op, contract)"), [] if none."""
+    want, ops = committed()["cases"], {c.name: c.op for c in _cases()}
+    got = compute(impl, only_slice)
+    return [f"{name} (op {ops[name]})" for name, h in got.items() if want.get(name) != h]
+
+
+def self_check(impl: str) -> str:
+    """The load-time check: the golden slice under `impl`; raises GoldenMismatch naming the cases."""
+    bad = check(impl, only_slice=True)
+    if bad:
+        raise GoldenMismatch(f"implementation {impl!r} differs from the committed golden bits in: {', '.join(bad)}")
+    return f"{sum(c.slice for c in _cases())} golden cases reproduced"
+
+
+def write() -> None:
+    """Regenerate golden.json from the reference composition; refused when no contract changed."""
+    ids, hashes = contract_ids(), compute("reference")
+    if GOLDEN.exists():
+        old = committed()
+        changed = [op for op in _GOLDEN_OPS if old["contracts"].get(op) != ids[op]]
+        differ = sorted({c.op for c in _cases() if old["cases"].get(c.name) != hashes[c.name]})
+        if not set(differ) <= set(changed):
+            raise SystemExit(f"refused: the bits of {differ} changed but their contracts did not ({changed} did); "
+                             "bump the contract's version in rlkernel/contracts/ first")
+    GOLDEN.write_text(json.dumps({"contracts": ids, "cases": hashes}, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN} ({len(hashes)} cases)")
+
+
+if __name__ == "__main__":  # python -m rlkernel.golden [--write]
+    if "--write" in sys.argv:
+        write()
+    else:
+        for impl in ("reference", "cpu"):
+            print(impl, check(impl) or "all golden cases reproduced")

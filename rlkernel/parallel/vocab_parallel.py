@@ -1,0 +1,64 @@
+"""Differentiable vocab-parallel logprob for tensor-parallel training.
+
+What this module decides: the backward of `vocab_parallel_logprob` under the linear-logprob
+contract. The global log-sum-exp comes from the ranks' per-tile (m, l) merged by the
+canonical tile tree; the backward recomputes each local tile in fixed order with the strict
+implementation's GEMM and exp, and tree-reduces dL/dhidden over ranks.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..backends.reference import logprob as _lp
+from ..contracts.logprob import VOCAB_TILE
+from .collectives import all_gather, strict_prims, tree_all_reduce, vocab_parallel_logprob
+
+
+class VocabParallelLogprob(torch.autograd.Function):
+    """Differentiable vocab-parallel logprob (TP>1 training). Forward: rk.vocab_parallel_logprob;
+    the global log-sum-exp for the backward comes from the ranks' per-tile (m, l) merged by the
+    canonical tile tree; the backward recomputes each local tile and tree-reduces dL/dhidden."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, start, vocab_size, temperature, group):
+        lp = vocab_parallel_logprob(hidden, weight, targets, vocab_start=start, vocab_size=vocab_size, temperature=temperature, group=group)
+        h32, prims = hidden.float(), strict_prims(hidden.device)
+        shard, world = weight.shape[0], group.size()
+        spans = [(min(r * shard, vocab_size), min((r + 1) * shard, vocab_size)) for r in range(world)]
+        counts = [-(-(hi - lo) // VOCAB_TILE) for lo, hi in spans]
+        width, (lo, hi) = max(counts), spans[group.rank()]
+        buf = torch.zeros(2, max(width, 1), hidden.shape[0], device=hidden.device)
+        for i, a in enumerate(range(lo, hi, VOCAB_TILE)):
+            b = min(a + VOCAB_TILE, vocab_size)
+            buf[0, i], buf[1, i], _, _ = _lp.tile_stats(h32, weight, targets, a - start, b - start, temperature, prims)
+        every = all_gather(buf.unsqueeze(0), group, dim=0)  # [world, 2, width, T]
+        ms = [every[r, 0, i] for r in range(world) for i in range(counts[r])]
+        ls = [every[r, 1, i] for r in range(world) for i in range(counts[r])]
+        m, l = _lp.tree_merge_ml(ms, ls, prims)
+        ctx.save_for_backward(hidden, weight, targets, m + prims.log(l))
+        ctx.span, ctx.start, ctx.temperature, ctx.group, ctx.prims = (lo, hi), start, temperature, group, prims
+        return lp
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        (lo, hi), start, t = ctx.span, ctx.start, ctx.temperature
+        h32, g, prims = hidden.float(), grad.float(), ctx.prims
+        gh = torch.zeros_like(h32)
+        gw = torch.zeros_like(weight, dtype=torch.float32)
+        for a in range(lo, hi, VOCAB_TILE):  # fixed tile order
+            b = min(a + VOCAB_TILE, hi)
+            z = _lp.tile_logits(h32, weight, a - start, b - start, t, prims)
+            gz = -prims.exp(z - lse[:, None])
+            rows = ((targets >= a) & (targets < b)).nonzero()[:, 0]
+            gz[rows, targets[rows] - a] += 1.0
+            gz = gz * g[:, None] / t
+            gh = gh + prims.matmul(gz, weight[a - start:b - start])
+            gw[a - start:b - start] = prims.matmul(gz.t(), h32)
+        gh = tree_all_reduce([gh], ctx.group)  # each rank's vocab block contributes to dL/dhidden
+        return gh.to(hidden.dtype), gw.to(weight.dtype), None, None, None, None, None
+
+
+def vocab_parallel_logprob_fn(hidden, weight, targets, start, vocab_size, temperature, group):
+    """Differentiable float32 log p(targets) with the lm_head split over `group` by vocab rows."""
+    return VocabParallelLogprob.apply(hidden, weight, targets, start, vocab_size, temperature, group)
