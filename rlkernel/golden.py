@@ -129,7 +129,9 @@ def compute(impl: str, only_slice: bool = False) -> dict[str, str]:
     """{case: hash} with the strict contracts run by implementation `impl`."""
     import rlkernel as rk
 
-    with rk.mode("strict", impl=impl):
+    # the cases differentiate: run them with autograd on even when loaded from an inference
+    # region (vLLM's model runner, a no_grad scorer)
+    with torch.inference_mode(False), torch.enable_grad(), rk.mode("strict", impl=impl):
         return {c.name: digest(c.fn()) for c in _cases() if c.slice or not only_slice}
 
 

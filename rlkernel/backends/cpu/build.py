@@ -23,8 +23,8 @@ import torch
 
 log = logging.getLogger("rlkernel.backends.cpu")
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("elementwise.cpp", "norm.cpp", "rope.cpp", "attention.cpp", "linear.cpp")
-HEADERS = ("common.h", "gemm_interim.h")
+SOURCES = ("elementwise.cpp", "norm.cpp", "rope.cpp", "attention.cpp", "linear.cpp", "gemm.cpp")
+HEADERS = ("common.h", "gemm.h", "gemm_at.h")
 
 
 def march() -> str:

@@ -1,7 +1,7 @@
 // Linear and linear-logprob (contracts/gemm.py, contracts/logprob.py): the strict GEMM, then
 // the contract's merges in one pass.
 #include "common.h"
-#include "gemm_interim.h"
+#include "gemm_at.h"
 
 namespace rk {
 

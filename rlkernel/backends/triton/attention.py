@@ -1,0 +1,314 @@
+"""Causal GQA attention in Triton under contracts.AttentionContract.
+
+One formulation serves packed varlen prefill, paged-KV decode and chunked prefill:
+
+* a query tile is BLOCK_M rows = (BLOCK_M // G) consecutive tokens of one request x the G
+  query heads of one kv head, in every path (a decode token fills G rows of the tile,
+  the rest are zero rows), so q.k and p.v are the same tl.dot shapes everywhere;
+* keys are walked in chunks of BLOCK_N at absolute positions; chunks are grouped into
+  segments of SEG keys at absolute positions (a fixed split size, never a number of
+  splits); each segment runs an online softmax from (-inf, 0, 0), and segments are merged
+  left to right from (-inf, 0, 0) by one merge function;
+* chunks or segments past a row's position are exact identities (p == 0, alpha == 1
+  exactly, merge factor 0), so a tile that holds later tokens too gives an earlier row
+  the bits it gets alone;
+* fp contraction is off and the FMAs are explicit, so the in-register merge (one program
+  walks every segment) and the combine kernel (one program per segment) do the same
+  arithmetic: split and unsplit give the same bits, and the host may choose either.
+"""
+from __future__ import annotations
+
+
+import torch
+import triton
+import triton.language as tl
+
+from . import contracts as C
+
+_LOG2E = 1.4426950408889634
+_NEG_INF = float("-inf")
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _chunk(q, m, l, acc, k_ptr, v_ptr, bt_ptr, req, kvh, c, kv_len, kv_start, qpos, qk_scale,
+           skb, skt, skh, sbt, MASK: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+    kpos = c * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = kpos < kv_len
+    if PAGED:
+        page = tl.load(bt_ptr + req * sbt + kpos // PAGE, mask=valid, other=0).to(tl.int64)
+        roff = page * skb + (kpos % PAGE) * skt
+    else:
+        roff = (kv_start + kpos).to(tl.int64) * skt
+    d = tl.arange(0, D)
+    off = roff[:, None] + kvh * skh + d[None, :]
+    k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
+    v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
+    s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
+    if MASK:
+        s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.where(m_new == m, 1.0, tl.exp2(m - m_safe))
+    p = tl.exp2(tl.fma(s, qk_scale, -m_safe[:, None]))
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = _dot(p.to(v.dtype), v, acc, IEEE)
+    return m_new, l, acc
+
+
+@triton.jit
+def _segment(q, seg, n_chunks, n_full, k_ptr, v_ptr, bt_ptr, req, kvh, kv_len, kv_start, qpos, qk_scale,
+             skb, skt, skh, sbt, SEG_CHUNKS: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    c0 = seg * SEG_CHUNKS
+    c1 = tl.minimum(c0 + SEG_CHUNKS, n_chunks)
+    cf = tl.minimum(tl.maximum(n_full, c0), c1)
+    for c in range(c0, cf):  # every key visible to every row of the tile
+        m, l, acc = _chunk(q, m, l, acc, k_ptr, v_ptr, bt_ptr, req, kvh, c, kv_len, kv_start, qpos, qk_scale,
+                           skb, skt, skh, sbt, False, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE)
+    for c in range(cf, c1):  # the causal edge (and the kv end)
+        m, l, acc = _chunk(q, m, l, acc, k_ptr, v_ptr, bt_ptr, req, kvh, c, kv_len, kv_start, qpos, qk_scale,
+                           skb, skt, skh, sbt, True, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE)
+    return m, l, acc
+
+
+@triton.jit
+def _merge(M, L, O, m, l, o):
+    """(M, L, O) <- (M, L, O) (+) (m, l, o); (-inf, 0, 0) is an exact identity on either side."""
+    M_new = tl.maximum(M, m)
+    Ms = tl.where(M_new == float("-inf"), 0.0, M_new)
+    a = tl.where(M_new == M, 1.0, tl.exp2(M - Ms))
+    b = tl.where(M_new == m, 1.0, tl.exp2(m - Ms))
+    L = tl.fma(L, a, l * b)
+    O = tl.fma(O, a[:, None], o * b[:, None])
+    return M_new, L, O
+
+
+@triton.jit
+def _tile_setup(ql_ptr, qs_ptr, kl_ptr, req, tile, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, SEG_CHUNKS: tl.constexpr):
+    TOK: tl.constexpr = BLOCK_M // G
+    q_len = tl.load(ql_ptr + req)
+    q_start = tl.load(qs_ptr + req)
+    kv_len = tl.load(kl_ptr + req)
+    tok0 = tile * TOK
+    first = kv_len - q_len
+    r = tl.arange(0, BLOCK_M)
+    tok = tok0 + r // G
+    row_ok = tok < q_len
+    tok_c = tl.minimum(tok, q_len - 1)
+    qpos = first + tok_c
+    pos_min = first + tok0
+    pos_max = first + tl.minimum(tok0 + TOK, q_len) - 1
+    n_chunks = pos_max // BLOCK_N + 1
+    n_full = (pos_min + 1) // BLOCK_N
+    n_seg = (n_chunks + SEG_CHUNKS - 1) // SEG_CHUNKS
+    return q_len, q_start, kv_len, tok0, row_ok, tok_c, qpos, n_chunks, n_full, n_seg
+
+
+@triton.jit(do_not_specialize=["n_tiles", "nseg"])
+def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, po_ptr, pml_ptr,
+              sqt, sqh, sot, soh, skb, skt, skh, sbt, qk_scale, n_tiles, nseg,
+              G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+              SEG_CHUNKS: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
+              IEEE: tl.constexpr):
+    pid0 = tl.program_id(0)
+    req = tl.program_id(1)
+    kvh = tl.program_id(2)
+    if SPLIT:
+        tile = n_tiles - 1 - pid0 // nseg
+        seg = pid0 % nseg
+    else:
+        tile = n_tiles - 1 - pid0
+        seg = 0
+    q_len, q_start, kv_len, tok0, row_ok, tok_c, qpos, n_chunks, n_full, n_seg = _tile_setup(
+        ql_ptr, qs_ptr, kl_ptr, req, tile, G, BLOCK_M, BLOCK_N, SEG_CHUNKS)
+    if tok0 < q_len:
+        kv_start = 0
+        if not PAGED:
+            kv_start = tl.load(ks_ptr + req)
+        r = tl.arange(0, BLOCK_M)
+        head = kvh * G + r % G
+        d = tl.arange(0, D)
+        qrow = (q_start + tok_c).to(tl.int64)
+        q = tl.load(q_ptr + qrow[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=row_ok[:, None], other=0.0)
+        if SPLIT:
+            if seg < n_seg:
+                m, l, acc = _segment(q, seg, n_chunks, n_full, k_ptr, v_ptr, bt_ptr, req, kvh, kv_len, kv_start, qpos,
+                                     qk_scale, skb, skt, skh, sbt, SEG_CHUNKS, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE)
+                hq = tl.num_programs(2) * G
+                pidx = (qrow * hq + head) * nseg + seg
+                tl.store(po_ptr + pidx[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+                tl.store(pml_ptr + pidx * 2, m, mask=row_ok)
+                tl.store(pml_ptr + pidx * 2 + 1, l, mask=row_ok)
+        else:
+            # one flat walk over the chunks; a finished segment is folded into (M, L, O) at the
+            # next segment's first chunk: the same arithmetic as _segment + _merge per segment
+            M = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+            L = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            O = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+            m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+            l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+            for c in range(0, n_full):  # every key visible to every row: no mask
+                if ((c % SEG_CHUNKS) == 0) & (c > 0):
+                    M, L, O = _merge(M, L, O, m, l, acc)
+                    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+                    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+                m, l, acc = _chunk(q, m, l, acc, k_ptr, v_ptr, bt_ptr, req, kvh, c, kv_len, kv_start, qpos, qk_scale,
+                                   skb, skt, skh, sbt, False, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE)
+            for c in range(n_full, n_chunks):  # the causal edge (and the kv end)
+                if ((c % SEG_CHUNKS) == 0) & (c > 0):
+                    M, L, O = _merge(M, L, O, m, l, acc)
+                    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+                    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+                m, l, acc = _chunk(q, m, l, acc, k_ptr, v_ptr, bt_ptr, req, kvh, c, kv_len, kv_start, qpos, qk_scale,
+                                   skb, skt, skh, sbt, True, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE)
+            M, L, O = _merge(M, L, O, m, l, acc)
+            out = tl.div_rn(O, L[:, None])
+            tl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["n_tiles", "nseg"])
+def _attn_combine(o_ptr, qs_ptr, ql_ptr, kl_ptr, po_ptr, pml_ptr, sot, soh, n_tiles, nseg,
+                  G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                  SEG_CHUNKS: tl.constexpr):
+    req = tl.program_id(1)
+    kvh = tl.program_id(2)
+    tile = n_tiles - 1 - tl.program_id(0)
+    q_len, q_start, kv_len, tok0, row_ok, tok_c, qpos, n_chunks, n_full, n_seg = _tile_setup(
+        ql_ptr, qs_ptr, kl_ptr, req, tile, G, BLOCK_M, BLOCK_N, SEG_CHUNKS)
+    if tok0 < q_len:
+        r = tl.arange(0, BLOCK_M)
+        head = kvh * G + r % G
+        d = tl.arange(0, D)
+        qrow = (q_start + tok_c).to(tl.int64)
+        hq = tl.num_programs(2) * G
+        M = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        L = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        O = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+        for s in range(0, n_seg):
+            pidx = (qrow * hq + head) * nseg + s
+            o = tl.load(po_ptr + pidx[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+            m = tl.load(pml_ptr + pidx * 2, mask=row_ok, other=float("-inf"))
+            l = tl.load(pml_ptr + pidx * 2 + 1, mask=row_ok, other=0.0)
+            M, L, O = _merge(M, L, O, m, l, o)
+        out = tl.div_rn(O, L[:, None])
+        tl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
+def _launch(q, k, v, out, bt, q_start, q_len, kv_len, kv_start, n_tiles, max_kv, scale, paged, split, cfg,
+            strides_kv):
+    T, hq, d = q.shape
+    hkv = strides_kv[3]
+    G = hq // hkv
+    if cfg.block_m % G or cfg.seg_keys % cfg.block_n:
+        raise ValueError("attention: block_m must be a multiple of the GQA group and seg_keys of block_n")
+    B = q_len.shape[0]
+    nseg = triton.cdiv(max(max_kv, 1), cfg.seg_keys)
+    if split is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        split = nseg > 1 and n_tiles * B * hkv < 2 * sms
+    qk_scale = float(scale) * _LOG2E
+    skb, skt, skh = strides_kv[:3]
+    common = dict(G=G, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d, SEG_CHUNKS=cfg.seg_keys // cfg.block_n)
+    if split:
+        po = torch.empty((T, hq, nseg, d), device=q.device, dtype=torch.float32)
+        pml = torch.empty((T, hq, nseg, 2), device=q.device, dtype=torch.float32)
+    else:
+        po = pml = out  # unused
+    _attn_fwd[(n_tiles * (nseg if split else 1), B, hkv)](
+        q, k, v, out, bt, q_start, q_len, kv_len, kv_start, po, pml,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), skb, skt, skh, bt.stride(0) if paged else 0,
+        qk_scale, n_tiles, nseg, PAGED=paged, SPLIT=split, PAGE=cfg.page_size if not paged else k.shape[1],
+        IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=False, **common)
+    if split:
+        _attn_combine[(n_tiles, B, hkv)](out, q_start, q_len, kv_len, po, pml, out.stride(0), out.stride(1),
+                                         n_tiles, nseg, num_warps=cfg.num_warps, enable_fp_fusion=False, **common)
+    return out
+
+
+def _check_qkv(q, hkv, d):
+    if q.dim() != 3 or q.shape[-1] != d or q.shape[1] % hkv:
+        raise ValueError(f"attention: q {tuple(q.shape)} does not fit {hkv} kv heads of dim {d}")
+    if q.stride(-1) != 1:
+        raise ValueError("attention: q must be contiguous in the head dim")
+
+
+def attention_varlen(q, k, v, cu_seqlens, *, scale=None, max_seqlen=None, split=None, config=None):
+    """Causal attention over packed sequences: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1]."""
+    cfg = config or C.ATTENTION
+    _check_qkv(q, k.shape[1], k.shape[2])
+    if k.stride() != v.stride() or k.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    q_start = cu[:-1].contiguous()
+    q_len = (cu[1:] - cu[:-1]).contiguous()
+    if max_seqlen is None:
+        max_seqlen = int(q_len.max()) if q_len.numel() else 0
+    out = torch.empty_like(q)
+    if max_seqlen == 0:
+        return out
+    n_tiles = triton.cdiv(max_seqlen, cfg.block_m // (q.shape[1] // k.shape[1]))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _launch(q, k, v, out, q_start, q_start, q_len, q_len, q_start, n_tiles, max_seqlen, scale, False, split,
+                   cfg, (0, k.stride(0), k.stride(1), k.shape[1]))
+
+
+def attention_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None,
+                    max_query_len=None, max_seq_len=None, split=None, config=None):
+    """Queries against a paged KV cache [num_blocks, block_size, Hkv, D] (decode, chunked prefill).
+
+    Request b owns q rows query_start_loc[b]:query_start_loc[b+1], the last tokens of its
+    seq_lens[b]-token sequence (their keys already in the cache); block_tables [B, max_blocks].
+    """
+    cfg = config or C.ATTENTION
+    _check_qkv(q, k_cache.shape[2], k_cache.shape[3])
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("attention_paged: k/v caches must share strides, head dim contiguous")
+    qsl = query_start_loc.to(device=q.device, dtype=torch.int32)
+    q_start = qsl[:-1].contiguous()
+    q_len = (qsl[1:] - qsl[:-1]).contiguous()
+    kv_len = seq_lens.to(device=q.device, dtype=torch.int32).contiguous()
+    bt = block_tables.to(device=q.device, dtype=torch.int32)
+    if max_query_len is None:
+        max_query_len = int(q_len.max()) if q_len.numel() else 0
+    if max_seq_len is None:
+        max_seq_len = int(kv_len.max()) if kv_len.numel() else 0
+    out = torch.empty_like(q)
+    if max_query_len == 0:
+        return out
+    n_tiles = triton.cdiv(max_query_len, cfg.block_m // (q.shape[1] // k_cache.shape[2]))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _launch(q, k_cache, v_cache, out, bt, q_start, q_len, kv_len, q_start, n_tiles, max_seq_len, scale, True,
+                   split, cfg, (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[2]))
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+    """Exact copies of k/v [T, Hkv, D] into the caches at flat slots; negative slots skipped."""
+    idx = slot_mapping.long()
+    keep = idx >= 0
+    bs = k_cache.shape[1]
+    blk, off = idx[keep] // bs, idx[keep] % bs
+    k_cache[blk, off] = k[: idx.shape[0]][keep].to(k_cache.dtype)
+    v_cache[blk, off] = v[: idx.shape[0]][keep].to(v_cache.dtype)
+
+
+__all__ = ["attention_varlen", "attention_paged", "write_kv_cache"]

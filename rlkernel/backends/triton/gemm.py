@@ -1,0 +1,292 @@
+"""Batch-invariant GEMM (and fused SwiGLU) in Triton, under contracts.GemmContract.
+
+y = a @ w.T (w [N, K], a linear layer's weight) or a @ b (b [K, N]). One tile config per
+(dtype, N, K) class (contracts.gemm_config); no split-K; every output tile walks the
+whole K range in the same order into one fp32 accumulator. The kernel is compiled with
+M unspecialised, so the same binary serves every row count, and a row's accumulator sees
+only its own row of `a`: its bits do not depend on M, its position, the tile walk or the
+persistent grid size.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import contracts as C
+
+_LOG2E = 1.4426950408889634
+
+
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+_ALLOCATOR_SET = False
+
+
+def _ensure_allocator():
+    """Device-side TMA descriptors need scratch memory; give Triton a torch allocator once."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        def alloc(size, alignment, stream):
+            return torch.empty(size, device="cuda", dtype=torch.int8)
+
+        triton.set_allocator(alloc)
+        _ALLOCATOR_SET = True
+
+
+@triton.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    group = GROUP_M * num_pid_n
+    first_m = (tile // group) * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % group) % size_m
+    pid_n = (tile % group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _k_loop(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr):
+    """fp32 accumulator of one [BLOCK_M, BLOCK_N] tile: K blocks 0, 1, 2, ... in order."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if TMA:
+        for ki in range(k_tiles):
+            a = a_src.load([off_m, ki * BLOCK_K])
+            if B_NK:
+                b = b_src.load([off_n, ki * BLOCK_K]).T
+            else:
+                b = b_src.load([ki * BLOCK_K, off_n])
+            acc = _dot(a, b, acc, IEEE)
+    else:
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        rm = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
+        rn = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        for ki in range(k_tiles):
+            kk = ki * BLOCK_K + rk
+            a = tl.load(a_src + rm[:, None].to(tl.int64) * sam + kk[None, :] * sak, mask=kk[None, :] < K, other=0.0)
+            b = tl.load(b_src + kk[:, None] * sbk + rn[None, :].to(tl.int64) * sbn, mask=kk[:, None] < K, other=0.0)
+            acc = _dot(a, b, acc, IEEE)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 NUM_PROGS: tl.constexpr, TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr):
+    if TMA:
+        a_src = tl.make_tensor_descriptor(a_ptr, [M, K], [sam, 1], [BLOCK_M, BLOCK_K])
+        if B_NK:
+            b_src = tl.make_tensor_descriptor(b_ptr, [N, K], [sbn, 1], [BLOCK_N, BLOCK_K])
+        else:
+            b_src = tl.make_tensor_descriptor(b_ptr, [K, N], [sbk, 1], [BLOCK_K, BLOCK_N])
+    else:
+        a_src = a_ptr
+        b_src = b_ptr
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = _k_loop(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
+                      BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE)
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        ptrs = c_ptr + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
+        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _silu_mul(g, u):
+    """silu(g) * u in fp32 from values already rounded to the activation dtype (fp contraction off)."""
+    t = g * (-1.4426950408889634)
+    den = 1.0 + tl.exp2(t)
+    return tl.div_rn(g, den) * u
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_swiglu_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        NUM_PROGS: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr):
+    """c[:, n] = silu(a @ w[n].T) * (a @ w[N + n].T), w [2N, K]."""
+    if TMA:
+        a_src = tl.make_tensor_descriptor(a_ptr, [M, K], [sam, 1], [BLOCK_M, BLOCK_K])
+        b_src = tl.make_tensor_descriptor(b_ptr, [2 * N, K], [sbn, 1], [BLOCK_N, BLOCK_K])
+    else:
+        a_src = a_ptr
+        b_src = b_ptr
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    out_ty = c_ptr.dtype.element_ty
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        accg = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        accu = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        if TMA:
+            for ki in range(k_tiles):
+                a = a_src.load([off_m, ki * BLOCK_K])
+                bg = b_src.load([off_n, ki * BLOCK_K]).T
+                bu = b_src.load([N + off_n, ki * BLOCK_K]).T
+                accg = _dot(a, bg, accg, IEEE)
+                accu = _dot(a, bu, accu, IEEE)
+        else:
+            rm = off_m + tl.arange(0, BLOCK_M)
+            rn = off_n + tl.arange(0, BLOCK_N)
+            rm = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
+            rn = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
+            rk = tl.arange(0, BLOCK_K)
+            for ki in range(k_tiles):
+                kk = ki * BLOCK_K + rk
+                a = tl.load(a_ptr + rm[:, None].to(tl.int64) * sam + kk[None, :] * sak, mask=kk[None, :] < K, other=0.0)
+                pg = b_ptr + kk[:, None] * sbk + rn[None, :].to(tl.int64) * sbn
+                bg = tl.load(pg, mask=kk[:, None] < K, other=0.0)
+                bu = tl.load(pg + N * sbn, mask=kk[:, None] < K, other=0.0)
+                accg = _dot(a, bg, accg, IEEE)
+                accu = _dot(a, bu, accu, IEEE)
+        g = accg.to(out_ty).to(tl.float32)
+        u = accu.to(out_ty).to(tl.float32)
+        y = _silu_mul(g, u)
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        ptrs = c_ptr + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
+        tl.store(ptrs, y.to(out_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["n_elem"])
+def _swiglu_kernel(g_ptr, u_ptr, y_ptr, n_elem, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_elem
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, _silu_mul(g, u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _is_fp32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32
+
+
+def _config(a: torch.Tensor, n: int, k: int, config):
+    return config if config is not None else C.gemm_config(str(a.dtype).replace("torch.", ""), n, k)
+
+
+_SMEM_LIMIT = 232448  # bytes per block on sm_90
+
+
+def _stages(cfg, in_bytes: int, out_bytes: int) -> int:
+    """Pipeline depth that fits shared memory with this output dtype's epilogue (a wider output
+    needs a larger staging buffer). The depth only changes when loads are issued, never the
+    arithmetic: configs that differ only in stages give identical bits (tested)."""
+    st = cfg.num_stages
+    while st > 1 and st * (cfg.block_m + cfg.block_n) * cfg.block_k * in_bytes + cfg.block_m * cfg.block_n * out_bytes + 1024 > _SMEM_LIMIT:
+        st -= 1
+    return st
+
+
+def _tma_ok(cfg, *tensors) -> bool:
+    if not cfg.tma:
+        return False
+    for t in tensors:
+        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None, config: C.TileConfig | None = None,
+           num_progs: int | None = None) -> torch.Tensor:
+    """a [M, K] @ weight[N, K].T (or @ b [K, N]) -> [M, N] in out_dtype (default a.dtype).
+
+    config: override the contract's tile config (tuning and tests only: another config is
+    another contract). num_progs: persistent grid size (default min(#SMs, tiles)); never
+    changes a bit.
+    """
+    if (weight is None) == (b is None):
+        raise ValueError("matmul: give exactly one of weight [N, K] or b [K, N]")
+    if a.dim() != 2:
+        raise ValueError(f"matmul: a must be [M, K], got {tuple(a.shape)}")
+    M, K = a.shape
+    if weight is not None:
+        N = weight.shape[0]
+        if weight.shape[1] != K:
+            raise ValueError(f"matmul: weight {tuple(weight.shape)} does not match K={K}")
+        bt, sbn, sbk, b_nk = weight, weight.stride(0), weight.stride(1), True
+    else:
+        N = b.shape[1]
+        if b.shape[0] != K:
+            raise ValueError(f"matmul: b {tuple(b.shape)} does not match K={K}")
+        bt, sbn, sbk, b_nk = b, b.stride(1), b.stride(0), False
+    if bt.dtype != a.dtype:
+        raise ValueError(f"matmul: dtypes differ ({a.dtype} vs {bt.dtype})")
+    cfg = _config(a, N, K, config)
+    out = torch.empty((M, N), device=a.device, dtype=out_dtype or a.dtype)
+    if M == 0:
+        return out
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    progs = min(num_progs or _num_sms(a.device), tiles)
+    tma = _tma_ok(cfg, a, bt)
+    if tma:
+        _ensure_allocator()
+    _gemm_kernel[(progs,)](
+        a, bt, out, M, N, K, a.stride(0), a.stride(1), sbn, sbk, out.stride(0), out.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        NUM_PROGS=progs, TMA=tma, B_NK=b_nk, IEEE=_is_fp32(a),
+        num_warps=cfg.num_warps, num_stages=_stages(cfg, a.element_size(), out.element_size()))
+    return out
+
+
+def matmul_swiglu(x: torch.Tensor, gate_up_weight: torch.Tensor, *, config: C.TileConfig | None = None,
+                  num_progs: int | None = None) -> torch.Tensor:
+    """silu(x @ Wg.T) * (x @ Wu.T) for gate_up_weight = [Wg; Wu] of shape [2I, K] -> [M, I] in x.dtype."""
+    M, K = x.shape
+    if gate_up_weight.shape[1] != K or gate_up_weight.shape[0] % 2:
+        raise ValueError(f"matmul_swiglu: weight {tuple(gate_up_weight.shape)} is not [2I, {K}]")
+    N = gate_up_weight.shape[0] // 2
+    cfg = config or C.SWIGLU.config
+    if _is_fp32(x):
+        cfg = C.FP32_GEMM if config is None else config
+    out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if M == 0:
+        return out
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    progs = min(num_progs or _num_sms(x.device), tiles)
+    tma = _tma_ok(cfg, x, gate_up_weight)
+    if tma:
+        _ensure_allocator()
+    _gemm_swiglu_kernel[(progs,)](
+        x, gate_up_weight, out, M, N, K, x.stride(0), x.stride(1), gate_up_weight.stride(0), gate_up_weight.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        NUM_PROGS=progs, TMA=tma, IEEE=_is_fp32(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+    return out
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Element-wise silu(gate) * up with the fused epilogue's exact arithmetic."""
+    if gate.shape != up.shape:
+        raise ValueError("swiglu: shapes differ")
+    g, u = gate.contiguous(), up.contiguous()
+    y = torch.empty_like(g)
+    n = g.numel()
+    if n:
+        _swiglu_kernel[(triton.cdiv(n, 1024),)](g, u, y, n, BLOCK=1024, num_warps=4, enable_fp_fusion=False)
+    return y

@@ -1,0 +1,119 @@
+"""Fused linear-logprob in Triton under contracts.LogprobContract.
+
+hidden [T, H] x lm_head [V, H] -> float32 log p(target). Vocab tiles of the GEMM's
+block_n: each tile's logits are the GemmContract accumulator of the (V, H) class, divided
+by the temperature; the tile emits its (m, l) and, where it owns the target, the target
+logit. A second kernel merges the tiles' (m, l) by one balanced binary tree over tile
+index (identity-padded to a power of two). The full logits never exist.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import contracts as C
+from .gemm import _ensure_allocator, _k_loop, _num_sms, _tile_coords, _tma_ok
+
+
+@triton.jit(do_not_specialize=["M"])
+def _logits_stats_kernel(a_ptr, b_ptr, tgt_ptr, ml_ptr, zt_ptr, M, N, K, vocab, sam, sak, sbn, sbk, inv_temp_unused,
+                         temperature, n_vt,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         NUM_PROGS: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr):
+    if TMA:
+        a_src = tl.make_tensor_descriptor(a_ptr, [M, K], [sam, 1], [BLOCK_M, BLOCK_K])
+        b_src = tl.make_tensor_descriptor(b_ptr, [N, K], [sbn, 1], [BLOCK_N, BLOCK_K])
+    else:
+        a_src = a_ptr
+        b_src = b_ptr
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(vocab, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = _k_loop(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
+                      BLOCK_M, BLOCK_N, BLOCK_K, TMA, True, IEEE)
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        z = tl.div_rn(acc, temperature)
+        z = tl.where(rn[None, :] < vocab, z, float("-inf"))
+        m = tl.max(z, 1)
+        p = tl.exp2((z - m[:, None]) * 1.4426950408889634)
+        l = tl.sum(p, 1)
+        row_ok = rm < M
+        sidx = rm.to(tl.int64) * n_vt + pid_n
+        tl.store(ml_ptr + sidx * 2, m, mask=row_ok)
+        tl.store(ml_ptr + sidx * 2 + 1, l, mask=row_ok)
+        tgt = tl.load(tgt_ptr + rm, mask=row_ok, other=-1)
+        zt = tl.max(tl.where(rn[None, :] == tgt[:, None], z, float("-inf")), 1)
+        own = row_ok & (tgt >= off_n) & (tgt < off_n + BLOCK_N)
+        tl.store(zt_ptr + rm, zt, mask=own)
+
+
+@triton.jit
+def _merge_ml(m1, l1, m2, l2):
+    m = tl.maximum(m1, m2)
+    ms = tl.where(m == float("-inf"), 0.0, m)
+    e1 = tl.where(m1 == m, 1.0, tl.exp2((m1 - ms) * 1.4426950408889634))
+    e2 = tl.where(m2 == m, 1.0, tl.exp2((m2 - ms) * 1.4426950408889634))
+    return m, l1 * e1 + l2 * e2
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tile_tree_kernel(ml_ptr, zt_ptr, out_ptr, lse_ptr, M, n_vt, BLOCK_R: tl.constexpr, NT: tl.constexpr,
+                      LEVELS: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, NT)
+    ok = (rows[:, None] < M) & (cols[None, :] < n_vt)
+    idx = rows[:, None].to(tl.int64) * n_vt + cols[None, :]
+    m = tl.load(ml_ptr + idx * 2, mask=ok, other=float("-inf"))
+    l = tl.load(ml_ptr + idx * 2 + 1, mask=ok, other=0.0)
+    for _ in tl.static_range(LEVELS):  # balanced tree: pairs (2i, 2i+1) at every level
+        m1, m2 = tl.split(tl.reshape(m, (BLOCK_R, m.shape[1] // 2, 2)))
+        l1, l2 = tl.split(tl.reshape(l, (BLOCK_R, l.shape[1] // 2, 2)))
+        m, l = _merge_ml(m1, l1, m2, l2)
+    m = tl.reshape(m, (BLOCK_R,))
+    l = tl.reshape(l, (BLOCK_R,))
+    zt = tl.load(zt_ptr + rows, mask=rows < M, other=0.0)
+    log_l = tl.log(l)
+    tl.store(out_ptr + rows, (zt - m) - log_l, mask=rows < M)
+    tl.store(lse_ptr + rows, m + log_l, mask=rows < M)
+
+
+def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
+                   vocab_size: int | None = None, config: C.TileConfig | None = None, return_lse: bool = False):
+    """float32 log p(targets) under softmax(hidden @ weight[:vocab_size].T / temperature)."""
+    T, H = hidden.shape
+    V = weight.shape[0] if vocab_size is None else vocab_size
+    if weight.shape[1] != H or not 0 < V <= weight.shape[0] or targets.shape != (T,):
+        raise ValueError(f"linear_logprob: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, V={V}")
+    if not temperature > 0:
+        raise ValueError("linear_logprob: temperature must be > 0")
+    cfg = config or C.logprob_contract(str(hidden.dtype).replace("torch.", ""), V, H).config
+    n_vt = triton.cdiv(V, cfg.block_n)
+    out = torch.empty(T, device=hidden.device, dtype=torch.float32)
+    lse = torch.empty(T, device=hidden.device, dtype=torch.float32)
+    if T == 0:
+        return (out, lse) if return_lse else out
+    ml = torch.empty((T, n_vt, 2), device=hidden.device, dtype=torch.float32)
+    zt = torch.empty(T, device=hidden.device, dtype=torch.float32)
+    tgt = targets.to(torch.int32).contiguous()
+    tiles = triton.cdiv(T, cfg.block_m) * n_vt
+    progs = min(_num_sms(hidden.device), tiles)
+    tma = _tma_ok(cfg, hidden, weight)
+    if tma:
+        _ensure_allocator()
+    _logits_stats_kernel[(progs,)](
+        hidden, weight, tgt, ml, zt, T, weight.shape[0], H, V, hidden.stride(0), hidden.stride(1),
+        weight.stride(0), weight.stride(1), 0.0, float(temperature), n_vt,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=progs,
+        TMA=tma, IEEE=hidden.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=False)
+    nt = triton.next_power_of_2(n_vt)
+    block_r = max(1, min(16, 8192 // nt))
+    _tile_tree_kernel[(triton.cdiv(T, block_r),)](ml, zt, out, lse, T, n_vt, BLOCK_R=block_r, NT=nt,
+                                                  LEVELS=nt.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
+    return (out, lse) if return_lse else out
