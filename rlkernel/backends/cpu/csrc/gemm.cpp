@@ -43,8 +43,12 @@
 // * Blocking: M-blocks of 64 rows x N-blocks of <= 768 columns are the parallel tasks (task
 //   count a multiple of the thread count); inside, K blocks of 256 (A micro-panel in L1, B
 //   block in L2, accumulators carried through C). One row panel (M <= 8): no K blocking, each
-//   B panel streams once. Two row panels (M <= 16): both panels per column tile, K blocks of
-//   2048. None of this changes a chain: blocking only decides when a chain is parked in C.
+//   B panel streams once. Two row panels (M <= 16): AVX-512 kernels of up to 16 rows (9 x 48,
+//   14 x 32, 16 x 16) cover both in one pass over B; AVX2 runs both panels per column tile.
+//   Kernels of >= 4 rows software-prefetch B 32 k-steps ahead (they stream few panels at once).
+//   None of this changes a chain: blocking only decides when a chain is parked in C.
+// * Tuning macros (RK_GEMM_KC, _MC_PANELS, _NC, _PF, _FUSE2, _KC_TWO, _KC_FUSE, _ST_TWO) change
+//   speed only, never bits.
 //
 // ---- Torch ops (TORCH_LIBRARY_FRAGMENT(rlkernel)) ------------------------------------------
 //   rlkernel::matmul(Tensor a, Tensor b) -> Tensor
@@ -100,20 +104,31 @@ constexpr const char* kIsa = "avx512";
 constexpr int MRP = 8;  // rows per packed A panel
 constexpr int VMAX = 8;
 // column panels (16 columns each) per tile for a panel of R rows: R*V accumulators
-constexpr int vmax(int R) { return R == 1 ? 8 : R == 2 ? 6 : R == 3 ? 5 : R <= 6 ? 4 : 3; }
+constexpr int RMAX = 16;  // a kernel may span two row panels (M <= 16: one pass over B)
+constexpr int vmax(int R) {
+  return R == 1 ? 8 : R == 2 ? 6 : R == 3 ? 5 : R <= 6 ? 4 : R <= 9 ? 3 : R <= 14 ? 2 : 1;
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define RK_GEMM_AVX2 1
 constexpr const char* kIsa = "avx2";
 constexpr int MRP = 6;
 constexpr int VMAX = 4;
+constexpr int RMAX = MRP;
 constexpr int vmax(int R) { return R == 1 ? 4 : R <= 3 ? 2 : 1; }
 #else
 constexpr const char* kIsa = "scalar";
 constexpr int MRP = 4;
 constexpr int VMAX = 2;
+constexpr int RMAX = MRP;
 constexpr int vmax(int R) { return R == 1 ? 2 : 1; }
 #endif
 
+// Software prefetch distance (k steps) for B in the AVX-512 kernels of >= 4 rows: they stream
+// only V <= 4 B panels at once, too few concurrent streams for the hardware prefetchers when B
+// comes from memory (decode with large weights); wide few-row tiles stream 5..8 panels.
+#ifndef RK_GEMM_PF
+#define RK_GEMM_PF 32
+#endif
 constexpr int kLoadC = 1;  // continue the chain from C (else start at +0.0f)
 constexpr int kFinal = 2;  // last K block: canonicalise NaN before the store
 constexpr uint32_t kQNaN = 0x7FC00000u;
@@ -188,12 +203,17 @@ inline void run_parallel(bool parallel, int64_t n, const std::function<void(int6
 //       bf16 (BF): uint32 pairs, ((uint32*)bp)[v*ps + (k/2)*16 + j] holds (B[k0+k even], B[k0+k+1])
 //       in (low, high) halves; k0 is even.
 //   ncols in ((V-1)*16, V*16]; columns beyond ncols are computed on padding, not stored.
-using KFn = void (*)(int64_t kc, const float* ap, const void* bp, int64_t ps, float* c, int64_t ldc, int ncols, int flags);
+//   aps: offset from a panel to the next one; rows r >= MRP (AVX-512, R up to 2*MRP) read the next panel.
+using KFn = void (*)(int64_t kc, const float* ap, int64_t aps, const void* bp, int64_t ps, float* c, int64_t ldc, int ncols,
+                     int flags);
 
 #if defined(RK_GEMM_AVX512)
 template <int R, int V, bool BF>
-void ukr(int64_t kc, const float* __restrict ap, const void* __restrict bpv, int64_t ps, float* __restrict c, int64_t ldc,
-         int ncols, int flags) {
+void ukr(int64_t kc, const float* __restrict ap, int64_t aps, const void* __restrict bpv, int64_t ps, float* __restrict c,
+         int64_t ldc, int ncols, int flags) {
+  static_assert(R <= 2 * MRP, "R");
+  constexpr bool kPrefetch = RK_GEMM_PF > 0 && R >= 4;
+#define RK_A(r, k) (((r) < MRP ? ap + (r) : ap + aps + ((r) - MRP))[(k) * MRP])
   __m512 acc[R][V];
   __mmask16 mk[V];
 #pragma GCC unroll 16
@@ -215,12 +235,16 @@ void ukr(int64_t kc, const float* __restrict ap, const void* __restrict bpv, int
   if constexpr (!BF) {
     const float* bp = static_cast<const float*>(bpv);
     for (int64_t k = 0; k < kc; ++k) {
+      if constexpr (kPrefetch) {
+#pragma GCC unroll 16
+        for (int v = 0; v < V; ++v) _mm_prefetch(reinterpret_cast<const char*>(bp + v * ps + (k + RK_GEMM_PF) * 16), _MM_HINT_T0);
+      }
       __m512 b[V];
 #pragma GCC unroll 16
       for (int v = 0; v < V; ++v) b[v] = _mm512_loadu_ps(bp + v * ps + k * 16);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(ap[k * MRP + r]);
+        const __m512 a = _mm512_set1_ps(RK_A(r, k));
 #pragma GCC unroll 16
         for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
       }
@@ -231,13 +255,17 @@ void ukr(int64_t kc, const float* __restrict ap, const void* __restrict bpv, int
     int64_t k = 0;
     for (; k + 1 < kc; k += 2) {
       const uint32_t* q = bp + (k >> 1) * 16;
+      if constexpr (kPrefetch) {
+#pragma GCC unroll 16
+        for (int v = 0; v < V; ++v) _mm_prefetch(reinterpret_cast<const char*>(q + v * ps + RK_GEMM_PF * 16), _MM_HINT_T0);
+      }
       {
         __m512 b[V];
 #pragma GCC unroll 16
         for (int v = 0; v < V; ++v) b[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(q + v * ps), 16));
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          const __m512 a = _mm512_set1_ps(ap[k * MRP + r]);
+          const __m512 a = _mm512_set1_ps(RK_A(r, k));
 #pragma GCC unroll 16
           for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
         }
@@ -248,7 +276,7 @@ void ukr(int64_t kc, const float* __restrict ap, const void* __restrict bpv, int
         for (int v = 0; v < V; ++v) b[v] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(q + v * ps), hmask));
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          const __m512 a = _mm512_set1_ps(ap[(k + 1) * MRP + r]);
+          const __m512 a = _mm512_set1_ps(RK_A(r, k + 1));
 #pragma GCC unroll 16
           for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
         }
@@ -261,7 +289,7 @@ void ukr(int64_t kc, const float* __restrict ap, const void* __restrict bpv, int
       for (int v = 0; v < V; ++v) b[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(q + v * ps), 16));
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(ap[k * MRP + r]);
+        const __m512 a = _mm512_set1_ps(RK_A(r, k));
 #pragma GCC unroll 16
         for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
       }
@@ -285,10 +313,11 @@ void ukr(int64_t kc, const float* __restrict ap, const void* __restrict bpv, int
         _mm512_mask_storeu_ps(c + r * ldc + 16 * v, mk[v], acc[r][v]);
     }
 }
+#undef RK_A
 #elif defined(RK_GEMM_AVX2)
 template <int R, int V, bool BF>
-void ukr(int64_t kc, const float* __restrict ap, const void* __restrict bpv, int64_t ps, float* __restrict c, int64_t ldc,
-         int ncols, int flags) {
+void ukr(int64_t kc, const float* __restrict ap, int64_t aps, const void* __restrict bpv, int64_t ps, float* __restrict c,
+         int64_t ldc, int ncols, int flags) {
   constexpr int W = 2 * V;  // ymm per row
   __m256 acc[R][W];
   const bool full = ncols == V * 16;
@@ -395,8 +424,8 @@ void ukr(int64_t kc, const float* __restrict ap, const void* __restrict bpv, int
 }
 #else
 template <int R, int V, bool BF>
-void ukr(int64_t kc, const float* __restrict ap, const void* __restrict bpv, int64_t ps, float* __restrict c, int64_t ldc,
-         int ncols, int flags) {
+void ukr(int64_t kc, const float* __restrict ap, int64_t aps, const void* __restrict bpv, int64_t ps, float* __restrict c,
+         int64_t ldc, int ncols, int flags) {
   constexpr int NC = V * 16;
   float acc[R][NC];
   for (int r = 0; r < R; ++r)
@@ -425,7 +454,7 @@ void ukr(int64_t kc, const float* __restrict ap, const void* __restrict bpv, int
 }
 #endif
 
-// kernel table [R][V], R = 1..MRP, V = 1..vmax(R)
+// kernel table [R][V], R = 1..RMAX, V = 1..vmax(R)
 template <bool BF, int R, int V>
 constexpr KFn pick() {
   if constexpr (R >= 1 && V >= 1 && V <= vmax(R))
@@ -438,11 +467,11 @@ constexpr std::array<KFn, VMAX + 1> table_row(std::integer_sequence<int, Vs...>)
   return {pick<BF, R, Vs>()...};
 }
 template <bool BF, int... Rs>
-constexpr std::array<std::array<KFn, VMAX + 1>, MRP + 1> make_table(std::integer_sequence<int, Rs...>) {
+constexpr std::array<std::array<KFn, VMAX + 1>, RMAX + 1> make_table(std::integer_sequence<int, Rs...>) {
   return {table_row<BF, Rs>(std::make_integer_sequence<int, VMAX + 1>{})...};
 }
-constexpr auto kTabF32 = make_table<false>(std::make_integer_sequence<int, MRP + 1>{});
-constexpr auto kTabBF16 = make_table<true>(std::make_integer_sequence<int, MRP + 1>{});
+constexpr auto kTabF32 = make_table<false>(std::make_integer_sequence<int, RMAX + 1>{});
+constexpr auto kTabBF16 = make_table<true>(std::make_integer_sequence<int, RMAX + 1>{});
 
 // ---- packing --------------------------------------------------------------------------------
 #if defined(RK_GEMM_AVX512) || defined(RK_GEMM_AVX2)
@@ -690,6 +719,12 @@ constexpr int64_t kNCMaxSmall = 2048;
 #ifndef RK_GEMM_KC_TWO
 #define RK_GEMM_KC_TWO 2048
 #endif
+#ifndef RK_GEMM_FUSE2
+#define RK_GEMM_FUSE2 1
+#endif
+#ifndef RK_GEMM_KC_FUSE
+#define RK_GEMM_KC_FUSE (1 << 30)
+#endif
 #ifndef RK_GEMM_ST_TWO
 #define RK_GEMM_ST_TWO 0
 #endif
@@ -726,8 +761,11 @@ void run_blocks(const float* Ap, int64_t M, int64_t K, const PackedB& B, int64_t
   // contiguously; two row panels: both run on one column tile before the next (the second
   // re-reads it from L2), K blocks of kKCTwo bound that tile.
   // Many rows: K blocks of kKC (A micro-panel in L1, B block in L2), row panels outer.
-  const int64_t KC = npan == 1 ? K : npan == 2 ? std::min<int64_t>(K, kKCTwo) : kKC;
-  const int64_t ST = npan == 2 ? (RK_GEMM_ST_TWO ? RK_GEMM_ST_TWO : 16 * vmax(MRP)) : nc;
+  // Two row panels and kernels of up to 2*MRP rows (AVX-512): one pass over B with both.
+  const bool fuse2 = RK_GEMM_FUSE2 && npan == 2 && RMAX >= 2 * MRP;
+  const int64_t KC = npan == 1 ? K : fuse2 ? std::min<int64_t>(K, RK_GEMM_KC_FUSE) : npan == 2 ? std::min<int64_t>(K, kKCTwo) : kKC;
+  const int64_t ST = (npan == 2 && !fuse2) ? (RK_GEMM_ST_TWO ? RK_GEMM_ST_TWO : 16 * vmax(MRP)) : nc;
+  const int64_t step = fuse2 ? 2 : 1;
   run_parallel(parallel, nmb * nnb, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t jb = t / nmb, ib = t % nmb;
@@ -738,14 +776,14 @@ void run_blocks(const float* Ap, int64_t M, int64_t K, const PackedB& B, int64_t
         const int flags = ((accumulate || pc > 0) ? kLoadC : 0) | (pc + kc == K ? kFinal : 0);
         for (int64_t jq = n0; jq < n1; jq += ST) {
           const int64_t jq1 = std::min(n1, jq + ST);
-          for (int64_t ip = p0; ip < p1; ++ip) {
-            const int R = static_cast<int>(std::min<int64_t>(MRP, M - ip * MRP));
+          for (int64_t ip = p0; ip < p1; ip += step) {
+            const int R = static_cast<int>(std::min<int64_t>(step * MRP, M - ip * MRP));
             const int64_t W = 16 * vmax(R);
             const float* ap = Ap + ip * MRP * K + pc * MRP;
             float* crow = C + ip * MRP * ldc;
             for (int64_t jn = jq; jn < jq1; jn += W) {
               const int ncols = static_cast<int>(std::min(W, jq1 - jn));
-              tab[R][cdiv(ncols, 16)](kc, ap, B.at(jn / 16, pc), B.ps, crow + jn, ldc, ncols, flags);
+              tab[R][cdiv(ncols, 16)](kc, ap, MRP * K, B.at(jn / 16, pc), B.ps, crow + jn, ldc, ncols, flags);
             }
           }
         }
