@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -103,19 +104,51 @@ def status() -> dict:
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The GEMM contract through the kernel: a [..., M, K], b [K, N] or [..., K, N] -> fp32."""
     if a.dim() == 2 and b.dim() == 2:
-        return _ops().mm(a, b)
+        return _ops().matmul(a, b)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-    out = torch.stack([_ops().mm(x, y) for x, y in zip(a3, b3)]) if a3.shape[0] else a3.new_zeros(0, a.shape[-2], b.shape[-1]).float()
+    out = torch.stack([_ops().matmul(x, y) for x, y in zip(a3, b3)]) if a3.shape[0] else a3.new_zeros(0, a.shape[-2], b.shape[-1]).float()
     return out.reshape(*batch, a.shape[-2], b.shape[-1])
 
 
 CPU = Prims("cpu", lambda x: _ops().exp(x.float()), lambda x: _ops().log(x.float()), _matmul)
 
 
+# Weights packed for the GEMM kernel (panels of 16 output columns), kept per weight tensor while
+# it lives and re-packed when it changes (its version counter moves on every in-place update,
+# e.g. a weight sync or an optimizer step). Packing moves data only: the bits are those of the
+# unpacked call (tests/test_cpu_kernels.py). key: id(weight) -> (ref, version, data_ptr, what, packs)
+_PACKED: dict[int, tuple] = {}
+
+
+def _packed(weight: torch.Tensor, what: tuple, make) -> object | None:
+    """`make(weight)`'s packing of `weight`, cached while the weight is alive and unchanged;
+    None for tensors without a version counter (inference tensors)."""
+    try:
+        version = weight._version
+    except RuntimeError:
+        return None
+    key = id(weight)
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is weight and hit[1:4] == (version, weight.data_ptr(), what):
+        return hit[4]
+    packs = make(weight)
+    _PACKED[key] = (weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None)), version, weight.data_ptr(), what, packs)
+    return packs
+
+
+def _linear_fwd(x, weight, bias, k_segments):
+    seg = weight.shape[1] // k_segments
+    packs = _packed(weight, ("linear", k_segments, tuple(weight.shape), weight.dtype),
+                    lambda w: [_ops().pack_b(w[:, i * seg:(i + 1) * seg].t()) for i in range(k_segments)])
+    if packs is None:
+        return _ops().linear(x, weight, bias, k_segments)
+    return _ops().linear_packed(x, packs, weight.shape[0], bias)
+
+
 def _linear(x, weight, bias=None, k_segments: int = 1):
-    return linear.linear(x, weight, bias, k_segments, prims=CPU, fwd=_ops().linear)
+    return linear.linear(x, weight, bias, k_segments, prims=CPU, fwd=_linear_fwd)
 
 
 def _rms_norm(x, weight, eps, residual=None):
@@ -135,14 +168,26 @@ def _attention(kind, q, k, v, *args):
                                fwd_paged=_ops().attention_paged)
 
 
-def _targets_lse(*args):
-    both = _ops().logprob_targets_lse(*args)
+def _lm_head(weight, vocab_size):
+    return _packed(weight, ("lm_head", vocab_size, tuple(weight.shape), weight.dtype), lambda w: _ops().pack_b(w[:vocab_size].t()))
+
+
+def _targets_lse(hidden, weight, targets, temperature, vocab_size):
+    both = _ops().logprob_targets_lse(hidden, weight, _lm_head(weight, vocab_size), targets, temperature, vocab_size)
     return both[0], both[1]
+
+
+def _lse(hidden, weight, temperature, vocab_size):
+    return _ops().logsumexp(hidden, weight, _lm_head(weight, vocab_size), temperature, vocab_size)
+
+
+def _full(hidden, weight, temperature, vocab_size):
+    return _ops().logprobs_full(hidden, weight, _lm_head(weight, vocab_size), temperature, vocab_size)
 
 
 def _linear_logprob(kind, hidden, weight, targets, temperature, vocab_size):
     return logprob.linear_logprob(kind, hidden, weight, targets, temperature, vocab_size, prims=CPU,
-                                  fwd_targets_lse=_targets_lse, fwd_lse=_ops().logsumexp, fwd_full=_ops().logprobs_full)
+                                  fwd_targets_lse=_targets_lse, fwd_lse=_lse, fwd_full=_full)
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> bool:

@@ -972,7 +972,13 @@ std::string op_matmul_isa() { return rk_gemm::isa(); }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(rlkernel, m) {
+// The op namespace is `rlkernel`; a standalone build of this file (tests/test_cpu_gemm.py,
+// scripts/bench_gemm.py) passes -DRK_GEMM_OPS_NAMESPACE=rlkernel_gemm_standalone so it can share
+// a process with the project library (which links this file) without duplicate registrations.
+#ifndef RK_GEMM_OPS_NAMESPACE
+#define RK_GEMM_OPS_NAMESPACE rlkernel
+#endif
+TORCH_LIBRARY_FRAGMENT(RK_GEMM_OPS_NAMESPACE, m) {
   m.def("matmul(Tensor a, Tensor b) -> Tensor", &op_matmul);
   m.def("matmul_naive(Tensor a, Tensor b) -> Tensor", &op_matmul_naive);
   m.def("pack_b(Tensor b) -> Tensor", &op_pack_b);

@@ -27,4 +27,18 @@ inline at::Tensor gemm(const at::Tensor& a, const at::Tensor& b) {
   return out;
 }
 
+// a [M, K] times a B packed by rlkernel::pack_b ([K, n]) -> float32 [M, n]
+inline at::Tensor gemm_packed(const at::Tensor& a, const at::Tensor& packed, int64_t n) {
+  const int64_t M = a.size(0), K = a.size(1);
+  const bool bf = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == (n + 15) / 16 &&
+                        packed.size(1) == (bf ? (K + 1) / 2 : K),
+                    "rlkernel gemm_packed: packed ", packed.sizes(), " does not hold a [", K, ", ", n, "] B");
+  auto out = at::empty({M, n}, a.options().dtype(at::kFloat));
+  if (M == 0 || n == 0) return out;
+  rk_gemm::gemm_packed(a.data_ptr(), gemm_dtype(a), a.stride(0), a.stride(1), packed.data_ptr(), bf, out.data_ptr<float>(), n, M, n, K,
+                       false, true);
+  return out;
+}
+
 }  // namespace rk

@@ -5,32 +5,44 @@
 
 namespace rk {
 
+// Partials merged by a balanced tree (zero-padded to a power of two), bias, one cast.
+static at::Tensor finish_linear(std::vector<at::Tensor> parts, const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias) {
+  while (parts.size() & (parts.size() - 1)) parts.push_back(at::zeros_like(parts[0]));
+  while (parts.size() > 1) {
+    std::vector<at::Tensor> next;
+    for (size_t i = 0; i < parts.size(); i += 2) next.push_back(parts[i] + parts[i + 1]);
+    parts.swap(next);
+  }
+  at::Tensor out = parts[0];
+  if (bias.has_value()) out = out + bias->to(at::kFloat);
+  auto lead = x.sizes().vec();
+  lead.back() = n;
+  return out.to(x.scalar_type()).reshape(lead);
+}
+
 // linear: x [.., K], weight [N, K], optional bias, k_segments canonical K-segments (each its own
-// chain, partials merged by a balanced tree, zero-padded to a power of two).
+// chain, partials merged by the tree).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, int64_t k_segments) {
   const int64_t k = x.size(-1), n = weight.size(0);
   TORCH_CHECK_VALUE(weight.size(1) == k, "linear: x has K=", k, " but weight has K=", weight.size(1));
   TORCH_CHECK_VALUE(k_segments >= 1 && k % k_segments == 0, "linear: K=", k, " is not divisible into ", k_segments, " canonical segments");
   auto x2 = x.reshape({-1, k});
-  at::Tensor out;
-  if (k_segments == 1) {
-    out = gemm(x2, weight.t());
-  } else {
-    const int64_t seg = k / k_segments;
-    std::vector<at::Tensor> parts;
-    for (int64_t i = 0; i < k_segments; ++i) parts.push_back(gemm(x2.slice(1, i * seg, (i + 1) * seg), weight.slice(1, i * seg, (i + 1) * seg).t()));
-    while (parts.size() & (parts.size() - 1)) parts.push_back(at::zeros_like(parts[0]));
-    while (parts.size() > 1) {
-      std::vector<at::Tensor> next;
-      for (size_t i = 0; i < parts.size(); i += 2) next.push_back(parts[i] + parts[i + 1]);
-      parts.swap(next);
-    }
-    out = parts[0];
-  }
-  if (bias.has_value()) out = out + bias->to(at::kFloat);
-  auto lead = x.sizes().vec();
-  lead.back() = n;
-  return out.to(x.scalar_type()).reshape(lead);
+  const int64_t seg = k / k_segments;
+  std::vector<at::Tensor> parts;
+  for (int64_t i = 0; i < k_segments; ++i) parts.push_back(gemm(x2.slice(1, i * seg, (i + 1) * seg), weight.slice(1, i * seg, (i + 1) * seg).t()));
+  return finish_linear(std::move(parts), x, n, bias);
+}
+
+// linear with the weight pre-packed (rlkernel::pack_b of each K-segment's weight.t()): the same
+// chains on the same values, so the same bits, without re-packing the weight every call.
+at::Tensor linear_packed(const at::Tensor& x, at::TensorList packed, int64_t n, const c10::optional<at::Tensor>& bias) {
+  const int64_t k = x.size(-1), S = static_cast<int64_t>(packed.size());
+  TORCH_CHECK_VALUE(S >= 1 && k % S == 0, "linear_packed: K=", k, " is not divisible into ", S, " packed segments");
+  auto x2 = x.reshape({-1, k});
+  const int64_t seg = k / S;
+  std::vector<at::Tensor> parts;
+  for (int64_t i = 0; i < S; ++i) parts.push_back(gemm_packed(x2.slice(1, i * seg, (i + 1) * seg), packed[i], n));
+  return finish_linear(std::move(parts), x, n, bias);
 }
 
 struct ML {
@@ -56,8 +68,10 @@ static inline std::pair<float, float> tree_merge_ml(ML* v, int64_t P) {
 // Per vocab tile of kVocabTile rows: z = gemm(h, W[lo:hi]^T) / T, m = max z, l = tree(exp(z - m));
 // tiles merged by the balanced tree. kind 0: full table [T, V]; kind 1: logprob of targets [T];
 // kind 2: lse [T]; kind 3: both [2, T] (what the backward needs).
+// `packed` (optional): rlkernel::pack_b(weight[:vocab].t()); tile ti is then its panels
+// [ti * kVocabTile / 16, ...), contiguous, and no tile is re-packed per call.
 static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weight, const c10::optional<at::Tensor>& targets_in,
-                               double temperature, int64_t vocab, int kind) {
+                               double temperature, int64_t vocab, int kind, const c10::optional<at::Tensor>& packed) {
   const int64_t T = hidden.size(0);
   const int64_t ntiles = (vocab + kVocabTile - 1) / kVocabTile;
   const int64_t P = pow2_ceil(ntiles);
@@ -70,7 +84,8 @@ static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weigh
   for (int64_t ti = 0; ti < ntiles; ++ti) {
     const int64_t lo = ti * kVocabTile, hi = std::min(lo + kVocabTile, vocab), w = hi - lo;
     auto z = kind == 0 ? full.slice(1, lo, hi) : at::empty({T, w}, hidden.options().dtype(at::kFloat));
-    z.copy_(at::div(gemm(hidden, weight.slice(0, lo, hi).t()), temperature));
+    auto logits = packed.has_value() ? gemm_packed(hidden, packed->narrow(0, lo / 16, (w + 15) / 16), w) : gemm(hidden, weight.slice(0, lo, hi).t());
+    z.copy_(at::div(logits, temperature));
     const int64_t zs = z.stride(0);
     const float* zp = z.data_ptr<float>();
     float* msp = ms.data();
@@ -124,24 +139,25 @@ static at::Tensor logprob_impl(const at::Tensor& hidden, const at::Tensor& weigh
   return out;
 }
 
-at::Tensor logprobs_full(const at::Tensor& hidden, const at::Tensor& weight, double temperature, int64_t vocab) {
-  return logprob_impl(hidden, weight, c10::nullopt, temperature, vocab, 0);
+using OptT = c10::optional<at::Tensor>;
+
+at::Tensor logprobs_full(const at::Tensor& hidden, const at::Tensor& weight, const OptT& packed, double temperature, int64_t vocab) {
+  return logprob_impl(hidden, weight, c10::nullopt, temperature, vocab, 0, packed);
 }
 
-at::Tensor logprob_targets(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, double temperature, int64_t vocab) {
-  return logprob_impl(hidden, weight, targets, temperature, vocab, 1);
+at::Tensor logprob_targets(const at::Tensor& hidden, const at::Tensor& weight, const OptT& packed, const at::Tensor& targets, double temperature,
+                           int64_t vocab) {
+  return logprob_impl(hidden, weight, targets, temperature, vocab, 1, packed);
 }
 
-at::Tensor logprob_targets_lse(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, double temperature, int64_t vocab) {
-  return logprob_impl(hidden, weight, targets, temperature, vocab, 3);
+at::Tensor logprob_targets_lse(const at::Tensor& hidden, const at::Tensor& weight, const OptT& packed, const at::Tensor& targets,
+                               double temperature, int64_t vocab) {
+  return logprob_impl(hidden, weight, targets, temperature, vocab, 3, packed);
 }
 
-at::Tensor logsumexp(const at::Tensor& hidden, const at::Tensor& weight, double temperature, int64_t vocab) {
-  return logprob_impl(hidden, weight, c10::nullopt, temperature, vocab, 2);
+at::Tensor logsumexp(const at::Tensor& hidden, const at::Tensor& weight, const OptT& packed, double temperature, int64_t vocab) {
+  return logprob_impl(hidden, weight, c10::nullopt, temperature, vocab, 2, packed);
 }
-
-// The GEMM contract for callers in Python (the backward GEMMs): a [M, K], b [K, N] -> fp32 [M, N].
-at::Tensor mm(const at::Tensor& a, const at::Tensor& b) { return gemm(a, b); }
 
 // The contract constants this library was compiled with (the loader compares them with
 // rlkernel/contracts): [attn_chunk, vocab_tile, log2e, ln2_hi, ln2_lo, exp_min, exp_max, c0..c7].
@@ -155,10 +171,12 @@ at::Tensor constants() {
 
 TORCH_LIBRARY_FRAGMENT(rlkernel, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, int k_segments) -> Tensor", &rk::linear);
-  m.def("logprobs_full(Tensor hidden, Tensor weight, float temperature, int vocab) -> Tensor", &rk::logprobs_full);
-  m.def("logprob_targets(Tensor hidden, Tensor weight, Tensor targets, float temperature, int vocab) -> Tensor", &rk::logprob_targets);
-  m.def("logprob_targets_lse(Tensor hidden, Tensor weight, Tensor targets, float temperature, int vocab) -> Tensor", &rk::logprob_targets_lse);
-  m.def("logsumexp(Tensor hidden, Tensor weight, float temperature, int vocab) -> Tensor", &rk::logsumexp);
-  m.def("mm(Tensor a, Tensor b) -> Tensor", &rk::mm);
+  m.def("linear_packed(Tensor x, Tensor[] packed, int n, Tensor? bias) -> Tensor", &rk::linear_packed);
+  m.def("logprobs_full(Tensor hidden, Tensor weight, Tensor? packed, float temperature, int vocab) -> Tensor", &rk::logprobs_full);
+  m.def("logprob_targets(Tensor hidden, Tensor weight, Tensor? packed, Tensor targets, float temperature, int vocab) -> Tensor",
+        &rk::logprob_targets);
+  m.def("logprob_targets_lse(Tensor hidden, Tensor weight, Tensor? packed, Tensor targets, float temperature, int vocab) -> Tensor",
+        &rk::logprob_targets_lse);
+  m.def("logsumexp(Tensor hidden, Tensor weight, Tensor? packed, float temperature, int vocab) -> Tensor", &rk::logsumexp);
   m.def("constants() -> Tensor", &rk::constants);
 }
