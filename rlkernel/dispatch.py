@@ -140,7 +140,6 @@ def _choice(op: str, policy: ExecutionPolicy, explicit: str | None) -> str:
 def resolve(op: str, device: torch.device, backend: str | None = None) -> Implementation:
     """The implementation that will run `op` on `device` under the current policy (or under
     `backend`: "strict", "native" or an implementation name)."""
-    _ensure_backends()
     choice = _choice(op, _POLICY.get(), backend)
     if choice == "strict":
         for name in _STRICT_ORDER.get(device.type, ("reference",)):
@@ -162,15 +161,6 @@ def resolve(op: str, device: torch.device, backend: str | None = None) -> Implem
 def contract_for(op: str, backend: str | None = None, device: str | torch.device = "cpu") -> Contract:
     """The contract the current policy (or `backend`) would run `op` under."""
     return resolve(op, torch.device(device), backend).contract
-
-
-def _ensure_backends() -> None:
-    """Importing the backends registers them (once); kept out of import time so `dispatch` has no
-    upward import."""
-    if not _REGISTRY:
-        import importlib
-
-        importlib.import_module("rlkernel.backends")
 
 
 @dataclass(frozen=True, slots=True)
