@@ -1,8 +1,11 @@
 """Rotary position embedding (NeoX/HF `rotate_half` layout).
 
-One cos/sin table per (head_dim, theta), computed on the host in float64 in fixed blocks of
-ROPE_BLOCK positions and rounded once to float32, so an entry never depends on how many
-positions were asked for nor on the device. Rotation in fp32, one cast to the activation dtype.
+One cos/sin table per (head_dim, theta), built on the host in fixed blocks of ROPE_BLOCK
+positions: inv_freq = theta**(-2i/d) correctly rounded to float64, angle = position * inv_freq
+(one float64 multiply), entry = cos/sin(angle) correctly rounded to float32 (libm's float64
+value, with the rare entries near a float32 rounding midpoint recomputed exactly). So an entry
+depends on neither the table length, the device, the libm nor the ISA. Rotation in fp32, one
+cast to the activation dtype.
 """
 from .base import Contract
 
@@ -16,8 +19,10 @@ STRICT = Contract(
     merge="none",
     precision=(("table", "float64 -> float32 once"), ("compute", "float32"), ("output", "x.dtype")),
     rounding=("x widened to fp32", "x1*cos - x2*sin, x2*cos + x1*sin in fp32 (products rounded, no fma)", "one cast to x.dtype"),
-    primitives=(("inv_freq", "1/theta**(2i/d), float64 on host"), ("cos/sin", "float64 torch on host, fixed blocks")),
-    invariant=("batch", "prefill/decode (by position)", "table length", "device", "threads", "ISA"),
+    primitives=(("inv_freq", "theta**(-2i/d) correctly rounded to float64"), ("angle", "position * inv_freq, float64"),
+                ("cos/sin", "correctly rounded to float32, fixed blocks")),
+    invariant=("batch", "prefill/decode (by position)", "table length", "device", "threads", "ISA", "libm"),
+    version=2,  # v1: torch float64 pow/cos/sin rounded to float32 (last bits could follow the ISA)
 )
 NATIVE = Contract(
     op="rope",

@@ -23,19 +23,54 @@ def rope_table(head_dim: int, n_positions: int, theta: float, device: torch.devi
         have = 0 if cos is None else cos.shape[0]
         if have >= n_positions:
             return cos, sin
-        inv_freq = 1.0 / (float(theta) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        inv_freq = _inv_freq(head_dim, float(theta))
         new_c, new_s = [], []
         for start in range(have, n_positions, ROPE_BLOCK):
             pos = torch.arange(start, start + ROPE_BLOCK, dtype=torch.float64)
-            ang = pos[:, None] * inv_freq[None, :]
-            new_c.append(torch.cos(ang).float())
-            new_s.append(torch.sin(ang).float())
+            ang = pos[:, None] * inv_freq[None, :]  # one IEEE float64 multiply: exact bits everywhere
+            new_c.append(_round_f32(torch.cos(ang), ang, "cos"))
+            new_s.append(_round_f32(torch.sin(ang), ang, "sin"))
         add_c = torch.cat(new_c).to(device)
         add_s = torch.cat(new_s).to(device)
         cos = add_c if cos is None else torch.cat([cos, add_c])
         sin = add_s if sin is None else torch.cat([sin, add_s])
         _TABLES[key] = (cos, sin)
         return cos, sin
+
+
+def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """float64 theta**(-2i/d), correctly rounded (mpmath): torch's float64 pow is a vectorised
+    kernel whose last bit may depend on the ISA, and every angle inherits it."""
+    import mpmath
+
+    with mpmath.workprec(200):
+        return torch.tensor([float(mpmath.mpf(theta) ** (-mpmath.mpf(2 * i) / head_dim)) for i in range(head_dim // 2)],
+                            dtype=torch.float64)
+
+
+def _round_f32(v64: torch.Tensor, ang: torch.Tensor, fn: str) -> torch.Tensor:
+    """float32 of cos/sin(ang), correctly rounded. A float64 libm result (within ~1 ulp, but its
+    last bit depends on the library and the ISA) rounds to the right float32 unless it lies
+    within a few float64 ulps of a float32 rounding midpoint; those rare entries (about one in
+    2^25) are recomputed exactly with mpmath."""
+    r = v64.float()
+    r64 = r.double()
+    half_ulp32 = (torch.nextafter(r, torch.tensor(float("inf"))).double() - r64) / 2
+    margin = 8 * v64.abs().clamp(min=2.0**-1000) * 2.0**-52
+    risky = ((half_ulp32 - (v64 - r64).abs()).abs() <= margin) | ((half_ulp32 + (v64 - r64).abs()).abs() <= margin)
+    if bool(risky.any()):
+        import mpmath
+
+        f = getattr(mpmath, fn)
+        idx = risky.nonzero(as_tuple=True)
+        exact = []
+        for a in ang[idx].tolist():
+            with mpmath.workprec(200):
+                val = f(mpmath.mpf(a))
+            with mpmath.workprec(24):  # one rounding to float32's 24-bit significand
+                exact.append(float(+val))
+        r[idx] = torch.tensor(exact, dtype=torch.float32)
+    return r
 
 
 def forward(x, positions, cos, sin):
