@@ -15,7 +15,7 @@ import torch
 
 import rlkernel as rk
 
-pytestmark = pytest.mark.usefixtures("impl")  # each test: fused kernels and torch composition
+pytestmark = pytest.mark.usefixtures("impl")  # each test: CPU kernels and torch composition
 
 LENGTHS = [1, 31, 32, 33, 70, 97]
 HQ, HKV, D = 4, 2, 16

@@ -13,7 +13,7 @@ import torch
 import rlkernel as rk
 from helpers import row_failures
 
-pytestmark = pytest.mark.usefixtures("impl")  # each test: fused kernels and torch composition
+pytestmark = pytest.mark.usefixtures("impl")  # each test: CPU kernels and torch composition
 
 DTYPES = [torch.float32, torch.bfloat16]
 K, N, I, V, H = 1000, 300, 1001, 1900, 72  # odd sizes: no tile divides them

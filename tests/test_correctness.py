@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import rlkernel as rk
 
-pytestmark = pytest.mark.usefixtures("impl")  # each test: fused kernels and torch composition
+pytestmark = pytest.mark.usefixtures("impl")  # each test: CPU kernels and torch composition
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 

@@ -8,7 +8,7 @@ import torch
 import rlkernel as rk
 from helpers import threads
 
-pytestmark = pytest.mark.usefixtures("impl")  # each test: fused kernels and torch composition
+pytestmark = pytest.mark.usefixtures("impl")  # each test: CPU kernels and torch composition
 
 
 T, HID, HQ, HKV, D, FF, V = 300, 256, 4, 2, 64, 520, 1500

@@ -59,7 +59,7 @@ class StrictForCausalLM(StrictDecoder):
 
     def _policy(self):
         p = self.policy
-        return mode(p.mode, backend=p.backend, ops=dict(p.ops))
+        return mode(p.mode, impl=p.impl or "auto", ops=dict(p.ops))
 
     def _attend(self, layer: int, q, k, v):
         t, hq, d = q.shape

@@ -107,7 +107,7 @@ def strict_sqrt(x: torch.Tensor) -> torch.Tensor:
     torch's float32 CPU sqrt (MKL VML) is not correctly rounded: measured here, one value in
     six is one ulp off IEEE sqrt (CUDA's is exact, so the two devices disagreed). A float32's
     square root never lies within float64's error of a float32 rounding midpoint, so the
-    float64 route gives the IEEE result on every device (tests/test_fused_cpu.py checks it
+    float64 route gives the IEEE result on every device (tests/test_cpu_kernels.py checks it
     against numpy's hardware sqrt).
     """
     return torch.sqrt(x.double()).float()
