@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "rlkernel" / "backends" / "cpu" / "csrc" / "gemm.cpp"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 # standalone build: its own op namespace, so it never collides with the project library
 OPS_NS = "rlkernel_gemm_standalone"
 NS_FLAG = f"-DRK_GEMM_OPS_NAMESPACE={OPS_NS}"
@@ -49,7 +49,7 @@ MS = [1, 4, 16, 64, 256, 1024, 2048]
 
 def load_library(march: str = "native", build_root: Path | None = None) -> Path:
     """Build (once, cached by source+flags+torch) and load the GEMM op library; returns the .so path."""
-    flags = FLAGS[:1] + [f"-march={march}"] + FLAGS[2:] + [NS_FLAG]
+    flags = FLAGS[:1] + [f"-march={march}"] + FLAGS[2:] + [NS_FLAG]  # (-fopenmp: at::parallel_for really runs threads)
     h = hashlib.sha256()
     for part in (SRC.read_bytes(), (SRC.parent / "gemm.h").read_bytes(), " ".join(flags).encode(), torch.__version__.encode()):
         h.update(part)
@@ -70,7 +70,8 @@ def load_library(march: str = "native", build_root: Path | None = None) -> Path:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         d.mkdir(parents=True, exist_ok=True)
         t = time.time()
-        cpp_extension.load(name=name, sources=[str(SRC)], build_directory=str(d), extra_cflags=flags, is_python_module=False)
+        cpp_extension.load(name=name, sources=[str(SRC)], build_directory=str(d), extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           is_python_module=False)
         print(f"built {lib} in {time.time() - t:.1f}s", file=sys.stderr)
     else:
         torch.ops.load_library(str(lib))

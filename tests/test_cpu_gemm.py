@@ -31,7 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "rlkernel" / "backends" / "cpu" / "csrc" / "gemm.cpp"
-BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+BASE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]  # -fopenmp: at::parallel_for really runs threads
 # The standalone build registers its ops under their own namespace, so this test can share a
 # process (pytest session) with the project library, which links gemm.cpp into `rlkernel`.
 OPS_NS = "rlkernel_gemm_standalone"
@@ -131,7 +131,7 @@ def build_library(march: str = "native") -> Path:
                 except OSError:
                     pass
                 t = time.time()
-                cpp_extension.load(name=name, sources=[str(SRC)], build_directory=str(d),
+                cpp_extension.load(name=name, sources=[str(SRC)], build_directory=str(d), extra_ldflags=["-fopenmp"],
                                    extra_cflags=BASE_FLAGS[:1] + [f"-march={march}"] + BASE_FLAGS[1:] + [NS_FLAG],
                                    is_python_module=False)
                 (d / "build_seconds.txt").write_text(f"{time.time() - t:.1f}\n")

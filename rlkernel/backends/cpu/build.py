@@ -32,7 +32,8 @@ def march() -> str:
 
 
 def flags() -> list[str]:
-    return ["-O3", f"-march={march()}", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+    # -fopenmp: at::parallel_for is inlined into this library, and without OpenMP it runs serially
+    return ["-O3", f"-march={march()}", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 
 
 def _cpu_flags() -> str:
@@ -80,6 +81,7 @@ def build(verbose: bool = False) -> Path:
             if not verbose:
                 log.warning("rlkernel: compiling the CPU kernels for -march=%s (once per machine, about a minute) into %s", march(), d)
             cpp_extension.load(name=name, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(d),
-                               extra_cflags=flags(), extra_include_paths=[str(CSRC)], is_python_module=False, verbose=verbose)
+                               extra_cflags=flags(), extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)],
+                               is_python_module=False, verbose=verbose)
     torch.ops.load_library(str(lib))
     return lib
