@@ -57,6 +57,10 @@ class ExecutionPolicy:
     mode: str = "strict"  # "strict" or "native": the default for every op
     impl: str | None = None  # pinned strict implementation ("cpu", "reference", "triton"); None: by device
     ops: tuple = ()  # per-op overrides: ((op, "strict" | "native" | implementation name), ...)
+    # Implementations may keep weights in a packed layout between calls, re-packing when a
+    # weight's version counter moves. Only for callers whose weight updates are in-place tensor
+    # ops (a write through `.data` does not move the counter): the engines turn it on.
+    pack_weights: bool = False
 
     def __post_init__(self):
         if self.mode not in _CHOICES:
@@ -79,17 +83,20 @@ def current_policy() -> ExecutionPolicy:
 
 
 @contextlib.contextmanager
-def mode(mode: str = "strict", *, impl: str | None = None, ops: Mapping[str, str] | None = None) -> Iterator[ExecutionPolicy]:
+def mode(mode: str = "strict", *, impl: str | None = None, ops: Mapping[str, str] | None = None,
+         pack_weights: bool | None = None) -> Iterator[ExecutionPolicy]:
     """Run the enclosed ops under a policy; nests and restores on exit or exception.
     `impl` pins the strict implementation; left out, an enclosing block's pin is kept
-    (`impl="auto"` drops it).
+    (`impl="auto"` drops it); so is `pack_weights` (see ExecutionPolicy).
 
     >>> with rlkernel.mode("native", ops={"attention": "strict"}): ...
     >>> with rlkernel.mode(impl="reference"): ...   # the torch composition, same bits
     """
+    outer = _POLICY.get()
     if impl is None:
-        impl = _POLICY.get().impl
-    policy = ExecutionPolicy(mode=mode, impl=None if impl == "auto" else impl, ops=tuple(sorted((ops or {}).items())))
+        impl = outer.impl
+    policy = ExecutionPolicy(mode=mode, impl=None if impl == "auto" else impl, ops=tuple(sorted((ops or {}).items())),
+                             pack_weights=outer.pack_weights if pack_weights is None else pack_weights)
     token = _POLICY.set(policy)
     try:
         yield policy

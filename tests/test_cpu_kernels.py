@@ -248,9 +248,18 @@ def test_rlkernel_cpu_kernels_0_turns_the_kernels_off_with_the_same_bits():
     assert torch.equal(torch.tensor(out["lp"]), rk.linear_logprobs_full(h, w).flatten())
 
 
-def test_packed_weights_follow_in_place_updates():
-    """The kernels pack a weight once and reuse it while the weight is unchanged; an in-place
-    update (a weight sync, an optimizer step) moves its version and the next call re-packs."""
+@pytest.fixture
+def packing():
+    with rk.mode(pack_weights=True):
+        yield
+
+
+def test_packed_weights_follow_in_place_updates(packing):
+    """With rk.mode(pack_weights=True) the kernels pack a weight once and reuse it while the
+    weight is unchanged; an in-place update (a weight sync, an optimizer step) moves its version
+    and the next call re-packs."""
+    from rlkernel.backends.cpu import _PACKED
+
     g = _gen(41)
     w, x = torch.randn(300, 200, generator=g), torch.randn(5, 200, generator=g)
     lm, h = torch.randn(1100, 64, generator=g), torch.randn(3, 64, generator=g)
@@ -258,6 +267,7 @@ def test_packed_weights_follow_in_place_updates():
         _assert_equal(rk.linear(x, w), F.linear(x, w, None, 1))
         _assert_equal(rk.linear(x, w, k_segments=4), F.linear(x, w, None, 4))
         _assert_equal(rk.linear_logprobs_full(h, lm, vocab_size=1050), F.logprobs_full(h, lm, None, 1.0, 1050))
+    assert id(w) in _PACKED and id(lm) in _PACKED  # the cache was used
     before = rk.linear(x, w)
     w.mul_(0.5)
     lm.add_(1.0)
@@ -267,3 +277,16 @@ def test_packed_weights_follow_in_place_updates():
     _assert_equal(rk.linear_logprobs_full(h, lm, vocab_size=1050), F.logprobs_full(h, lm, None, 1.0, 1050))
     with rk.mode(impl="reference"):
         _assert_equal(rk.linear(x, w), after)
+
+
+def test_packing_is_off_unless_asked_for():
+    """A write through `.data` does not move a tensor's version, so packing is opt-in: by default
+    every call packs afresh and sees such writes."""
+    from rlkernel.backends.cpu import _PACKED
+
+    g = _gen(42)
+    w, x = torch.randn(64, 32, generator=g), torch.randn(3, 32, generator=g)
+    y = rk.linear(x, w)
+    assert id(w) not in _PACKED
+    w.data.mul_(2.0)  # the version counter stays
+    assert torch.equal(rk.linear(x, w), F.linear(x, w, None, 1)) and not torch.equal(rk.linear(x, w), y)

@@ -142,8 +142,8 @@ class MegatronTrainer:
         self.dp_group = self._ps.get_data_parallel_group()
 
     # ------------------------------------------------------------------ lifecycle
-    def _policy(self):
-        return rk.mode(self.config.mode, ops=dict(self.config.ops))
+    def _policy(self, pack_weights: bool = False):
+        return rk.mode(self.config.mode, ops=dict(self.config.ops), pack_weights=pack_weights)
 
     def _provenance(self) -> dict:
         import megatron.core
@@ -257,7 +257,8 @@ class MegatronTrainer:
     def score(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Per sample, float32 log p(response token | prefix) at batch.temperature, under the current weights."""
         self._need_model()
-        with torch.no_grad(), self._policy(), self.op_provenance.collect():
+        # scoring may reuse packed weights: the optimizer updates them in place (version moves)
+        with torch.no_grad(), self._policy(pack_weights=True), self.op_provenance.collect():
             self.model.eval()
             return [t.cpu() for t in self._response_logprobs(self.model, batch)]
 

@@ -59,7 +59,8 @@ class StrictForCausalLM(StrictDecoder):
 
     def _policy(self):
         p = self.policy
-        return mode(p.mode, impl=p.impl or "auto", ops=dict(p.ops))
+        # weights change only through load_weights (in-place copies): packed weights are safe
+        return mode(p.mode, impl=p.impl or "auto", ops=dict(p.ops), pack_weights=True)
 
     def _attend(self, layer: int, q, k, v):
         t, hq, d = q.shape

@@ -117,14 +117,19 @@ CPU = Prims("cpu", lambda x: _ops().exp(x.float()), lambda x: _ops().log(x.float
 
 # Weights packed for the GEMM kernel (panels of 16 output columns), kept per weight tensor while
 # it lives and re-packed when it changes (its version counter moves on every in-place update,
-# e.g. a weight sync or an optimizer step). Packing moves data only: the bits are those of the
-# unpacked call (tests/test_cpu_kernels.py). key: id(weight) -> (ref, version, data_ptr, what, packs)
+# e.g. a weight sync or an optimizer step; a write through `.data` does not move it, which is why
+# only callers that opt in with rk.mode(pack_weights=True) get packing: the vLLM model and the
+# trainer's scoring). Packing moves data only: the bits are those of the unpacked call
+# (tests/test_cpu_kernels.py). key: id(weight) -> (ref, version, data_ptr, what, packs)
 _PACKED: dict[int, tuple] = {}
 
 
 def _packed(weight: torch.Tensor, what: tuple, make) -> object | None:
     """`make(weight)`'s packing of `weight`, cached while the weight is alive and unchanged;
-    None for tensors without a version counter (inference tensors)."""
+    None unless the policy allows packed weights, and for tensors without a version counter
+    (inference tensors)."""
+    if not dispatch.current_policy().pack_weights:
+        return None
     try:
         version = weight._version
     except RuntimeError:
