@@ -290,3 +290,24 @@ def test_packing_is_off_unless_asked_for():
     assert id(w) not in _PACKED
     w.data.mul_(2.0)  # the version counter stays
     assert torch.equal(rk.linear(x, w), F.linear(x, w, None, 1)) and not torch.equal(rk.linear(x, w), y)
+
+
+def test_a_dead_builder_leaves_no_lock_that_hangs():
+    """A process that dies while holding the build lock releases it (flock), and torch's own
+    lock file left in the build directory by a build that died is not waited on."""
+    from rlkernel.backends.cpu import build
+
+    d = build.build_dir()
+    (d / "lock").write_text("")  # torch's FileBaton, as a crashed build leaves it
+    hold = ("import fcntl, time; f = open(%r, 'w'); fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(600)"
+            % (str(d) + ".lock"))
+    p = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "locked"
+    finally:
+        p.kill()
+        p.wait()
+    load = "from rlkernel.backends.cpu import build; print(build.build())"
+    r = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=300)
+    (d / "lock").unlink(missing_ok=True)
+    assert r.returncode == 0 and r.stdout.strip().endswith(".so"), r.stderr[-2000:]
