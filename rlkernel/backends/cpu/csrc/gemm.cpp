@@ -741,9 +741,9 @@ void run_blocks(const float* Ap, int64_t M, int64_t K, const PackedB& B, int64_t
   }
   const auto& tab = B.bf ? kTabBF16 : kTabF32;
   const int64_t npan = cdiv(M, MRP);
-  // below about a million multiply-adds (a decode GEMV of a small layer) waking the thread pool
+  // below about 260k multiply-adds (a decode GEMV of a small layer) waking the thread pool
   // costs more than it saves; scheduling only: every output is the same chain either way
-  if (M * N * K < (int64_t{1} << 20)) parallel = false;
+  if (M * N * K < (int64_t{1} << 18)) parallel = false;
   const int64_t nth = parallel ? std::max<int>(1, at::get_num_threads()) : 1;
   int64_t mbp, nc;  // row panels per M block, columns per N block
   if (npan <= 2) {
