@@ -306,7 +306,7 @@ class StrictLogprobHead(torch.nn.Module):
         start = rank * self.shard
         if rk.current_policy().choice("linear_logprob") == "native":
             # Megatron's vocab-parallel CE over full float32 logits; padded columns masked out.
-            logits = F.linear(hidden, w).float() / temperature
+            logits = rk.linear(hidden, w, backend="native").float() / temperature  # the production GEMM (backends/native)
             pad = torch.arange(start, start + self.shard, device=hidden.device) >= self.vocab_size
             logits = logits.masked_fill(pad, -math.inf)
             return -vocab_parallel_cross_entropy(logits[:, None], targets[:, None])[:, 0]
