@@ -8,7 +8,8 @@ wanted); the device and what is available pick the *implementation* of that cont
 
   strict on CPU:  "cpu" (C++ kernels, rlkernel/backends/cpu) when built and self-checked,
                   else "reference" (the torch composition: same contract, same bits, slower)
-  strict on CUDA: "triton" once registered, else "reference"
+  strict on CUDA: "triton" (Triton kernels under the GPU contracts, rlkernel/contracts/gpu.py)
+                  when triton and a CUDA device are present, else "reference" (the CPU contract)
   native:         "native" (torch's production ops)
 
 `mode(impl="reference")` (or any implementation name) pins the strict implementation; a

@@ -7,4 +7,4 @@
 | `native.py` | the native contracts: torch's production ops (the "P" side of every ablation) | any device |
 | `triton/` | GPU kernels under their own GPU contracts | CUDA |
 """
-from . import cpu, native, reference  # noqa: F401  (registration)
+from . import cpu, native, reference, triton  # noqa: F401  (registration)

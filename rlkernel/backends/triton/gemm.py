@@ -22,18 +22,14 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-_ALLOCATOR_SET = False
+def _alloc(size, alignment, stream):
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def _ensure_allocator():
-    """Device-side TMA descriptors need scratch memory; give Triton a torch allocator once."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        def alloc(size, alignment, stream):
-            return torch.empty(size, device="cuda", dtype=torch.int8)
-
-        triton.set_allocator(alloc)
-        _ALLOCATOR_SET = True
+    """Device-side TMA descriptors need scratch memory. Triton keeps its allocator per thread
+    (a context variable), and autograd runs backwards on its own threads: set it every launch."""
+    triton.set_allocator(_alloc)
 
 
 @triton.jit
@@ -55,19 +51,20 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _k_loop(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
+def _k_span(a_src, b_src, off_m, off_n, M, N, k_lo, k_hi, sam, sak, sbn, sbk,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr):
-    """fp32 accumulator of one [BLOCK_M, BLOCK_N] tile: K blocks 0, 1, 2, ... in order."""
+    """fp32 accumulator of one [BLOCK_M, BLOCK_N] tile over K in [k_lo, k_hi): blocks in order from
+    zero. With TMA, k_hi - k_lo is a multiple of BLOCK_K or k_hi is the end of K (zero-filled tail)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_tiles = tl.cdiv(k_hi - k_lo, BLOCK_K)
     if TMA:
         for ki in range(k_tiles):
-            a = a_src.load([off_m, ki * BLOCK_K])
+            a = a_src.load([off_m, k_lo + ki * BLOCK_K])
             if B_NK:
-                b = b_src.load([off_n, ki * BLOCK_K]).T
+                b = b_src.load([off_n, k_lo + ki * BLOCK_K]).T
             else:
-                b = b_src.load([ki * BLOCK_K, off_n])
+                b = b_src.load([k_lo + ki * BLOCK_K, off_n])
             acc = _dot(a, b, acc, IEEE)
     else:
         rm = off_m + tl.arange(0, BLOCK_M)
@@ -76,17 +73,60 @@ def _k_loop(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
         rn = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         for ki in range(k_tiles):
-            kk = ki * BLOCK_K + rk
-            a = tl.load(a_src + rm[:, None].to(tl.int64) * sam + kk[None, :] * sak, mask=kk[None, :] < K, other=0.0)
-            b = tl.load(b_src + kk[:, None] * sbk + rn[None, :].to(tl.int64) * sbn, mask=kk[:, None] < K, other=0.0)
+            kk = k_lo + ki * BLOCK_K + rk
+            a = tl.load(a_src + rm[:, None].to(tl.int64) * sam + kk[None, :] * sak, mask=kk[None, :] < k_hi, other=0.0)
+            b = tl.load(b_src + kk[:, None] * sbk + rn[None, :].to(tl.int64) * sbn, mask=kk[:, None] < k_hi, other=0.0)
             acc = _dot(a, b, acc, IEEE)
+    return acc
+
+
+@triton.jit
+def _k_loop(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr):
+    """fp32 accumulator of one [BLOCK_M, BLOCK_N] tile: K blocks 0, 1, 2, ... in order."""
+    return _k_span(a_src, b_src, off_m, off_n, M, N, 0, K, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE)
+
+
+@triton.jit
+def _k_segments(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr, SEGS: tl.constexpr):
+    """SEGS equal K segments, each its own accumulator from zero, merged by the balanced binary
+    tree ((s0 + s1) + (s2 + s3)) ... in fp32: the canonical-segment layout of a row-parallel GEMM."""
+    if SEGS == 1:
+        return _k_loop(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK,
+                       IEEE)
+    ks = K // SEGS
+    s0 = _k_span(a_src, b_src, off_m, off_n, M, N, 0, ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK,
+                 IEEE)
+    s1 = _k_span(a_src, b_src, off_m, off_n, M, N, ks, 2 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K, TMA,
+                 B_NK, IEEE)
+    acc = s0 + s1
+    if SEGS >= 4:
+        s2 = _k_span(a_src, b_src, off_m, off_n, M, N, 2 * ks, 3 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K,
+                     TMA, B_NK, IEEE)
+        s3 = _k_span(a_src, b_src, off_m, off_n, M, N, 3 * ks, 4 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K,
+                     TMA, B_NK, IEEE)
+        acc = acc + (s2 + s3)
+    if SEGS == 8:
+        s4 = _k_span(a_src, b_src, off_m, off_n, M, N, 4 * ks, 5 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K,
+                     TMA, B_NK, IEEE)
+        s5 = _k_span(a_src, b_src, off_m, off_n, M, N, 5 * ks, 6 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K,
+                     TMA, B_NK, IEEE)
+        s6 = _k_span(a_src, b_src, off_m, off_n, M, N, 6 * ks, 7 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K,
+                     TMA, B_NK, IEEE)
+        s7 = _k_span(a_src, b_src, off_m, off_n, M, N, 7 * ks, 8 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K,
+                     TMA, B_NK, IEEE)
+        acc = acc + ((s4 + s5) + (s6 + s7))
     return acc
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 NUM_PROGS: tl.constexpr, TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr):
+                 NUM_PROGS: tl.constexpr, TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr,
+                 SEGS: tl.constexpr = 1):
     if TMA:
         a_src = tl.make_tensor_descriptor(a_ptr, [M, K], [sam, 1], [BLOCK_M, BLOCK_K])
         if B_NK:
@@ -103,8 +143,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = _k_loop(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
-                      BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE)
+        acc = _k_segments(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE, SEGS)
         rm = off_m + tl.arange(0, BLOCK_M)
         rn = off_n + tl.arange(0, BLOCK_N)
         ptrs = c_ptr + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
@@ -212,13 +252,17 @@ def _tma_ok(cfg, *tensors) -> bool:
 
 def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, config: C.TileConfig | None = None,
-           num_progs: int | None = None) -> torch.Tensor:
+           num_progs: int | None = None, k_segments: int = 1) -> torch.Tensor:
     """a [M, K] @ weight[N, K].T (or @ b [K, N]) -> [M, N] in out_dtype (default a.dtype).
 
     config: override the contract's tile config (tuning and tests only: another config is
     another contract). num_progs: persistent grid size (default min(#SMs, tiles)); never
-    changes a bit.
+    changes a bit. k_segments (1, 2, 4 or 8, dividing K): K cut into equal segments, each its
+    own fp32 accumulator, merged by a balanced binary tree before the one cast (bit for bit the
+    per-segment GEMMs summed by rlkernel.tree_sum).
     """
+    if k_segments not in (1, 2, 4, 8):
+        raise ValueError(f"matmul: k_segments must be 1, 2, 4 or 8, got {k_segments}")
     if (weight is None) == (b is None):
         raise ValueError("matmul: give exactly one of weight [N, K] or b [K, N]")
     if a.dim() != 2:
@@ -236,19 +280,23 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         bt, sbn, sbk, b_nk = b, b.stride(1), b.stride(0), False
     if bt.dtype != a.dtype:
         raise ValueError(f"matmul: dtypes differ ({a.dtype} vs {bt.dtype})")
+    if K % k_segments:
+        raise ValueError(f"matmul: K={K} is not divisible into {k_segments} segments")
     cfg = _config(a, N, K, config)
     out = torch.empty((M, N), device=a.device, dtype=out_dtype or a.dtype)
     if M == 0:
         return out
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     progs = min(num_progs or _num_sms(a.device), tiles)
-    tma = _tma_ok(cfg, a, bt)
+    # TMA zero-fills only at the end of K: a segment boundary inside a K block would read the
+    # next segment's values, so such splits take the masked-pointer path (same bits)
+    tma = _tma_ok(cfg, a, bt) and (k_segments == 1 or (K // k_segments) % cfg.block_k == 0)
     if tma:
         _ensure_allocator()
     _gemm_kernel[(progs,)](
         a, bt, out, M, N, K, a.stride(0), a.stride(1), sbn, sbk, out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_PROGS=progs, TMA=tma, B_NK=b_nk, IEEE=_is_fp32(a),
+        NUM_PROGS=progs, TMA=tma, B_NK=b_nk, IEEE=_is_fp32(a), SEGS=k_segments,
         num_warps=cfg.num_warps, num_stages=_stages(cfg, a.element_size(), out.element_size()))
     return out
 
@@ -260,7 +308,7 @@ def matmul_swiglu(x: torch.Tensor, gate_up_weight: torch.Tensor, *, config: C.Ti
     if gate_up_weight.shape[1] != K or gate_up_weight.shape[0] % 2:
         raise ValueError(f"matmul_swiglu: weight {tuple(gate_up_weight.shape)} is not [2I, {K}]")
     N = gate_up_weight.shape[0] // 2
-    cfg = config or C.SWIGLU.config
+    cfg = config or C.SWIGLU_GEMM
     if _is_fp32(x):
         cfg = C.FP32_GEMM if config is None else config
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)

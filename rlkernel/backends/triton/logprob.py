@@ -63,7 +63,7 @@ def _merge_ml(m1, l1, m2, l2):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _tile_tree_kernel(ml_ptr, zt_ptr, out_ptr, lse_ptr, M, n_vt, BLOCK_R: tl.constexpr, NT: tl.constexpr,
+def _tile_tree_kernel(ml_ptr, zt_ptr, out_ptr, stats_ptr, M, n_vt, BLOCK_R: tl.constexpr, NT: tl.constexpr,
                       LEVELS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, NT)
@@ -80,24 +80,36 @@ def _tile_tree_kernel(ml_ptr, zt_ptr, out_ptr, lse_ptr, M, n_vt, BLOCK_R: tl.con
     zt = tl.load(zt_ptr + rows, mask=rows < M, other=0.0)
     log_l = tl.log(l)
     tl.store(out_ptr + rows, (zt - m) - log_l, mask=rows < M)
-    tl.store(lse_ptr + rows, m + log_l, mask=rows < M)
+    tl.store(stats_ptr + rows * 2, m, mask=rows < M)
+    tl.store(stats_ptr + rows * 2 + 1, log_l, mask=rows < M)
 
 
 def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
-                   vocab_size: int | None = None, config: C.TileConfig | None = None, return_lse: bool = False):
-    """float32 log p(targets) under softmax(hidden @ weight[:vocab_size].T / temperature)."""
+                   vocab_size: int | None = None, config: C.TileConfig | None = None, return_lse: bool = False,
+                   return_stats: bool = False):
+    """float32 log p(targets) under softmax(hidden @ weight[:vocab_size].T / temperature).
+
+    return_lse: also lse = m + log(l) [T]; return_stats: (lp, lse, m, log(l)), from which any
+    other token's logprob (z - m) - log(l) has the same bits as the kernel's."""
     T, H = hidden.shape
     V = weight.shape[0] if vocab_size is None else vocab_size
     if weight.shape[1] != H or not 0 < V <= weight.shape[0] or targets.shape != (T,):
         raise ValueError(f"linear_logprob: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, V={V}")
     if not temperature > 0:
         raise ValueError("linear_logprob: temperature must be > 0")
-    cfg = config or C.logprob_contract(str(hidden.dtype).replace("torch.", ""), V, H).config
+    cfg = config or C.logprob_config(str(hidden.dtype).replace("torch.", ""), V, H)
     n_vt = triton.cdiv(V, cfg.block_n)
     out = torch.empty(T, device=hidden.device, dtype=torch.float32)
-    lse = torch.empty(T, device=hidden.device, dtype=torch.float32)
+    stats = torch.empty((T, 2), device=hidden.device, dtype=torch.float32)
+
+    def result():
+        m, log_l = stats[:, 0], stats[:, 1]
+        if return_stats:
+            return out, m + log_l, m, log_l
+        return (out, m + log_l) if return_lse else out
+
     if T == 0:
-        return (out, lse) if return_lse else out
+        return result()
     ml = torch.empty((T, n_vt, 2), device=hidden.device, dtype=torch.float32)
     zt = torch.empty(T, device=hidden.device, dtype=torch.float32)
     tgt = targets.to(torch.int32).contiguous()
@@ -114,6 +126,6 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         enable_fp_fusion=False)
     nt = triton.next_power_of_2(n_vt)
     block_r = max(1, min(16, 8192 // nt))
-    _tile_tree_kernel[(triton.cdiv(T, block_r),)](ml, zt, out, lse, T, n_vt, BLOCK_R=block_r, NT=nt,
+    _tile_tree_kernel[(triton.cdiv(T, block_r),)](ml, zt, out, stats, T, n_vt, BLOCK_R=block_r, NT=nt,
                                                   LEVELS=nt.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
-    return (out, lse) if return_lse else out
+    return result()

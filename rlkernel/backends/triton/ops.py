@@ -1,0 +1,269 @@
+"""The Triton implementation registered with rlkernel's dispatch: the ops' public signatures
+on top of the kernels, and their deterministic backwards.
+
+What this module decides: how each public op maps onto the kernels (shapes, the k-segment
+tree, the bias, the fused-logprob kinds) and how gradients are computed on the GPU:
+  linear       dx = g W, dW = g^T x through the same GEMM kernel and configs (g in x.dtype,
+               fp32 accumulate); db by a balanced tree over rows
+  rms_norm     the shared explicit backward (reference.norm.RmsNormFn), torch ops
+  swiglu       the shared explicit backward (reference.swiglu.SwigluFn) with torch.exp
+  attention    FlashAttention-2-style recompute kernels, no atomics (attention_bwd.py)
+  linear_logprob / entropy   vocab chunks in fixed order: the chunk's logits recomputed with
+               the forward's tile config, dz in fp32 cast to the weight dtype, dh summed
+               over chunks in fp32 left to right, dW written per chunk
+Every backward is deterministic for fixed shapes (no atomics, no split chosen by load);
+only the forwards claim batch invariance (the rollout never differentiates).
+Nothing here imports triton at module level: registration is cheap on a CPU-only machine,
+and `available()` keeps dispatch from choosing this implementation there.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ... import dispatch
+from ...contracts import gpu as G
+from ..reference import norm as _ref_norm
+from ..reference import swiglu as _ref_swiglu
+from ..reference.linear import wants_grad
+from ..reference.primitives import Prims, tree_sum
+
+VOCAB_CHUNK = 8192  # backward/entropy vocab chunk (a multiple of every logprob tile's block_n)
+
+
+@functools.cache
+def _k():
+    """The kernel modules, imported on first use (they import triton)."""
+    from . import attention, gemm, logprob, norm
+    return gemm, norm, attention, logprob
+
+
+def available() -> bool:
+    from . import available as _avail
+    return _avail()
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float32 a @ b under the GEMM contract (Prims.matmul): a transposed weight view goes
+    through the weight path, so a row-parallel partial equals the k-segment of `linear`."""
+    gemm = _k()[0]
+    if b.dtype != a.dtype:
+        b = b.to(a.dtype)
+    if b.dim() == 2 and b.stride(0) == 1 and b.stride(1) != 1:
+        return gemm.matmul(a.contiguous(), b.t(), out_dtype=torch.float32)
+    return gemm.matmul(a.contiguous(), b=b, out_dtype=torch.float32)
+
+
+TRITON = Prims("triton", torch.exp, torch.log, _mm32)
+
+
+# ---- linear -------------------------------------------------------------------------------
+
+def _linear_fwd(x, weight, bias, k_segments):
+    gemm = _k()[0]
+    k, n = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if bias is None and k_segments in (1, 2, 4, 8):
+        y = gemm.matmul(x2, weight, k_segments=k_segments)  # segments merged in registers
+    else:
+        seg = k // k_segments
+        parts = [gemm.matmul(x2[:, i * seg:(i + 1) * seg], weight[:, i * seg:(i + 1) * seg], out_dtype=torch.float32)
+                 for i in range(k_segments)]
+        acc = parts[0] if k_segments == 1 else tree_sum(torch.stack(parts, dim=-1), dim=-1)
+        if bias is not None:
+            acc = acc + bias.float()
+        y = acc.to(x.dtype)
+    return y.reshape(*x.shape[:-1], n)
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, k_segments):
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return _linear_fwd(x, weight, bias, k_segments)
+
+    @staticmethod
+    def backward(ctx, g):
+        gemm = _k()[0]
+        x, w = ctx.saved_tensors
+        g2 = g.reshape(-1, w.shape[0]).to(x.dtype).contiguous()
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = gemm.matmul(g2, b=w).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            gw = gemm.matmul(g2.t().contiguous(), b=x.reshape(-1, x.shape[-1]).contiguous(), out_dtype=w.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            gb = tree_sum(g2.float(), dim=0).to(ctx.bias_dtype)
+        return gx, gw, gb, None
+
+
+def linear(x, weight, bias=None, k_segments: int = 1):
+    if wants_grad(x, weight, bias):
+        return _LinearFn.apply(x, weight, bias, k_segments)
+    return _linear_fwd(x, weight, bias, k_segments)
+
+
+# ---- rms_norm, swiglu ---------------------------------------------------------------------
+
+def _norm_fwd(x, weight, eps, residual):
+    norm = _k()[1]
+    if residual is None:
+        return norm.rms_norm(x, weight, eps), x
+    return norm.rms_norm(x, weight, eps, residual=residual)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    return _ref_norm.rms_norm(x, weight, eps, residual, fwd=_norm_fwd)
+
+
+def swiglu(gate, up):
+    return _ref_swiglu.swiglu(gate, up, prims=TRITON, fwd=lambda g, u: _k()[0].swiglu(g, u))
+
+
+# ---- attention ----------------------------------------------------------------------------
+
+class _VarlenFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, scale):
+        att = _k()[2]
+        out, lse = att.attention_varlen(q, k, v, cu_seqlens, scale=scale, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from .attention_bwd import attention_varlen_backward
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        dq, dk, dv = attention_varlen_backward(q, k, v, out, lse, dout.contiguous(), cu, scale=ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def attention(kind, *args):
+    att = _k()[2]
+    if kind == "varlen":
+        q, k, v, cu, scale = args
+        if wants_grad(q, k, v):
+            return _VarlenFn.apply(q, k, v, cu, scale)
+        return att.attention_varlen(q, k, v, cu, scale=scale)
+    q, kc, vc, bt, seq_lens, qsl, scale = args
+    if wants_grad(q, kc, vc):
+        raise dispatch.BackendUnavailable("rlkernel triton: paged attention is for inference; train with attention_varlen")
+    return att.attention_paged(q, kc, vc, bt, seq_lens, qsl, scale=scale)
+
+
+# ---- linear_logprob -----------------------------------------------------------------------
+
+def _cfg(hidden, weight, vocab_size):
+    return G.logprob_config(_dtype_name(hidden), vocab_size, hidden.shape[1])
+
+
+def _logits(hidden, weight, lo, hi, temperature):
+    """float32 z = (hidden @ weight[lo:hi].T) / T, bit for bit the fused kernel's tile logits."""
+    return _k()[0].matmul(hidden, weight[lo:hi], out_dtype=torch.float32, config=_cfg(hidden, weight, hi)) / temperature
+
+
+def _chunks(vocab_size):
+    return [(lo, min(lo + VOCAB_CHUNK, vocab_size)) for lo in range(0, vocab_size, VOCAB_CHUNK)]
+
+
+def _vocab_backward(hidden, weight, temperature, vocab_size, grad_z, needs):
+    gemm = _k()[0]
+    h = hidden.contiguous()
+    gh = None
+    gw = torch.zeros_like(weight) if needs[1] else None
+    for lo, hi in _chunks(vocab_size):
+        gz = (grad_z(_logits(h, weight, lo, hi, temperature), lo, hi) / temperature).to(weight.dtype)
+        if needs[0]:
+            part = gemm.matmul(gz, b=weight[lo:hi], out_dtype=torch.float32)
+            gh = part if gh is None else gh + part
+        if needs[1]:
+            gw[lo:hi] = gemm.matmul(gz.t().contiguous(), b=h, out_dtype=weight.dtype)
+    return (gh.to(hidden.dtype) if gh is not None else None), gw
+
+
+class _LogprobFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, vocab_size):
+        lp, lse = _k()[3].linear_logprob(hidden, weight, targets, temperature, vocab_size=vocab_size, return_lse=True)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.vocab_size = temperature, vocab_size
+        return lp
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        g = g.float()
+
+        def grad_z(z, lo, hi):
+            gz = -torch.exp(z - lse[:, None])
+            rows = ((targets >= lo) & (targets < hi)).nonzero()[:, 0]
+            gz[rows, targets[rows] - lo] += 1.0
+            return gz * g[:, None]
+
+        gh, gw = _vocab_backward(hidden, weight, ctx.temperature, ctx.vocab_size, grad_z, ctx.needs_input_grad[:2])
+        return gh, gw, None, None, None
+
+
+class _EntropyFn(torch.autograd.Function):
+    """H = lse - sum_j p_j z_j (chunks merged left to right, each by a balanced tree);
+    dH/dz_j = p_j (sum_i p_i z_i - z_j)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, temperature, vocab_size):
+        h = hidden.contiguous()
+        dummy = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
+        _, lse = _k()[3].linear_logprob(h, weight, dummy, temperature, vocab_size=vocab_size, return_lse=True)
+        mean_z = None
+        for lo, hi in _chunks(vocab_size):
+            z = _logits(h, weight, lo, hi, temperature)
+            part = tree_sum(torch.exp(z - lse[:, None]) * z, dim=-1)
+            mean_z = part if mean_z is None else mean_z + part
+        ctx.save_for_backward(h, weight, lse, mean_z)
+        ctx.temperature, ctx.vocab_size = temperature, vocab_size
+        return lse - mean_z
+
+    @staticmethod
+    def backward(ctx, g):
+        h, weight, lse, mean_z = ctx.saved_tensors
+        g = g.float()
+
+        def grad_z(z, lo, hi):
+            return torch.exp(z - lse[:, None]) * (mean_z[:, None] - z) * g[:, None]
+
+        gh, gw = _vocab_backward(h, weight, ctx.temperature, ctx.vocab_size, grad_z, ctx.needs_input_grad[:2])
+        return gh, gw, None, None
+
+
+def _full(hidden, weight, temperature, vocab_size):
+    """[T, V] log-softmax; element [t, v] equals the targets kernel's value at target v (same
+    tile logits, same (m, log l), same two subtractions)."""
+    h = hidden.contiguous()
+    dummy = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
+    _, _, m, log_l = _k()[3].linear_logprob(h, weight, dummy, temperature, vocab_size=vocab_size, return_stats=True)
+    z = _logits(h, weight, 0, vocab_size, temperature)
+    return (z - m[:, None]) - log_l[:, None]
+
+
+def linear_logprob(kind, hidden, weight, targets, temperature, vocab_size):
+    if kind == "full":
+        return _full(hidden, weight, temperature, vocab_size)
+    if kind == "entropy":
+        return _EntropyFn.apply(hidden, weight, temperature, vocab_size)
+    h = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    if wants_grad(hidden, weight):
+        return _LogprobFn.apply(h, weight, targets, temperature, vocab_size)
+    return _k()[3].linear_logprob(h, weight, targets, temperature, vocab_size=vocab_size)
+
+
+for _op, _fn in (("linear", linear), ("rms_norm", rms_norm), ("swiglu", swiglu), ("attention", attention),
+                 ("linear_logprob", linear_logprob)):
+    dispatch.register(_op, "triton", G.BY_OP[_op], devices=("cuda",), available=available, prims=TRITON)(_fn)

@@ -1,0 +1,186 @@
+"""The GPU contracts (family "triton-sm90"): what the Triton kernels' bits depend on, as data.
+
+What this module decides: every tile size, split size, walk and rounding point of the GPU
+strict path, and the one function from (dtype, N, K) to a GEMM tile config. A tile config
+is chosen by the operands' dtype and the weight's shape only, never by the row count, so a
+row's bits never depend on how many rows share the call. The kernels
+(`rlkernel/backends/triton/`) take their configs from here and nowhere else.
+
+Why a second family next to "strict": a tensor-core GEMM (wgmma) sums products in the
+hardware's own k16 groups, which no CPU reproduces at useful speed; the CPU contract is one
+fma chain per output. The two families are each exact and invariant on their own devices;
+rollout and training agree bit for bit when both run the same family (both on the GPU).
+`arch` names the chip the bits were proved on; another arch runs the same order but is
+another contract until its golden bits are checked (scripts/gpu_triton_checks.py).
+
+Imports nothing heavy: a CPU-only machine can read, diff and hash these.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .base import Contract
+from .rope import STRICT as _ROPE_STRICT
+
+ARCH = "sm_90"  # NVIDIA H100/H200; Triton 3.6 (wgmma)
+FAMILY = "triton-sm90"
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_stages: int
+    num_warps: int
+    group_m: int = 8  # tile walk (L2 locality only: never changes a bit)
+    tma: bool = True  # operands through the bulk tensor copy engine (never changes a bit)
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    block_m: int = 64  # query tile rows = (block_m // group) tokens x group heads of one kv head
+    block_n: int = 64  # kv chunk: keys [c*block_n, (c+1)*block_n), anchored at absolute position
+    seg_keys: int = 512  # fixed KV split size (a multiple of block_n), anchored at absolute position
+    num_warps: int = 4
+    num_stages: int = 3
+    page_size: int = 16
+
+
+# ---- tile configs: functions of (dtype, N, K) only ------------------------------------------
+# bf16 classes chosen on the H200 by the sweep in scripts/gpu_triton_checks.py
+# (benchmarks/h200_triton.json); the row count never enters.
+BF16_GEMM = {
+    "wide": TileConfig(64, 256, 64, 4, 4),  # N >= 16384 (gate_up, lm_head as a plain GEMM)
+    "narrow": TileConfig(64, 128, 128, 4, 4),  # N < 16384 (qkv, o, down)
+}
+FP32_GEMM = TileConfig(64, 64, 32, 3, 4, tma=False)
+LOGPROB_BF16 = TileConfig(128, 256, 64, 3, 8)  # the fused linear-logprob's own tile
+SWIGLU_GEMM = TileConfig(128, 128, 64, 3, 8)  # the GEMM + SwiGLU epilogue kernel (not yet an rlkernel op)
+ATTENTION_TILES = AttentionTiles()
+
+
+def gemm_class(n: int, k: int) -> str:
+    return "wide" if n >= 16384 else "narrow"
+
+
+def gemm_config(dtype_name: str, n: int, k: int) -> TileConfig:
+    if dtype_name in ("float32", "torch.float32"):
+        return FP32_GEMM
+    return BF16_GEMM[gemm_class(n, k)]
+
+
+def logprob_config(dtype_name: str, v: int, h: int) -> TileConfig:
+    return FP32_GEMM if dtype_name in ("float32", "torch.float32") else LOGPROB_BF16
+
+
+def _tiles(cfg) -> tuple:
+    return tuple(sorted(asdict(cfg).items()))
+
+
+_MMA_ORDER = ("per output tile: one fp32 accumulator; K walked in blocks 0, block_k, 2*block_k, ... in order, "
+              "each block one tl.dot (wgmma k16 steps in order; fp32 inputs: 'ieee' fma, no TF32) "
+              "into the accumulator; no split-K; tail K zero-filled")
+
+LINEAR = Contract(
+    op="linear",
+    backend=FAMILY,
+    domain="K",
+    partition=(("arch", ARCH), ("split_k", 1), ("m_independent", "kernel compiled with M unspecialised"),
+               ("config", "by (dtype, N, K) only: bf16 N >= 16384 'wide' else 'narrow'; fp32 one config"),
+               ("bf16_wide", _tiles(BF16_GEMM["wide"])), ("bf16_narrow", _tiles(BF16_GEMM["narrow"])),
+               ("fp32", _tiles(FP32_GEMM)),
+               ("k_segments", "caller, equal; each segment its own fp32 GEMM, partials by balanced binary tree")),
+    merge=_MMA_ORDER,
+    precision=(("input", "bf16 or fp32"), ("accumulate", "float32"), ("output", "x.dtype")),
+    rounding=("one cast of the fp32 accumulator to x.dtype", "bias added to the fp32 accumulator before the cast",
+              "backward: dx = g W and dW = g^T x, g in x.dtype, fp32 accumulate, same kernel and configs"),
+    primitives=(("fp_contraction", "n/a (tensor core)"),),
+    invariant=("batch (M)", "row position", "run to run", "tile walk / persistent grid size"),
+    version=1,
+)
+
+RMS_NORM = Contract(
+    op="rms_norm",
+    backend=FAMILY,
+    domain="hidden",
+    partition=(("arch", ARCH), ("row", "one row per program"), ("block", "next_pow2(H), zero-padded"),
+               ("num_warps", "8 if H >= 4096 else 4 (a function of H only)")),
+    merge=("squares in fp32, summed by tl.sum over the fixed [BLOCK] layout: per-thread sequential, then warp "
+           "butterfly, then across warps; identical for every row"),
+    precision=(("input", "x.dtype"), ("accumulate", "float32"), ("output", "weight.dtype")),
+    rounding=("residual add in fp32, rounded to x.dtype (the new residual)", "mean = sum / H (IEEE div)",
+              "rstd = 1 / sqrt_rn(mean + eps) (IEEE)", "x * rstd rounded to x.dtype before the weight multiply",
+              "weight multiply rounded to the weight dtype",
+              "backward (training only): torch composition in fp32, deterministic for fixed shapes"),
+    primitives=(("sqrt", "sqrt_rn"), ("div", "div_rn"), ("fp_contraction", "off")),
+    invariant=("batch", "row position", "run to run"),
+    version=1,
+)
+
+SWIGLU = Contract(
+    op="swiglu",
+    backend=FAMILY,
+    domain="none (element-wise)",
+    partition=(("arch", ARCH),),
+    merge="none",
+    precision=(("input", "activation dtype"), ("compute", "float32"), ("output", "activation dtype")),
+    rounding=("silu(g) = g / (1 + exp2(-g * log2 e)) in fp32, IEEE divide", "product in fp32, one cast"),
+    primitives=(("exp2", "ex2.approx.f32 (tl.exp2)"), ("fp_contraction", "off")),
+    invariant=("batch", "position", "run to run", "fused GEMM epilogue == this op (tested)"),
+    version=1,
+)
+
+ATTENTION = Contract(
+    op="attention",
+    backend=FAMILY,
+    domain="visible keys",
+    partition=(("arch", ARCH), ("tiles", _tiles(ATTENTION_TILES)),
+               ("q_tile", "block_m rows = tokens x GQA heads of one kv head, same tile in every path"),
+               ("kv_chunk", "block_n keys at absolute positions"),
+               ("kv_split", "seg_keys keys at absolute positions (a fixed split size, never a number of splits)")),
+    merge=("inside a segment: online softmax chunk by chunk, left to right, from (-inf, 0, 0); segments merged "
+           "left to right from (-inf, 0, 0), in registers (one program) or by the combine kernel (split "
+           "programs) with the same merge function"),
+    precision=(("q,k,v", "bf16 (or fp32)"), ("scores", "float32"), ("p for p.v", "v.dtype"), ("m,l,o", "float32"),
+               ("output", "q.dtype")),
+    rounding=("s = q.k (tensor core, fp32)", "m = max(s) * (scale * log2 e)",
+              "p = exp2(fma(s, scale * log2 e, -m)), rounded to v.dtype for p.v",
+              "l = l * alpha + rowsum(p) (tl.sum, fixed layout)", "acc = acc * alpha + p.v",
+              "segment merge: fma(L, a, l * b), fma(O, a, o * b)", "o = O / L (IEEE), one cast",
+              "backward (training only): FlashAttention-2 style recompute, no atomics, fixed loops"),
+    primitives=(("exp2", "ex2.approx.f32; alpha forced to exactly 1 when the max is unchanged"), ("max", "exact"),
+                ("fp_contraction", "off (FMAs explicit)")),
+    invariant=("batch", "prefill == decode == chunked prefill", "split == unsplit", "block table placement",
+               "run to run"),
+    version=1,
+)
+
+LOGPROB = Contract(
+    op="linear_logprob",
+    backend=FAMILY,
+    domain="vocab [0, vocab_size)",
+    partition=(("arch", ARCH), ("bf16", _tiles(LOGPROB_BF16)), ("fp32", _tiles(FP32_GEMM)),
+               ("vocab_tile", "config.block_n rows of the lm_head"), ("padding_rows", "excluded (-inf)")),
+    merge=("logits: " + _MMA_ORDER + "; per tile: m = max(z), l = tl.sum(exp2((z - m) * log2 e)); across tiles: "
+           "balanced binary tree over tile index, identity-padded (-inf, 0) to a power of two"),
+    precision=(("hidden,weight", "bf16 (or fp32)"), ("logits", "float32"), ("m,l", "float32"), ("output", "float32")),
+    rounding=("z = acc / temperature (IEEE div)", "merge l = l1 * e1 + l2 * e2, e = 1 exactly when m_i == m",
+              "lp = (z_target - m) - log(l)",
+              "backward (training only): vocab chunks in order, g = (onehot - p) * dlp / T in fp32 cast to the "
+              "weight dtype, dh summed over chunks in fp32 in order"),
+    primitives=(("exp2", "ex2.approx.f32"), ("log", "tl.log (lg2.approx * ln 2)"), ("fp_contraction", "off")),
+    invariant=("batch", "row position", "run to run"),
+    version=1,
+)
+
+# RoPE on the GPU is the strict contract itself: a table of correctly rounded cos/sin (built on
+# the CPU) and element-wise IEEE multiplies and adds, which every device rounds alike.
+ROPE = _ROPE_STRICT
+
+BY_OP = {"linear": LINEAR, "rms_norm": RMS_NORM, "swiglu": SWIGLU, "rope": ROPE, "attention": ATTENTION,
+         "linear_logprob": LOGPROB}
+
+
+def as_dict(obj) -> dict:
+    return obj.as_dict() if isinstance(obj, Contract) else asdict(obj)

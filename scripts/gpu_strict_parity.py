@@ -1,0 +1,640 @@
+#!/usr/bin/env python3
+"""The GPU strict path at Qwen3-8B dimensions: rollout == training bit for bit, and what it costs.
+
+    python scripts/gpu_strict_parity.py [--layers 4] [--seqs 512] [--concurrency 256] [--out DIR]
+                                        [--only kernels,parity,native,timing,train]
+
+One process, one H200, random weights (no hub here), the rlkernel model definition
+(rlkernel.models.decoder.StrictDecoder) with the dispatch choosing the "triton"
+implementation under the GPU contracts (rlkernel/contracts/gpu.py):
+
+  kernels  GEMM bits vs tile config / TMA; full log-softmax == fused kernel; backward
+           correctness (linear, logprob, attention) against torch autograd, run-to-run bits
+  parity   rollout-style: prompts prefilled into a paged KV cache, then batched decode with
+           sequences joining and leaving (shifting batch composition, shuffled block tables)
+           vs training-style: every sequence re-scored in one packed forward (other packings);
+           mismatch_count over every generated token; run-to-run hash; golden hash per arch
+  native   the same comparison with torch's production ops (negative control: mismatch > 0)
+  timing   strict / native ratios in this process: GEMM vs cuBLAS, attention prefill vs SDPA,
+           decode step (64 sequences), scoring forward
+  train    forward + backward of the layer stack, strict / native
+
+Writes DIR/h200_strict_parity.json (DIR: $OUT, else benchmarks/). Without CUDA it writes
+{"skipped": reason} and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+T0 = time.time()
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128,
+                vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+DEV = "cuda"  # scripts/ smoke tests may point this at "cpu" under TRITON_INTERPRET=1
+GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096),
+         "lm_head": (4096, 151936)}
+
+
+def log(*a):
+    print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
+
+
+def sha(t) -> str:
+    return hashlib.sha256(t.detach().contiguous().cpu().view(-1).numpy().tobytes()).hexdigest()[:16]
+
+
+# ---- model ---------------------------------------------------------------------------------
+
+def build_model(layers: int, seed: int = 0):
+    import torch
+    from rlkernel.models.decoder import DecoderConfig, StrictDecoder
+    cfg = DecoderConfig(arch="qwen3", num_layers=layers, tie_word_embeddings=False, **QWEN3_8B)
+    with torch.device(DEV):
+        model = StrictDecoder(cfg, dtype=torch.bfloat16, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, device=DEV, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, device=DEV, generator=g) * 0.02)
+    model.requires_grad_(False)
+    return model
+
+
+class PagedCache:
+    """A rollout engine's KV cache: fixed-size pages, a free list handed out in shuffled order."""
+
+    def __init__(self, layers, num_blocks, block, hkv, d, seed=0):
+        import torch
+        self.k = [torch.zeros((num_blocks, block, hkv, d), dtype=torch.bfloat16, device=DEV) for _ in range(layers)]
+        self.v = [torch.zeros_like(x) for x in self.k]
+        self.block = block
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[int, list[int]] = {}
+
+    def ensure(self, sid, n_tokens):
+        t = self.tables.setdefault(sid, [])
+        while len(t) * self.block < n_tokens:
+            t.append(self.free.pop())
+
+    def release(self, sid):
+        self.free.extend(self.tables.pop(sid))
+
+    def slots(self, sid, positions):
+        t = self.tables[sid]
+        return [t[p // self.block] * self.block + p % self.block for p in positions]
+
+
+def engine_step(model, cache, batch, tokens_of, pos_of, n_new):
+    """One rollout step: for each (sid) in batch, feed n_new[sid] tokens at positions pos_of[sid]..;
+    returns the hidden states of the last fed token of each request (in batch order)."""
+    import torch
+    import rlkernel as rk
+    ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
+    for sid in batch:
+        p0, n = pos_of[sid], n_new[sid]
+        cache.ensure(sid, p0 + n)
+        ids += tokens_of[sid][p0:p0 + n]
+        pos += list(range(p0, p0 + n))
+        slots += cache.slots(sid, range(p0, p0 + n))
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(p0 + n)
+    width = max(len(cache.tables[s]) for s in batch)
+    bt = torch.tensor([cache.tables[s] + [0] * (width - len(cache.tables[s])) for s in batch], dtype=torch.int32,
+                      device=DEV)
+    ids_t = torch.tensor(ids, device=DEV)
+    pos_t = torch.tensor(pos, device=DEV)
+    slot_t = torch.tensor(slots, device=DEV)
+    qsl_t = torch.tensor(qsl, dtype=torch.int32, device=DEV)
+    sl_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+
+    def attend(layer, q, k, v):
+        rk.write_kv_cache(k, v, cache.k[layer], cache.v[layer], slot_t)
+        return rk.attention_paged(q, cache.k[layer], cache.v[layer], bt, sl_t, qsl_t)
+
+    hidden = model.hidden_states(ids_t, pos_t, attend)
+    return hidden[qsl_t[1:].long() - 1]
+
+
+def rollout(model, seqs, prompt_lens, concurrency, cache, prefill_chunk=None, seed=0):
+    """Rollout-style logprobs: lp[sid][t] = log p(seqs[sid][t] | < t) for t >= prompt_len, produced
+    by prefill + one decode step per token, requests admitted as slots free up (shifting batches)."""
+    import torch
+    rng = random.Random(seed)
+    order = list(range(len(seqs)))
+    waiting = order[:]
+    active: list[int] = []
+    pos_of, out = {}, {s: [] for s in order}
+    steps = 0
+    while waiting or active:
+        admit = []
+        while waiting and len(active) + len(admit) < concurrency and (not admit or rng.random() < 0.5 or not active):
+            admit.append(waiting.pop(0))
+        n_new = {}
+        for s in admit:  # prefill the prompt (all but nothing: the last prompt token is fed too)
+            pos_of[s] = 0
+            n_new[s] = prompt_lens[s]
+        for s in active:
+            n_new[s] = 1
+        batch = active + admit
+        rng.shuffle(batch)  # batch position changes step to step
+        h = engine_step(model, cache, batch, seqs, pos_of, n_new)
+        tgt = torch.tensor([seqs[s][pos_of[s] + n_new[s]] for s in batch], device=DEV)
+        lp = model.logprobs(h, tgt)
+        for i, s in enumerate(batch):
+            out[s].append(lp[i:i + 1])
+            pos_of[s] += n_new[s]
+        active = [s for s in batch if pos_of[s] + 1 < len(seqs[s])]
+        for s in batch:
+            if s not in active:
+                cache.release(s)
+        steps += 1
+    return {s: torch.cat(v) for s, v in out.items()}, steps
+
+
+def training_logprobs(model, seqs, prompt_lens, pack_tokens, seed=1):
+    """Training-style: sequences packed (shuffled, up to pack_tokens per forward), full forward,
+    logprobs of every completion token."""
+    import torch
+    rng = random.Random(seed)
+    order = list(range(len(seqs)))
+    rng.shuffle(order)
+    out = {}
+    i = 0
+    while i < len(order):
+        group, n = [], 0
+        while i < len(order) and (not group or n + len(seqs[order[i]]) <= pack_tokens):
+            group.append(order[i])
+            n += len(seqs[order[i]])
+            i += 1
+        ids = torch.tensor([t for s in group for t in seqs[s]], device=DEV)
+        lens = [len(seqs[s]) for s in group]
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
+        hidden = model.forward_packed(ids, cu)
+        rows, tg = [], []
+        for j, s in enumerate(group):
+            st = int(cu[j])
+            for t in range(prompt_lens[s], len(seqs[s])):
+                rows.append(st + t - 1)
+                tg.append(seqs[s][t])
+        lp = model.logprobs(hidden[torch.tensor(rows, device=DEV)], torch.tensor(tg, device=DEV))
+        k = 0
+        for s in group:
+            n_c = len(seqs[s]) - prompt_lens[s]
+            out[s] = lp[k:k + n_c]
+            k += n_c
+    return out
+
+
+def make_seqs(n, vocab, prompt_range, gen_range, seed):
+    rng = random.Random(seed)
+    seqs, plens = [], []
+    for _ in range(n):
+        p, g = rng.randint(*prompt_range), rng.randint(*gen_range)
+        seqs.append([rng.randrange(vocab) for _ in range(p + g)])
+        plens.append(p)
+    return seqs, plens
+
+
+def compare(a: dict, b: dict):
+    import torch
+    tokens = mism = 0
+    max_abs = 0.0
+    for s in a:
+        x, y = a[s], b[s]
+        tokens += x.numel()
+        bad = (x.view(torch.int32) != y.view(torch.int32))
+        mism += int(bad.sum())
+        if bad.any():
+            max_abs = max(max_abs, float((x - y).abs().max()))
+    return {"compared_tokens": tokens, "mismatch_count": mism, "max_abs_diff": max_abs}
+
+
+def parity(args, res, model):
+    import torch
+    import rlkernel as rk
+    seqs, plens = make_seqs(args.seqs, QWEN3_8B["vocab_size"], (16, 256), (args.gen_min, args.gen_max), seed=7)
+    res["parity_setup"] = {"sequences": len(seqs), "generated_tokens": sum(len(s) - p for s, p in zip(seqs, plens)),
+                           "concurrency": args.concurrency, "layers": args.layers, "dtype": "bfloat16",
+                           "page_size": 16, "prompt_tokens": [16, 256], "gen_tokens": [args.gen_min, args.gen_max]}
+    max_len = max(len(s) for s in seqs)
+    blocks = args.concurrency * ((max_len + 15) // 16 + 1) + 64
+    prov = rk.ProvenanceCounter()
+    with torch.no_grad(), prov.collect():
+        cache = PagedCache(args.layers, blocks, 16, QWEN3_8B["num_kv_heads"], QWEN3_8B["head_dim"], seed=3)
+        t = time.time()
+        ro, steps = rollout(model, seqs, plens, args.concurrency, cache, seed=11)
+        torch.cuda.synchronize()
+        t_ro = time.time() - t
+        log(f"rollout: {steps} engine steps in {t_ro:.1f}s")
+        t = time.time()
+        tr = training_logprobs(model, seqs, plens, pack_tokens=32768, seed=1)
+        torch.cuda.synchronize()
+        log(f"training-style scoring in {time.time() - t:.1f}s")
+        tr2 = training_logprobs(model, seqs[: args.seqs // 4], plens, pack_tokens=8192, seed=5)
+    res["provenance"] = prov.take()
+    res["parity"] = compare(ro, tr)
+    res["parity"]["engine_steps"] = steps
+    res["parity"]["rollout_seconds"] = round(t_ro, 1)
+    res["parity"]["other_packing"] = compare({s: tr[s] for s in tr2}, tr2)
+    allv = torch.cat([ro[s] for s in sorted(ro)])
+    res["parity"]["rollout_hash"] = sha(allv)
+    res["parity"]["training_hash"] = sha(torch.cat([tr[s] for s in sorted(tr)]))
+    log("parity:", res["parity"])
+    # run to run: a second rollout of the first sequences, another admission order
+    with torch.no_grad():
+        sub = list(range(min(64, len(seqs))))
+        cache = PagedCache(args.layers, blocks, 16, QWEN3_8B["num_kv_heads"], QWEN3_8B["head_dim"], seed=9)
+        ro2, _ = rollout(model, [seqs[i] for i in sub], [plens[i] for i in sub], 16, cache, seed=23)
+    res["parity"]["rerun_other_batches"] = compare({i: ro[i] for i in sub}, ro2)
+    log("rerun:", res["parity"]["rerun_other_batches"])
+
+
+def native_control(args, res, model):
+    """The same comparison under torch's production ops (F.linear/cuBLAS, SDPA, log_softmax)."""
+    import torch
+    import rlkernel as rk
+    seqs, plens = make_seqs(32, QWEN3_8B["vocab_size"], (16, 128), (128, 256), seed=8)
+    max_len = max(len(s) for s in seqs)
+    with torch.no_grad(), rk.mode("native"):
+        cache = PagedCache(args.layers, 16 * ((max_len + 15) // 16 + 1) + 64, 16, QWEN3_8B["num_kv_heads"],
+                           QWEN3_8B["head_dim"], seed=3)
+        ro, steps = rollout(model, seqs, plens, 16, cache, seed=11)
+        tr = training_logprobs(model, seqs, plens, pack_tokens=8192, seed=1)
+    res["native"] = compare(ro, tr)
+    log("native:", res["native"])
+
+
+def kernels(res):
+    import torch
+    import torch.nn.functional as F
+    from rlkernel.backends.triton import gemm, logprob
+    from rlkernel.backends.triton import ops as O
+    from rlkernel.contracts import gpu as G
+    out = {}
+    torch.manual_seed(0)
+    a = torch.randn(300, 4096, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(6144, 4096, device=DEV, dtype=torch.bfloat16) * 0.02
+    base = gemm.matmul(a, w)
+    variants = {"narrow(64,128,128)": G.BF16_GEMM["narrow"], "wide(64,256,64)": G.BF16_GEMM["wide"],
+                "128x256x64": G.TileConfig(128, 256, 64, 3, 8), "128x128x64": G.TileConfig(128, 128, 64, 3, 8),
+                "64x64x32 no TMA": G.TileConfig(64, 64, 32, 3, 4, tma=False),
+                "64x128x128 no TMA": G.TileConfig(64, 128, 128, 3, 4, tma=False)}
+    out["gemm_bits_vs_config"] = {k: bool(torch.equal(gemm.matmul(a, w, config=c), base)) for k, c in variants.items()}
+    out["gemm_fp32_out_then_cast_equal"] = bool(torch.equal(gemm.matmul(a, w, out_dtype=torch.float32).bfloat16(), base))
+    out["gemm_row_invariance"] = all(bool(torch.equal(gemm.matmul(a[:m], w), base[:m])) for m in (1, 7, 64, 129))
+    out["cublas_row_invariance"] = all(bool(torch.equal(F.linear(a[:m], w), F.linear(a, w)[:m])) for m in (1, 7, 64, 129))
+    # fused logprob: the full table's entries equal the targets kernel's values
+    h = torch.randn(64, 4096, device=DEV, dtype=torch.bfloat16)
+    W = torch.randn(151936, 4096, device=DEV, dtype=torch.bfloat16) * 0.02
+    tg = torch.randint(0, 151936, (64,), device=DEV)
+    lp = O.linear_logprob("targets", h, W, tg, 1.0, 151936)
+    full = O.linear_logprob("full", h, W, None, 1.0, 151936)
+    out["logprob_full_equals_targets"] = bool(torch.equal(full.gather(1, tg[:, None])[:, 0], lp))
+    ref = torch.log_softmax(F.linear(h.float(), W.float()), -1).gather(1, tg[:, None])[:, 0]
+    out["logprob_max_abs_vs_fp32"] = float((lp - ref).abs().max())
+    # backward correctness vs torch autograd (fp32 reference), and run-to-run bits
+    x = torch.randn(512, 4096, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    wl = (torch.randn(4096, 4096, device=DEV, dtype=torch.bfloat16) * 0.02).requires_grad_()
+    g = torch.randn(512, 4096, device=DEV, dtype=torch.bfloat16)
+    gx, gw = torch.autograd.grad(O.linear(x, wl), (x, wl), g)
+    gx2, gw2 = torch.autograd.grad(O.linear(x, wl), (x, wl), g)
+    xr, wr = x.detach().float().requires_grad_(), wl.detach().float().requires_grad_()
+    rx, rw = torch.autograd.grad(F.linear(xr, wr), (xr, wr), g.float())
+    out["linear_bwd_rel_err"] = [float((gx.float() - rx).norm() / rx.norm()), float((gw.float() - rw).norm() / rw.norm())]
+    out["linear_bwd_rerun_equal"] = bool(torch.equal(gx, gx2) and torch.equal(gw, gw2))
+    hh = h[:32].clone().requires_grad_()
+    Ws = W[:32768].clone().requires_grad_()
+    t32 = tg[:32] % 32768
+    gl = torch.randn(32, device=DEV)
+    a1 = torch.autograd.grad(O.linear_logprob("targets", hh, Ws, t32, 0.9, 32768), (hh, Ws), gl)
+    a2 = torch.autograd.grad(O.linear_logprob("targets", hh, Ws, t32, 0.9, 32768), (hh, Ws), gl)
+    hr, Wr = hh.detach().float().requires_grad_(), Ws.detach().float().requires_grad_()
+    r = torch.autograd.grad(torch.log_softmax(hr @ Wr.T / 0.9, -1).gather(1, t32[:, None])[:, 0], (hr, Wr), gl)
+    out["logprob_bwd_rel_err"] = [float((a1[i].float() - r[i]).norm() / r[i].norm()) for i in range(2)]
+    out["logprob_bwd_rerun_equal"] = bool(torch.equal(a1[0], a2[0]) and torch.equal(a1[1], a2[1]))
+    try:
+        out["attention_bwd"] = attention_bwd_check()
+    except Exception as e:  # the backward kernel may be absent in an older tree
+        out["attention_bwd"] = {"error": f"{type(e).__name__}: {e}"}
+    res["kernels"] = out
+    log("kernels:", json.dumps(out))
+
+
+def attention_bwd_check():
+    import torch
+    import torch.nn.functional as F
+    from rlkernel.backends.triton import ops as O
+    torch.manual_seed(1)
+    lens = [1000, 37, 2048]
+    T = sum(lens)
+    cu = torch.tensor([0, 1000, 1037, T], dtype=torch.int32, device=DEV)
+    q = torch.randn(T, 32, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(T, 8, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(T, 8, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(T, 32, 128, device=DEV, dtype=torch.bfloat16)
+    scale = 128 ** -0.5
+    g1 = torch.autograd.grad(O.attention("varlen", q, k, v, cu, scale), (q, k, v), do)
+    g2 = torch.autograd.grad(O.attention("varlen", q, k, v, cu, scale), (q, k, v), do)
+    errs = []
+    for i, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        qs, ks, vs = (t[lo:hi].detach().float().transpose(0, 1).requires_grad_() for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks.repeat_interleave(4, 0), vs.repeat_interleave(4, 0), is_causal=True,
+                                           scale=scale)
+        r = torch.autograd.grad(o, (qs, ks, vs), do[lo:hi].float().transpose(0, 1))
+        errs.append([float((g1[j][lo:hi].float().transpose(0, 1) - r[j]).norm() / r[j].norm()) for j in range(3)])
+    alone = torch.autograd.grad(O.attention("varlen", q[1000:1037], k[1000:1037], v[1000:1037],
+                                            torch.tensor([0, 37], dtype=torch.int32, device=DEV), scale),
+                                (q, k, v), do[1000:1037])
+    same_alone = all(bool(torch.equal(alone[j][1000:1037], g1[j][1000:1037])) for j in range(3))
+    return {"rel_err_per_seq_dq_dk_dv": errs, "rerun_equal": all(bool(torch.equal(a, b)) for a, b in zip(g1, g2)),
+            "alone_equals_packed": same_alone}
+
+
+def bench(fn, ms=None):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=ms or 50)
+
+
+def timing(args, res, model):
+    import torch
+    import torch.nn.functional as F
+    import rlkernel as rk
+    from rlkernel.backends.triton import attention as A
+    from rlkernel.backends.triton import gemm
+    out = {"gemm": {}}
+    for name, (k, n) in GEMMS.items():
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
+        for m in (1, 16, 256, 4096, 16384):
+            a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            t_s = bench(lambda: gemm.matmul(a, w))
+            t_n = bench(lambda: F.linear(a, w))
+            out["gemm"][f"{name}_M{m}"] = {"strict_ms": round(t_s, 4), "cublas_ms": round(t_n, 4),
+                                          "strict_tflops": round(2 * m * n * k / t_s / 1e9, 1),
+                                          "ratio_tflops": round(t_n / t_s, 3)}
+        del w
+    log("gemm:", json.dumps(out["gemm"]))
+    # attention prefill: 8 x 4096 causal, 32 q heads / 8 kv heads, D=128
+    B, L = 8, 4096
+    q = torch.randn(B * L, 32, 128, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(B * L, 8, 128, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.arange(0, B * L + 1, L, dtype=torch.int32, device=DEV)
+    t_s = bench(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L))
+    qb, kb, vb = (x.view(B, L, -1, 128).transpose(1, 2) for x in (q, k, v))
+    t_n = bench(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True))
+    flops = 4 * B * 32 * L * L * 128 / 2
+    out["attention_prefill_8x4096"] = {"strict_ms": round(t_s, 3), "sdpa_ms": round(t_n, 3),
+                                       "strict_tflops": round(flops / t_s / 1e9, 1),
+                                       "sdpa_tflops": round(flops / t_n / 1e9, 1), "ratio": round(t_n / t_s, 3)}
+    log("prefill:", out["attention_prefill_8x4096"])
+    # decode attention alone, batch 64, context 4096 (paged, shuffled pages) vs SDPA on contiguous KV
+    nb, ctx = 64, 4096
+    kc = torch.randn(nb * ctx // 16 + 8, 16, 8, 128, device=DEV, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(kc.shape[0], device=DEV)[: nb * ctx // 16].view(nb, ctx // 16).int()
+    qd = torch.randn(nb, 32, 128, device=DEV, dtype=torch.bfloat16)
+    sl = torch.full((nb,), ctx, dtype=torch.int32, device=DEV)
+    qsl = torch.arange(nb + 1, dtype=torch.int32, device=DEV)
+    t_s = bench(lambda: A.attention_paged(qd, kc, vc, perm, sl, qsl, max_query_len=1, max_seq_len=ctx))
+    kcont = kc[perm.long()].view(nb, ctx, 8, 128).transpose(1, 2)
+    vcont = vc[perm.long()].view(nb, ctx, 8, 128).transpose(1, 2)
+    t_n = bench(lambda: F.scaled_dot_product_attention(qd[:, :, None], kcont, vcont, enable_gqa=True))
+    out["attention_decode_b64_ctx4096"] = {"strict_us": round(t_s * 1e3, 1), "sdpa_contiguous_us": round(t_n * 1e3, 1),
+                                           "ratio_latency": round(t_s / t_n, 3)}
+    log("decode attn:", out["attention_decode_b64_ctx4096"])
+    del q, k, v, kc, vc, kcont, vcont
+    # model-level: decode step for 64 sequences at context 2048, scoring forward 8 x 2048
+    out.update(model_timing(args, model))
+    res["timing"] = out
+
+
+def _sdpa_attend(B, L):
+    import torch.nn.functional as F
+
+    def attend(layer, q, k, v):
+        qb, kb, vb = (x.view(B, L, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+        return o.transpose(1, 2).reshape(B * L, q.shape[1], q.shape[2])
+    return attend
+
+
+def model_timing(args, model):
+    import torch
+    import torch.nn.functional as F
+    import rlkernel as rk
+    out = {}
+    B, L = 8, 2048
+    ids = torch.randint(0, QWEN3_8B["vocab_size"], (B * L,), device=DEV)
+    cu = torch.arange(0, B * L + 1, L, dtype=torch.int32, device=DEV)
+    pos = torch.arange(L, device=DEV).repeat(B)
+    tg = torch.randint(0, QWEN3_8B["vocab_size"], (B * L,), device=DEV)
+
+    def strict_score():
+        with torch.no_grad():
+            return model.logprobs(model.forward_packed(ids, cu), tg)
+
+    def native_score():
+        with torch.no_grad(), rk.mode("native"):
+            h = model.hidden_states(ids, pos, _sdpa_attend(B, L))
+            return torch.log_softmax(F.linear(h, model.lm_head_weight).float(), -1).gather(1, tg[:, None])[:, 0]
+
+    t_s, t_n = bench(strict_score, 200), bench(native_score, 200)
+    out["scoring_forward_8x2048"] = {"layers": args.layers, "strict_ms": round(t_s, 2), "native_ms": round(t_n, 2),
+                                     "ratio_time": round(t_s / t_n, 3)}
+    log("scoring:", out["scoring_forward_8x2048"])
+    # decode step: 64 sequences at context 2048; strict = paged cache + our kernels,
+    # native = production ops with a contiguous KV cache and SDPA (an HF-style engine)
+    nb, ctx = 64, 2048
+    hkv, d = QWEN3_8B["num_kv_heads"], QWEN3_8B["head_dim"]
+    kc = [torch.randn(nb * ctx // 16 + 64, 16, hkv, d, device=DEV, dtype=torch.bfloat16) for _ in range(args.layers)]
+    vc = [torch.randn_like(x) for x in kc]
+    bt = torch.randperm(kc[0].shape[0], device=DEV)[: nb * (ctx // 16)].view(nb, ctx // 16).int()
+    slot = (bt[:, -1].long() * 16 + 15)
+    sl = torch.full((nb,), ctx, dtype=torch.int32, device=DEV)
+    qsl = torch.arange(nb + 1, dtype=torch.int32, device=DEV)
+    ids1 = torch.randint(0, QWEN3_8B["vocab_size"], (nb,), device=DEV)
+    pos1 = torch.full((nb,), ctx - 1, device=DEV)
+    kcont = [torch.randn(nb, ctx, hkv, d, device=DEV, dtype=torch.bfloat16) for _ in range(args.layers)]
+    vcont = [torch.randn_like(x) for x in kcont]
+
+    def strict_decode():
+        def attend(layer, q, k, v):
+            rk.write_kv_cache(k, v, kc[layer], vc[layer], slot)
+            return rk.attention_paged(q, kc[layer], vc[layer], bt, sl, qsl)
+        with torch.no_grad():
+            return model.logprobs(model.hidden_states(ids1, pos1, attend), ids1)
+
+    def native_decode():
+        def attend(layer, q, k, v):
+            kcont[layer][:, -1] = k
+            vcont[layer][:, -1] = v
+            o = F.scaled_dot_product_attention(q[:, :, None], kcont[layer].transpose(1, 2), vcont[layer].transpose(1, 2),
+                                               enable_gqa=True)
+            return o[:, :, 0]
+        with torch.no_grad(), rk.mode("native"):
+            h = model.hidden_states(ids1, pos1, attend)
+            return torch.log_softmax(F.linear(h, model.lm_head_weight).float(), -1).gather(1, ids1[:, None])[:, 0]
+
+    t_s, t_n = bench(strict_decode, 200), bench(native_decode, 200)
+    out["decode_step_b64_ctx2048"] = {"layers": args.layers, "strict_ms": round(t_s, 3), "native_ms": round(t_n, 3),
+                                      "ratio_latency": round(t_s / t_n, 3),
+                                      "note": "eager, no CUDA graphs on either side"}
+    log("decode step:", out["decode_step_b64_ctx2048"])
+    return out
+
+
+def train_timing(args, res, model):
+    import torch
+    import torch.nn.functional as F
+    import rlkernel as rk
+    B, L = 4, 2048
+    ids = torch.randint(0, QWEN3_8B["vocab_size"], (B * L,), device=DEV)
+    cu = torch.arange(0, B * L + 1, L, dtype=torch.int32, device=DEV)
+    pos = torch.arange(L, device=DEV).repeat(B)
+    tg = torch.randint(0, QWEN3_8B["vocab_size"], (B * L,), device=DEV)
+    model.requires_grad_(True)
+
+    def strict_step():
+        model.zero_grad(set_to_none=True)
+        lp = model.logprobs(model.forward_packed(ids, cu), tg)
+        lp.mean().backward()
+        return lp
+
+    def native_step():
+        model.zero_grad(set_to_none=True)
+        with rk.mode("native"):
+            h = model.hidden_states(ids, pos, _sdpa_attend(B, L))
+            lp = torch.log_softmax(F.linear(h, model.lm_head_weight).float(), -1).gather(1, tg[:, None])[:, 0]
+        lp.mean().backward()
+        return lp
+
+    strict_step()
+    g1 = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None and "layers.0" in n}
+    strict_step()
+    rerun = all(torch.equal(g1[n], p.grad) for n, p in model.named_parameters() if n in g1)
+    t_s, t_n = bench(strict_step, 300), bench(native_step, 300)
+    model.zero_grad(set_to_none=True)
+    model.requires_grad_(False)
+    res["train"] = {"layers": args.layers, "tokens": B * L, "strict_ms": round(t_s, 2), "native_ms": round(t_n, 2),
+                    "ratio_time": round(t_s / t_n, 3), "grads_rerun_equal": rerun}
+    log("train:", res["train"])
+
+
+def sweep(args, res):
+    """Candidate tile configs (the data behind the choices in rlkernel/contracts/gpu.py): attention
+    tiles timed on prefill and decode, each checked for prefill == decode bits; GEMM configs for
+    the narrow class (qkv, o, down) at M = 16, 256, 4096."""
+    import torch
+    import torch.nn.functional as F
+    from rlkernel.backends.triton import attention as A
+    from rlkernel.backends.triton import gemm
+    from rlkernel.contracts import gpu as G
+    out = {"attention": {}, "gemm_narrow": {}}
+    B, L = 8, 4096
+    q = torch.randn(B * L, 32, 128, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(B * L, 8, 128, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.arange(0, B * L + 1, L, dtype=torch.int32, device=DEV)
+    flops = 4 * B * 32 * L * L * 128 / 2
+    pages = torch.randperm(B * L // 16, device=DEV).view(B, L // 16).int()
+    kc = torch.empty(B * L // 16, 16, 8, 128, device=DEV, dtype=torch.bfloat16)
+    vc = torch.empty_like(kc)
+    for b in range(B):
+        kc[pages[b].long()] = k[b * L:(b + 1) * L].view(L // 16, 16, 8, 128)
+        vc[pages[b].long()] = v[b * L:(b + 1) * L].view(L // 16, 16, 8, 128)
+    last = cu[1:].long() - 1
+    sl = torch.full((B,), L, dtype=torch.int32, device=DEV)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=DEV)
+    for bm, bn, w, st in ((64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 4, 3),
+                          (256, 64, 8, 2), (128, 32, 4, 3)):
+        cfg = G.AttentionTiles(block_m=bm, block_n=bn, seg_keys=512, num_warps=w, num_stages=st)
+        key = f"m{bm}_n{bn}_w{w}_s{st}"
+        try:
+            full = A.attention_varlen(q, k, v, cu, max_seqlen=L, config=cfg)
+            dec = A.attention_paged(q[last], kc, vc, pages, sl, qsl, max_query_len=1, max_seq_len=L, config=cfg)
+            t_p = bench(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L, config=cfg))
+            t_d = bench(lambda: A.attention_paged(q[last], kc, vc, pages, sl, qsl, max_query_len=1, max_seq_len=L,
+                                                  config=cfg))
+            out["attention"][key] = {"prefill_tflops": round(flops / t_p / 1e9, 1), "decode_b8_us": round(t_d * 1e3, 1),
+                                     "decode_equals_prefill": bool(torch.equal(dec, full[last]))}
+        except Exception as e:
+            out["attention"][key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        log("sweep attn", key, out["attention"][key])
+    del q, k, v, kc, vc
+    cfgs = {"64x128x128_s4_w4": G.TileConfig(64, 128, 128, 4, 4), "128x128x64_s4_w8": G.TileConfig(128, 128, 64, 4, 8),
+            "128x256x64_s3_w8": G.TileConfig(128, 256, 64, 3, 8), "64x256x64_s4_w4": G.TileConfig(64, 256, 64, 4, 4),
+            "64x64x128_s4_w4": G.TileConfig(64, 64, 128, 4, 4), "128x128x128_s3_w8": G.TileConfig(128, 128, 128, 3, 8),
+            "64x128x64_s5_w4": G.TileConfig(64, 128, 64, 5, 4)}
+    for name in ("qkv", "o", "down"):
+        kk, n = GEMMS[name]
+        w_ = torch.randn(n, kk, device=DEV, dtype=torch.bfloat16) * 0.02
+        for m in (16, 256, 4096):
+            a = torch.randn(m, kk, device=DEV, dtype=torch.bfloat16)
+            t_n = bench(lambda: F.linear(a, w_))
+            row = {}
+            for cname, c in cfgs.items():
+                try:
+                    row[cname] = round(t_n / bench(lambda: gemm.matmul(a, w_, config=c)), 3)
+                except Exception as e:
+                    row[cname] = f"{type(e).__name__}"
+            out["gemm_narrow"][f"{name}_M{m}"] = row
+            log("sweep gemm", name, m, row)
+    res["sweep"] = out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seqs", type=int, default=544)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--gen-min", type=int, default=1024)
+    ap.add_argument("--gen-max", type=int, default=3072)
+    ap.add_argument("--only", default="kernels,parity,native,timing,train")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
+    args = ap.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "h200_strict_parity.json"
+    import torch
+    if not torch.cuda.is_available():
+        path.write_text(json.dumps({"skipped": "no CUDA device"}, indent=1))
+        print("skipped: no CUDA device")
+        return 0
+    import triton
+    import rlkernel as rk
+    res = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+           "torch": torch.__version__, "triton": triton.__version__, "args": vars(args),
+           "contracts": {op: rk.contract_for(op, device=DEV) .contract_id for op in rk.OPS}}
+    log(res["contracts"])
+    todo = args.only.split(",")
+    model = build_model(args.layers) if set(todo) - {"kernels", "sweep"} else None
+    steps = {"kernels": lambda: kernels(res), "parity": lambda: parity(args, res, model),
+             "native": lambda: native_control(args, res, model), "timing": lambda: timing(args, res, model),
+             "train": lambda: train_timing(args, res, model), "sweep": lambda: sweep(args, res)}
+    for name in todo:
+        try:
+            steps[name]()
+        except Exception as e:
+            res.setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
+            log(f"{name} FAILED: {type(e).__name__}: {e}")
+        res["elapsed_s"] = round(time.time() - T0, 1)
+        path.write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: res.get(k) for k in ("parity", "native", "errors")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
