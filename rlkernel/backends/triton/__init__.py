@@ -27,6 +27,7 @@ _LAZY = {
     "rms_norm": "norm",
     "attention_varlen": "attention",
     "attention_paged": "attention",
+    "attention_varlen_backward": "attention_bwd",
     "write_kv_cache": "attention",
     "linear_logprob": "logprob",
 }
@@ -56,3 +57,6 @@ def __getattr__(name):
     if mod is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+
+
+from . import ops as _ops  # noqa: E402,F401  (registers the "triton" implementation with dispatch; imports no triton)

@@ -14,7 +14,10 @@ One formulation serves packed varlen prefill, paged-KV decode and chunked prefil
   the bits it gets alone;
 * fp contraction is off and the FMAs are explicit, so the in-register merge (one program
   walks every segment) and the combine kernel (one program per segment) do the same
-  arithmetic: split and unsplit give the same bits, and the host may choose either.
+  arithmetic: split and unsplit give the same bits, and the host may choose either;
+* on request (varlen prefill, for training) the kernel that finishes a row also stores its
+  log-sum-exp, lse = (M + log2 L) * ln 2 in natural log, from the final (M, L) of either path,
+  so split and unsplit give the same lse bits too; the output path does not change.
 """
 from __future__ import annotations
 
@@ -97,6 +100,12 @@ def _merge(M, L, O, m, l, o):
 
 
 @triton.jit
+def _store_lse(lse_ptr, idx, M, L, row_ok):
+    """lse = log(sum_j exp(scale * s_j)) = (M + log2 L) * ln 2; L >= 1 on every causal row."""
+    tl.store(lse_ptr + idx, (M + tl.log2(L)) * 0.6931471805599453, mask=row_ok)
+
+
+@triton.jit
 def _tile_setup(ql_ptr, qs_ptr, kl_ptr, req, tile, G: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, SEG_CHUNKS: tl.constexpr):
     TOK: tl.constexpr = BLOCK_M // G
@@ -119,11 +128,11 @@ def _tile_setup(ql_ptr, qs_ptr, kl_ptr, req, tile, G: tl.constexpr, BLOCK_M: tl.
 
 
 @triton.jit(do_not_specialize=["n_tiles", "nseg"])
-def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, po_ptr, pml_ptr,
+def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, po_ptr, pml_ptr, lse_ptr,
               sqt, sqh, sot, soh, skb, skt, skh, sbt, qk_scale, n_tiles, nseg,
               G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
               SEG_CHUNKS: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
-              IEEE: tl.constexpr):
+              IEEE: tl.constexpr, STORE_LSE: tl.constexpr):
     pid0 = tl.program_id(0)
     req = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -182,12 +191,14 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr
             out = tl.div_rn(O, L[:, None])
             tl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
                      mask=row_ok[:, None])
+            if STORE_LSE:
+                _store_lse(lse_ptr, qrow * (tl.num_programs(2) * G) + head, M, L, row_ok)
 
 
 @triton.jit(do_not_specialize=["n_tiles", "nseg"])
-def _attn_combine(o_ptr, qs_ptr, ql_ptr, kl_ptr, po_ptr, pml_ptr, sot, soh, n_tiles, nseg,
+def _attn_combine(o_ptr, qs_ptr, ql_ptr, kl_ptr, po_ptr, pml_ptr, lse_ptr, sot, soh, n_tiles, nseg,
                   G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                  SEG_CHUNKS: tl.constexpr):
+                  SEG_CHUNKS: tl.constexpr, STORE_LSE: tl.constexpr):
     req = tl.program_id(1)
     kvh = tl.program_id(2)
     tile = n_tiles - 1 - tl.program_id(0)
@@ -211,10 +222,12 @@ def _attn_combine(o_ptr, qs_ptr, ql_ptr, kl_ptr, po_ptr, pml_ptr, sot, soh, n_ti
         out = tl.div_rn(O, L[:, None])
         tl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
+        if STORE_LSE:
+            _store_lse(lse_ptr, qrow * hq + head, M, L, row_ok)
 
 
 def _launch(q, k, v, out, bt, q_start, q_len, kv_len, kv_start, n_tiles, max_kv, scale, paged, split, cfg,
-            strides_kv):
+            strides_kv, lse=None):
     T, hq, d = q.shape
     hkv = strides_kv[3]
     G = hq // hkv
@@ -233,15 +246,18 @@ def _launch(q, k, v, out, bt, q_start, q_len, kv_len, kv_start, n_tiles, max_kv,
         pml = torch.empty((T, hq, nseg, 2), device=q.device, dtype=torch.float32)
     else:
         po = pml = out  # unused
+    store_lse = lse is not None
+    lse = lse if store_lse else out  # unused
     _attn_fwd[(n_tiles * (nseg if split else 1), B, hkv)](
-        q, k, v, out, bt, q_start, q_len, kv_len, kv_start, po, pml,
+        q, k, v, out, bt, q_start, q_len, kv_len, kv_start, po, pml, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), skb, skt, skh, bt.stride(0) if paged else 0,
         qk_scale, n_tiles, nseg, PAGED=paged, SPLIT=split, PAGE=cfg.page_size if not paged else k.shape[1],
-        IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        enable_fp_fusion=False, **common)
+        IEEE=q.dtype == torch.float32, STORE_LSE=store_lse and not split, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, enable_fp_fusion=False, **common)
     if split:
-        _attn_combine[(n_tiles, B, hkv)](out, q_start, q_len, kv_len, po, pml, out.stride(0), out.stride(1),
-                                         n_tiles, nseg, num_warps=cfg.num_warps, enable_fp_fusion=False, **common)
+        _attn_combine[(n_tiles, B, hkv)](out, q_start, q_len, kv_len, po, pml, lse, out.stride(0), out.stride(1),
+                                         n_tiles, nseg, STORE_LSE=store_lse, num_warps=cfg.num_warps,
+                                         enable_fp_fusion=False, **common)
     return out
 
 
@@ -252,8 +268,15 @@ def _check_qkv(q, hkv, d):
         raise ValueError("attention: q must be contiguous in the head dim")
 
 
-def attention_varlen(q, k, v, cu_seqlens, *, scale=None, max_seqlen=None, split=None, config=None):
-    """Causal attention over packed sequences: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1]."""
+def attention_varlen(q, k, v, cu_seqlens, *, scale=None, max_seqlen=None, split=None, config=None,
+                     return_lse=False):
+    """Causal attention over packed sequences: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1].
+
+    return_lse=True returns (out, lse) with lse float32 [T, Hq] = logsumexp_j(scale * q.k_j) over
+    the row's visible keys, natural log (what attention_bwd.attention_varlen_backward takes);
+    split and unsplit both store it, with the same bits. `out` is the same either way; lse rows
+    outside cu_seqlens[0]:cu_seqlens[-1] are left unwritten.
+    """
     cfg = config or C.ATTENTION
     _check_qkv(q, k.shape[1], k.shape[2])
     if k.stride() != v.stride() or k.stride(-1) != 1:
@@ -264,12 +287,14 @@ def attention_varlen(q, k, v, cu_seqlens, *, scale=None, max_seqlen=None, split=
     if max_seqlen is None:
         max_seqlen = int(q_len.max()) if q_len.numel() else 0
     out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], device=q.device, dtype=torch.float32) if return_lse else None
     if max_seqlen == 0:
-        return out
+        return (out, lse) if return_lse else out
     n_tiles = triton.cdiv(max_seqlen, cfg.block_m // (q.shape[1] // k.shape[1]))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _launch(q, k, v, out, q_start, q_start, q_len, q_len, q_start, n_tiles, max_seqlen, scale, False, split,
-                   cfg, (0, k.stride(0), k.stride(1), k.shape[1]))
+    _launch(q, k, v, out, q_start, q_start, q_len, q_len, q_start, n_tiles, max_seqlen, scale, False, split,
+            cfg, (0, k.stride(0), k.stride(1), k.shape[1]), lse)
+    return (out, lse) if return_lse else out
 
 
 def attention_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None,
