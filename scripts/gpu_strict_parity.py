@@ -285,17 +285,25 @@ def kernels(res):
     from rlkernel.contracts import gpu as G
     out = {}
     torch.manual_seed(0)
-    a = torch.randn(300, 4096, device=DEV, dtype=torch.bfloat16)
+    a = torch.randn(2000, 4096, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(6144, 4096, device=DEV, dtype=torch.bfloat16) * 0.02
     base = gemm.matmul(a, w)
-    variants = {"narrow(64,128,128)": G.BF16_GEMM["narrow"], "wide(64,256,64)": G.BF16_GEMM["wide"],
-                "128x256x64": G.TileConfig(128, 256, 64, 3, 8), "128x128x64": G.TileConfig(128, 128, 64, 3, 8),
-                "64x64x32 no TMA": G.TileConfig(64, 64, 32, 3, 4, tma=False),
-                "64x128x128 no TMA": G.TileConfig(64, 128, 128, 3, 4, tma=False)}
+    variants = dict(G.BF16_GEMM)
+    variants.update({"128x128x64": G.TileConfig(128, 128, 64, 3, 8), "64x128x128": G.TileConfig(64, 128, 128, 4, 4),
+                     "64x64x32 no TMA": G.TileConfig(64, 64, 32, 3, 4, tma=False),
+                     "64x128x128 no TMA": G.TileConfig(64, 128, 128, 3, 4, tma=False)})
     out["gemm_bits_vs_config"] = {k: bool(torch.equal(gemm.matmul(a, w, config=c), base)) for k, c in variants.items()}
+    w2 = torch.randn(4096, 12288, device=DEV, dtype=torch.bfloat16) * 0.02  # down_proj, 4 canonical segments
+    a2 = torch.randn(2000, 12288, device=DEV, dtype=torch.bfloat16)
+    base2 = gemm.matmul(a2, w2, k_segments=4)
+    out["gemm_segments_bits_vs_config"] = {f"{k}_split{sp}": bool(torch.equal(
+        gemm.matmul(a2, w2, config=c, k_segments=4, split=sp), base2)) for k, c in variants.items() for sp in (0, 1)}
     out["gemm_fp32_out_then_cast_equal"] = bool(torch.equal(gemm.matmul(a, w, out_dtype=torch.float32).bfloat16(), base))
-    out["gemm_row_invariance"] = all(bool(torch.equal(gemm.matmul(a[:m], w), base[:m])) for m in (1, 7, 64, 129))
-    out["cublas_row_invariance"] = all(bool(torch.equal(F.linear(a[:m], w), F.linear(a, w)[:m])) for m in (1, 7, 64, 129))
+    ms = (1, 7, 64, 65, 129, 1024, 1025)
+    out["gemm_row_invariance_across_m_classes"] = all(bool(torch.equal(gemm.matmul(a[:m], w), base[:m])) for m in ms)
+    out["gemm_segments_row_invariance"] = all(bool(torch.equal(gemm.matmul(a2[:m], w2, k_segments=4), base2[:m]))
+                                              for m in ms)
+    out["cublas_row_invariance"] = {m: bool(torch.equal(F.linear(a[:m], w), F.linear(a, w)[:m])) for m in ms}
     # fused logprob: the full table's entries equal the targets kernel's values
     h = torch.randn(64, 4096, device=DEV, dtype=torch.bfloat16)
     W = torch.randn(151936, 4096, device=DEV, dtype=torch.bfloat16) * 0.02
@@ -384,6 +392,9 @@ def timing(args, res, model):
             out["gemm"][f"{name}_M{m}"] = {"strict_ms": round(t_s, 4), "cublas_ms": round(t_n, 4),
                                           "strict_tflops": round(2 * m * n * k / t_s / 1e9, 1),
                                           "ratio_tflops": round(t_n / t_s, 3)}
+            if name in ("o", "down"):  # the row-parallel layers: 4 canonical K segments
+                t_seg = bench(lambda: gemm.matmul(a, w, k_segments=4))
+                out["gemm"][f"{name}_M{m}"].update(segments4_ms=round(t_seg, 4), segments4_ratio=round(t_n / t_seg, 3))
         del w
     log("gemm:", json.dumps(out["gemm"]))
     # attention prefill: 8 x 4096 causal, 32 q heads / 8 kv heads, D=128

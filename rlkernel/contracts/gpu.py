@@ -47,12 +47,19 @@ class AttentionTiles:
     page_size: int = 16
 
 
-# ---- tile configs: functions of (dtype, N, K) only ------------------------------------------
-# bf16 classes chosen on the H200 by the sweep in scripts/gpu_triton_checks.py
-# (benchmarks/h200_triton.json); the row count never enters.
+# ---- tile configs ----------------------------------------------------------------------------
+# On sm_90 a bf16 tile's bits are those of its wgmma k16 chain, whatever the tile: every config
+# below gave identical bits at every row (scripts/gpu_strict_parity.py, "gemm_bits_vs_config",
+# benchmarks/h200_strict_parity.json), so a config is a scheduling choice and may follow the row
+# count. The table is still part of the contract (its id changes with it), and every config has
+# block_m >= 64 so Triton lowers it to wgmma (smaller tiles would use mma.sync, another order).
+# Chosen on the H200 by the sweep in the same script; fp32 ('ieee' fma) keeps one config.
 BF16_GEMM = {
-    "wide": TileConfig(64, 256, 64, 4, 4),  # N >= 16384 (gate_up, lm_head as a plain GEMM)
-    "narrow": TileConfig(64, 128, 128, 4, 4),  # N < 16384 (qkv, o, down)
+    "wide": TileConfig(64, 256, 64, 4, 4),  # N >= 16384 (gate_up, lm_head as a plain GEMM), any M
+    "narrow_decode": TileConfig(64, 64, 128, 4, 4),  # N < 16384 (qkv, o, down), M <= 64
+    "narrow_mid": TileConfig(128, 128, 128, 3, 8),  # N < 16384, 64 < M <= 1024
+    "narrow": TileConfig(128, 256, 64, 3, 8),  # N < 16384, M > 1024
+    "narrow_segments": TileConfig(128, 128, 64, 3, 8),  # canonical K segments merged in registers (M > 1024)
 }
 FP32_GEMM = TileConfig(64, 64, 32, 3, 4, tma=False)
 LOGPROB_BF16 = TileConfig(128, 256, 64, 3, 8)  # the fused linear-logprob's own tile
@@ -60,14 +67,21 @@ SWIGLU_GEMM = TileConfig(128, 128, 64, 3, 8)  # the GEMM + SwiGLU epilogue kerne
 ATTENTION_TILES = AttentionTiles()
 
 
-def gemm_class(n: int, k: int) -> str:
-    return "wide" if n >= 16384 else "narrow"
+def gemm_class(n: int, k: int, m: int | None = None) -> str:
+    if n >= 16384:
+        return "wide"
+    if m is not None and m <= 64:
+        return "narrow_decode"
+    if m is not None and m <= 1024:
+        return "narrow_mid"
+    return "narrow"
 
 
-def gemm_config(dtype_name: str, n: int, k: int) -> TileConfig:
+def gemm_config(dtype_name: str, n: int, k: int, m: int | None = None) -> TileConfig:
+    """The tile for a GEMM of weight [N, K] (and M rows: scheduling only, see above)."""
     if dtype_name in ("float32", "torch.float32"):
         return FP32_GEMM
-    return BF16_GEMM[gemm_class(n, k)]
+    return BF16_GEMM[gemm_class(n, k, m)]
 
 
 def logprob_config(dtype_name: str, v: int, h: int) -> TileConfig:
@@ -78,17 +92,19 @@ def _tiles(cfg) -> tuple:
     return tuple(sorted(asdict(cfg).items()))
 
 
-_MMA_ORDER = ("per output tile: one fp32 accumulator; K walked in blocks 0, block_k, 2*block_k, ... in order, "
-              "each block one tl.dot (wgmma k16 steps in order; fp32 inputs: 'ieee' fma, no TF32) "
-              "into the accumulator; no split-K; tail K zero-filled")
+_MMA_ORDER = ("per output: one fp32 accumulator; K walked in order in wgmma k16 steps (bf16; the hardware's "
+              "fixed order inside a step), whatever the tile's block_k; fp32 inputs: one config, 'ieee' fma, no "
+              "TF32; no split-K; tail K zero-filled")
 
 LINEAR = Contract(
     op="linear",
     backend=FAMILY,
     domain="K",
     partition=(("arch", ARCH), ("split_k", 1), ("m_independent", "kernel compiled with M unspecialised"),
-               ("config", "by (dtype, N, K) only: bf16 N >= 16384 'wide' else 'narrow'; fp32 one config"),
-               ("bf16_wide", _tiles(BF16_GEMM["wide"])), ("bf16_narrow", _tiles(BF16_GEMM["narrow"])),
+               ("config", "bf16: 'wide' if N >= 16384 else by M (<= 64, <= 1024, larger) and K segments; fp32 one "
+                          "config; segments as separate work items at M <= 1024, in registers above (same bits); "
+                          "bf16 bits proved independent of the tile on sm_90 (block_m >= 64: wgmma)"),
+               *((f"bf16_{name}", _tiles(cfg)) for name, cfg in sorted(BF16_GEMM.items())),
                ("fp32", _tiles(FP32_GEMM)),
                ("k_segments", "caller, equal; each segment its own fp32 GEMM, partials by balanced binary tree")),
     merge=_MMA_ORDER,

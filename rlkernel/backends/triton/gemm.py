@@ -126,7 +126,9 @@ def _k_segments(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  NUM_PROGS: tl.constexpr, TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr,
-                 SEGS: tl.constexpr = 1):
+                 SEGS: tl.constexpr = 1, SPLIT: tl.constexpr = False):
+    """SPLIT: each (segment, tile) is its own work item; segment s's fp32 accumulator is stored at
+    rows s*M .. s*M+M-1 of c (the host merges the segments by the same tree: same bits)."""
     if TMA:
         a_src = tl.make_tensor_descriptor(a_ptr, [M, K], [sam, 1], [BLOCK_M, BLOCK_K])
         if B_NK:
@@ -139,15 +141,24 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True):
+    total = num_tiles * SEGS if SPLIT else num_tiles
+    for item in tl.range(tl.program_id(0), total, NUM_PROGS, flatten=True):
+        tile = item % num_tiles
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = _k_segments(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE, SEGS)
         rm = off_m + tl.arange(0, BLOCK_M)
         rn = off_n + tl.arange(0, BLOCK_N)
-        ptrs = c_ptr + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
+        if SPLIT:
+            seg = item // num_tiles
+            ks = K // SEGS
+            acc = _k_span(a_src, b_src, off_m, off_n, M, N, seg * ks, seg * ks + ks, sam, sak, sbn, sbk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE)
+            ptrs = c_ptr + (seg * M + rm[:, None]).to(tl.int64) * scm + rn[None, :] * scn
+        else:
+            acc = _k_segments(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
+                              BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE, SEGS)
+            ptrs = c_ptr + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
         tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -225,7 +236,7 @@ def _is_fp32(t: torch.Tensor) -> bool:
 
 
 def _config(a: torch.Tensor, n: int, k: int, config):
-    return config if config is not None else C.gemm_config(str(a.dtype).replace("torch.", ""), n, k)
+    return config if config is not None else C.gemm_config(str(a.dtype).replace("torch.", ""), n, k, a.shape[0])
 
 
 _SMEM_LIMIT = 232448  # bytes per block on sm_90
@@ -252,14 +263,16 @@ def _tma_ok(cfg, *tensors) -> bool:
 
 def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, config: C.TileConfig | None = None,
-           num_progs: int | None = None, k_segments: int = 1) -> torch.Tensor:
+           num_progs: int | None = None, k_segments: int = 1, split: bool | None = None) -> torch.Tensor:
     """a [M, K] @ weight[N, K].T (or @ b [K, N]) -> [M, N] in out_dtype (default a.dtype).
 
     config: override the contract's tile config (tuning and tests only: another config is
     another contract). num_progs: persistent grid size (default min(#SMs, tiles)); never
     changes a bit. k_segments (1, 2, 4 or 8, dividing K): K cut into equal segments, each its
     own fp32 accumulator, merged by a balanced binary tree before the one cast (bit for bit the
-    per-segment GEMMs summed by rlkernel.tree_sum).
+    per-segment GEMMs summed by rlkernel.tree_sum). split (scheduling only, same bits): segments
+    as separate work items merged on the host (more parallel work at small M) or in registers;
+    None picks by M.
     """
     if k_segments not in (1, 2, 4, 8):
         raise ValueError(f"matmul: k_segments must be 1, 2, 4 or 8, got {k_segments}")
@@ -286,7 +299,17 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     out = torch.empty((M, N), device=a.device, dtype=out_dtype or a.dtype)
     if M == 0:
         return out
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    if split is None:
+        split = k_segments > 1 and M <= 1024
+    split = split and k_segments > 1
+    if split and config is None and cfg.block_n * cfg.block_m > 128 * 128:
+        cfg = C.BF16_GEMM["narrow_mid"] if not _is_fp32(a) else cfg
+    if not split and k_segments > 1 and config is None and not _is_fp32(a):
+        cfg = C.BF16_GEMM["narrow_segments"]  # several live accumulators: a tile that keeps them in registers
+    final = out
+    if split:
+        out = torch.empty((k_segments * M, N), device=a.device, dtype=torch.float32)
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) * (k_segments if split else 1)
     progs = min(num_progs or _num_sms(a.device), tiles)
     # TMA zero-fills only at the end of K: a segment boundary inside a K block would read the
     # next segment's values, so such splits take the masked-pointer path (same bits)
@@ -296,8 +319,14 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     _gemm_kernel[(progs,)](
         a, bt, out, M, N, K, a.stride(0), a.stride(1), sbn, sbk, out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        NUM_PROGS=progs, TMA=tma, B_NK=b_nk, IEEE=_is_fp32(a), SEGS=k_segments,
+        NUM_PROGS=progs, TMA=tma, B_NK=b_nk, IEEE=_is_fp32(a), SEGS=k_segments, SPLIT=split,
         num_warps=cfg.num_warps, num_stages=_stages(cfg, a.element_size(), out.element_size()))
+    if split:  # the segments' balanced binary tree, adjacent pairs: the in-register tree's bits
+        p = out.view(k_segments, M, N)
+        while p.shape[0] > 1:
+            p = p[0::2] + p[1::2]
+        final.copy_(p[0])
+        return final
     return out
 
 
