@@ -1,9 +1,11 @@
-"""The training batch: what the trainer scores and updates on.
+"""The training batch: what the trainer scores and updates on, and what scoring returns.
 
 What this module decides: how versioned token records become the packed
 sequences the training engine sees, and which tokens are scored (every
 response token; the prompt is context only). Per-sample tensors stay per
-sample (lists), so no padding convention leaks between roles.
+sample (lists), so no padding convention leaks between roles. `Scored` is the
+trainer's answer: logprobs, the version they were computed with, and the
+digest of what was actually scored (the comparability gate's evidence).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .gate import ScoreDigest
 from .records import TokenRecord
 
 
@@ -76,6 +79,19 @@ class TrainBatch:
         for f in self.__slots__:
             v = state[f]
             setattr(self, f, unpack_tensors(v) if f in self._LISTS and v is not None else v)
+
+
+@dataclass(kw_only=True, slots=True)
+class Scored:
+    logprobs: list[torch.Tensor]  # per sample [R] float32, log p(response token | prefix)
+    weight_version: int  # the trainer's weight version when it scored
+    digest: ScoreDigest  # what the trainer actually scored (vime.gate)
+
+    def __getstate__(self) -> dict:  # one flat tensor across processes (see TrainBatch)
+        return {"logprobs": pack_tensors(self.logprobs), "weight_version": self.weight_version, "digest": self.digest}
+
+    def __setstate__(self, state: dict) -> None:
+        self.logprobs, self.weight_version, self.digest = unpack_tensors(state["logprobs"]), state["weight_version"], state["digest"]
 
 
 def pack_tensors(xs: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:

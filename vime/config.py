@@ -7,19 +7,41 @@ short YAMLs on top of it, and `load_config(name, overrides)` composes, checks
 and returns a read-only `VimeConfig`. Keys checks and users rely on:
 `run.output_dir`, `trainer.total_steps`, `rlkernel.mode=strict|native`,
 `rlkernel.ops.<op>=strict|native`, `algorithm.use_rollout_logprobs`.
+
+Why everything is checked here: a bad value should fail in a second, before any
+model loads, with a `ConfigError` that names the key and the fix — not minutes
+later inside a Ray actor. Unknown (misspelled) keys, wrong types, out-of-range
+values, resources this loop cannot use and unsupported combinations all stop here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")  # what vime.data.prompts reads
+GENERATE_LAYOUT = {"addition": "dapo", "word_problems": "gsm8k"}  # synthetic task -> the layout it is written in
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot run; the message names the key and the fix."""
+
+
+def _require(ok: bool, key: str, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {problem}. Fix: {fix}")
 
 
 def _choice(name, value, allowed):
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    _require(value in allowed, name, f"must be one of {allowed}, got {value!r}", f"set {name}=<one of {', '.join(map(str, allowed))}>")
+
+
+def _positive(key: str, value, *, zero_ok: bool = False, example=None) -> None:
+    ok = value is not None and math.isfinite(value) and (value >= 0 if zero_ok else value > 0)
+    bound = ">= 0" if zero_ok else "> 0"
+    _require(ok, key, f"must be a finite number {bound}, got {value!r}", f"set {key}={example if example is not None else 1}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -33,8 +55,9 @@ class RunSection:
 
     def __post_init__(self):
         _choice("run.executor", self.executor, ("ray", "inprocess"))
-        if self.save_every < 0:
-            raise ValueError("run.save_every must be >= 0")
+        _require(bool(self.output_dir), "run.output_dir", "is empty", "set run.output_dir=runs/<name>")
+        _positive("run.save_every", self.save_every, zero_ok=True, example=10)
+        _positive("run.seed", self.seed, zero_ok=True, example=1234)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,9 +70,22 @@ class TinyModelSection:  # used when model.init == "tiny_sft"
     num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 32  # stock vLLM's CPU attention (the native arm) has no kernel for 16
+    max_position_embeddings: int = 2048  # the model's length limit (rollout.max_model_len must fit)
     warmstart_steps: int = 80  # supervised steps on the task format before RL (~30% sampled accuracy)
     warmstart_lr: float = 3e-3
     warmstart_rows: int = 2000
+
+    def __post_init__(self):
+        _choice("model.tiny.arch", self.arch, ("qwen3", "llama"))
+        _require(self.vocab_size >= 100, "model.tiny.vocab_size", f"the character tokenizer needs >= 100 ids, got {self.vocab_size}",
+                 "set model.tiny.vocab_size=128")
+        for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
+                  "warmstart_steps", "warmstart_lr"):
+            _positive(f"model.tiny.{k}", getattr(self, k))
+        _require(self.num_heads % self.num_kv_heads == 0, "model.tiny.num_kv_heads",
+                 f"must divide model.tiny.num_heads={self.num_heads}, got {self.num_kv_heads}", "choose a divisor of num_heads")
+        _require(self.warmstart_rows >= 64, "model.tiny.warmstart_rows", f"the warm start samples batches of 64 rows, got {self.warmstart_rows}",
+                 "set model.tiny.warmstart_rows=2000")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,6 +98,7 @@ class ModelSection:
     def __post_init__(self):
         _choice("model.init", self.init, ("existing", "tiny_sft", "smollm2"))
         _choice("model.dtype", self.dtype, ("float32", "bfloat16"))
+        _require(bool(self.path), "model.path", "is empty", "set model.path=<HF checkpoint directory>")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,15 +113,27 @@ class DataSection:
 
     def __post_init__(self):
         _choice("data.layout", self.layout, ("dapo", "gsm8k"))
-        _choice("data.generate", self.generate, ("", "addition", "word_problems"))
+        _choice("data.generate", self.generate, ("", *GENERATE_LAYOUT))
         _choice("data.template", self.template, ("raw", "chat"))
-        if self.prompts_per_step < 1 or self.samples_per_prompt < 2:
-            raise ValueError("need prompts_per_step >= 1 and samples_per_prompt >= 2 (GRPO compares within a group)")
+        suffix = Path(self.path).suffix
+        _require(suffix in DATA_SUFFIXES, "data.path", f"{self.path!r} is a {suffix or 'suffix-less'} file; vime reads {'/'.join(DATA_SUFFIXES)}",
+                 "convert it (e.g. pandas.read_csv(...).to_parquet('x.parquet')) in the dapo or gsm8k layout and point data.path at it")
+        if self.generate:
+            _require(suffix in (".parquet", ".jsonl"), "data.path", f"data.generate writes .parquet or .jsonl, not {suffix!r}",
+                     "give data.path a .parquet or .jsonl name")
+            want = GENERATE_LAYOUT[self.generate]
+            _require(self.layout == want, "data.layout", f"data.generate={self.generate} writes the {want} layout, got data.layout={self.layout}",
+                     f"set data.layout={want}")
+        _positive("data.num_rows", self.num_rows, example=2000)
+        _positive("data.prompts_per_step", self.prompts_per_step, example=8)
+        _require(self.samples_per_prompt >= 2, "data.samples_per_prompt", f"GRPO compares within a group of >= 2, got {self.samples_per_prompt}",
+                 "set data.samples_per_prompt=8")
 
 
 @dataclass(kw_only=True, slots=True)
 class RolloutSection:
-    max_tokens: int = 8
+    max_tokens: int = 8  # response tokens per sample
+    max_model_len: int = 1024  # prompt + response tokens the engine holds per sequence (longer prompts are quarantined)
     temperature: float = 1.0
     top_p: float = 1.0
     max_num_seqs: int = 16
@@ -96,8 +145,16 @@ class RolloutSection:
     tp: int = 1
 
     def __post_init__(self):
-        if self.max_tokens < 1 or not self.temperature > 0 or self.num_engines < 1 or self.tp < 1:
-            raise ValueError("rollout: max_tokens >= 1, temperature > 0, num_engines >= 1, tp >= 1")
+        for k in ("max_tokens", "max_model_len", "temperature", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_gb",
+                  "num_engines", "tp"):
+            _positive(f"rollout.{k}", getattr(self, k))
+        _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}", "set rollout.top_p=1.0 (no nucleus cut)")
+        _require(self.max_tokens < self.max_model_len, "rollout.max_tokens",
+                 f"{self.max_tokens} response tokens leave no room for a prompt in rollout.max_model_len={self.max_model_len}",
+                 f"lower rollout.max_tokens below {self.max_model_len}, or raise rollout.max_model_len (up to the model's max_position_embeddings)")
+        _require(self.max_num_batched_tokens >= self.max_num_seqs, "rollout.max_num_batched_tokens",
+                 f"vLLM needs >= rollout.max_num_seqs={self.max_num_seqs}, got {self.max_num_batched_tokens}",
+                 f"set rollout.max_num_batched_tokens={max(256, self.max_num_seqs)}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -111,8 +168,14 @@ class TrainerSection:
     threads: Optional[int] = None
 
     def __post_init__(self):
-        if self.total_steps < 1 or self.tp < 1 or self.cp < 1 or self.pp < 1:
-            raise ValueError("trainer: total_steps, tp, cp, pp must be >= 1")
+        _positive("trainer.total_steps", self.total_steps, example=20)
+        _positive("trainer.lr", self.lr, example=1e-3)
+        if self.grad_clip is not None:
+            _positive("trainer.grad_clip", self.grad_clip, example="1.0 (or null: no clipping)")
+        for k in ("tp", "cp", "pp"):
+            _positive(f"trainer.{k}", getattr(self, k))
+        if self.threads is not None:
+            _positive("trainer.threads", self.threads, example="2 (or null: keep the process setting)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -123,8 +186,25 @@ class AlgorithmSection:
     kl_coef: float = 0.0
     kl_estimator: str = "low_var_kl"
     entropy_coef: float = 0.0
-    tis_cap: Optional[float] = None  # truncated importance sampling (for native runs)
+    tis_cap: Optional[float] = None  # TIS weight min(exp(recompute - rollout), cap); needs use_rollout_logprobs=false
     normalize_adv_std: bool = True
+
+    def __post_init__(self):
+        from .grpo import KL_ESTIMATORS
+
+        _choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _require(0 <= self.clip_eps_low < 1, "algorithm.clip_eps_low", f"must be in [0, 1), got {self.clip_eps_low}",
+                 "set algorithm.clip_eps_low=0.2")
+        _positive("algorithm.clip_eps_high", self.clip_eps_high, zero_ok=True, example=0.28)
+        _positive("algorithm.kl_coef", self.kl_coef, zero_ok=True, example="0.001 (or 0: no reference model)")
+        _positive("algorithm.entropy_coef", self.entropy_coef, zero_ok=True, example=0.0)
+        if self.tis_cap is not None:
+            _positive("algorithm.tis_cap", self.tis_cap, example=2.0)
+            # the ratio's denominator would be the rollout's logprobs, so the TIS weight exp(old - rollout) is exactly 1
+            _require(not self.use_rollout_logprobs, "algorithm.tis_cap",
+                     "with algorithm.use_rollout_logprobs=true the TIS weight exp(old - rollout) is exp(0) = 1: TIS would do nothing",
+                     "for TIS keep algorithm.use_rollout_logprobs=false (ratio vs the trainer's recompute, weighted by "
+                     "min(exp(recompute - rollout), tis_cap)); or drop algorithm.tis_cap")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -159,6 +239,29 @@ class RlkernelSection:
 
 
 @dataclass(kw_only=True, slots=True)
+class RewardSection:
+    fn: str = "math_verify"  # a name in vime.data.rewards.REWARD_FNS, or "package.module:function" (escape hatch)
+    timeout_s: float = 15.0  # per sample; a slower reward is killed and counted as "timeout"
+
+    def __post_init__(self):
+        import importlib.util
+
+        from .data.reward_worker import REWARD_FNS
+
+        _positive("reward.timeout_s", self.timeout_s, example=15.0)
+        if self.fn in REWARD_FNS:
+            return
+        module, _, attr = self.fn.partition(":")
+        _require(bool(module and attr), "reward.fn", f"{self.fn!r} is neither a registered reward {sorted(REWARD_FNS)} nor 'module:function'",
+                 f"set reward.fn={next(iter(REWARD_FNS))} or reward.fn=my_package.rewards:my_reward")
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        _require(found, "reward.fn", f"module {module!r} is not importable here", "install it, or put it on PYTHONPATH")
+
+
+@dataclass(kw_only=True, slots=True)
 class LoggingSection:
     wandb: bool = True
     wandb_mode: str = "offline"  # "offline" unless a key is configured and "online" chosen
@@ -175,6 +278,10 @@ class ResourcesSection:
     nodes: int = 1
     colocate: bool = True  # rollout and trainer share the devices
 
+    def __post_init__(self):
+        _positive("resources.gpus", self.gpus, zero_ok=True, example="0 (CPU)")
+        _positive("resources.nodes", self.nodes)
+
 
 @dataclass(kw_only=True, slots=True)
 class VimeConfig:
@@ -185,12 +292,31 @@ class VimeConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     rlkernel: RlkernelSection = field(default_factory=RlkernelSection)
+    reward: RewardSection = field(default_factory=RewardSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     resources: ResourcesSection = field(default_factory=ResourcesSection)
 
     def __post_init__(self):
-        if self.trainer.pp > 1:
-            raise ValueError("trainer.pp > 1 is not supported yet (tied embeddings across stages)")
+        t, r, res = self.trainer, self.rollout, self.resources
+        _require(t.pp == 1, "trainer.pp", f"pipeline parallelism is not supported yet (tied embeddings across stages), got {t.pp}",
+                 "set trainer.pp=1")
+        _require(not (self.algorithm.entropy_coef and t.tp > 1), "algorithm.entropy_coef",
+                 f"an entropy bonus needs the full-vocab entropy, implemented for trainer.tp=1 only (got trainer.tp={t.tp})",
+                 "set algorithm.entropy_coef=0 or trainer.tp=1")
+        if self.model.init == "tiny_sft":
+            _require(r.max_model_len <= self.model.tiny.max_position_embeddings, "rollout.max_model_len",
+                     f"{r.max_model_len} exceeds the tiny model's max_position_embeddings={self.model.tiny.max_position_embeddings}",
+                     f"set rollout.max_model_len<={self.model.tiny.max_position_embeddings}")
+        if res.gpus == 0:  # the CPU loop: one trainer process and one engine process
+            for key, v in (("trainer.tp", t.tp), ("trainer.cp", t.cp), ("rollout.tp", r.tp), ("rollout.num_engines", r.num_engines),
+                           ("resources.nodes", res.nodes)):
+                _require(v == 1, key, f"{v} is not supported on CPU (resources.gpus=0): vime train runs one trainer process and one "
+                         "vLLM engine there", f"set {key}=1 (tensor parallelism on CPU is exercised by tests/test_megatron_tp.py, not the loop)")
+        else:
+            have, train, roll = res.gpus * res.nodes, t.tp * t.cp * t.pp, r.tp * r.num_engines
+            need = max(train, roll) if res.colocate else train + roll
+            _require(need <= have, "resources.gpus", f"the layout needs {need} GPUs (trainer tp*cp*pp={train}, rollout tp*num_engines={roll}, "
+                     f"colocate={res.colocate}) but resources.gpus*nodes={have}", f"set resources.gpus>={need} or shrink the layout")
 
 
 def _register() -> None:
@@ -202,13 +328,22 @@ def _register() -> None:
 def load_config(name: str, overrides: list[str] | None = None, recipes: Path = RECIPES) -> tuple[VimeConfig, dict]:
     """Compose recipe `name` with Hydra overrides; returns (validated config, plain dict for logs)."""
     from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .config_errors import explain, unknown_keys
 
     _register()
     if not (recipes / f"{name}.yaml").exists():
         known = sorted(p.stem for p in recipes.glob("*.yaml"))
         raise FileNotFoundError(f"no recipe {name!r} in {recipes} (known: {known})")
-    with initialize_config_dir(config_dir=str(recipes), version_base=None):
-        cfg = compose(config_name=name, overrides=list(overrides or []))
+    try:
+        with initialize_config_dir(config_dir=str(recipes), version_base=None):
+            cfg = compose(config_name=name, overrides=list(overrides or []))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise explain(e, VimeConfig) from e
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    unknown_keys(plain, VimeConfig)
     OmegaConf.set_readonly(cfg, True)
-    return OmegaConf.to_object(cfg), OmegaConf.to_container(cfg, resolve=True)
+    return OmegaConf.to_object(cfg), plain

@@ -12,24 +12,26 @@ import os
 import random
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .batch import TrainBatch, unpack_tensors
+from .batch import TrainBatch
 from .config import VimeConfig
+from .gate import comparability
 from .grpo import GRPOConfig, group_advantages
-from .metrics import compare_logprobs
+from .metrics import compare_logprobs, not_compared
 from .records import write_records
 from .sinks import MetricSinks
 
 
 def train(cfg: VimeConfig, config_dict: dict) -> Path:
     run_dir = Path(cfg.run.output_dir)
-    model_path, prompts = prepare(cfg, run_dir)
+    model_path, prompts, data_report = prepare(cfg, run_dir)
     start, version, trainer_state = _resume_point(cfg, run_dir, model_path)
-    executor, rollout, trainer = _roles(cfg, str(start_weights(run_dir, start, model_path)))
+    executor, rollout, trainer, rollout_vocab = _roles(cfg, str(start_weights(run_dir, start, model_path)))
     if trainer_state is not None:
         trainer.call("load_state", trainer_state)
         rollout.call("set_weight_version", version)
@@ -45,12 +47,11 @@ def train(cfg: VimeConfig, config_dict: dict) -> Path:
             t1 = time.perf_counter()
             batch = TrainBatch.from_records(records, advantages=_advantages(records, cfg))
             sinks.phase("score")
-            scored_version, packed = trainer.call("score", batch)                     # Megatron: old-policy logprobs
-            train_lp = unpack_tensors(packed)
-            cmp = comparability(records, batch, scored_version, version)
-            stats = compare_logprobs([r.rollout_logprobs for r in records], train_lp) if cmp["comparable"] else _not_compared()
+            scored = trainer.call("score", batch)                                      # Megatron: old-policy logprobs + digest
+            cmp = comparability(records, scored.digest, scored.weight_version, version, rollout_vocab)
+            stats = compare_logprobs([r.rollout_logprobs for r in records], scored.logprobs) if cmp["comparable"] else not_compared()
             t2 = time.perf_counter()
-            old = batch.rollout_logprobs if cfg.algorithm.use_rollout_logprobs else train_lp
+            old = batch.rollout_logprobs if cfg.algorithm.use_rollout_logprobs else scored.logprobs
             batch.old_logprobs = old
             sinks.phase("update")
             upd = trainer.call("update", batch)                                       # GRPO step
@@ -62,7 +63,8 @@ def train(cfg: VimeConfig, config_dict: dict) -> Path:
             ops = _archive_provenance(run_dir, step, rollout, trainer)
             if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.trainer.total_steps:
                 save_checkpoint(run_dir, step + 1, version, trainer)
-            sinks.log(_step_metrics(step, records, stats, cmp, upd, version, (t0, t1, t2, t3, t4)) | ops)
+            sinks.log(_step_metrics(step, records, stats, cmp, upd, version, (t0, t1, t2, t3, t4)) | ops
+                      | {"data_quarantined": data_report.quarantined})
     finally:
         sinks.close()
         executor.shutdown()
@@ -70,18 +72,6 @@ def train(cfg: VimeConfig, config_dict: dict) -> Path:
 
 
 # ---------------------------------------------------------------------------- phases' helpers
-def comparability(records, batch: TrainBatch, scored_version: int, rollout_version: int) -> dict:
-    """The gate: both sides saw the same weights, tokens, mask and positions, else not comparable."""
-    reasons = []
-    if scored_version != rollout_version or any(set(r.weight_versions) - {rollout_version} for r in records):
-        reasons.append(f"weight version: rollout {rollout_version}, trainer {scored_version}")
-    for r, seq, p, m in zip(records, batch.sequences, batch.prompt_lens, batch.loss_mask):
-        if seq != list(r.prompt_ids) + list(r.response_ids) or p != len(r.prompt_ids) or int(m.numel()) != len(r.response_ids):
-            reasons.append(f"tokens/mask of {r.record_id}")
-            break
-    return {"comparable": not reasons, "reasons": reasons, "scored_weight_version": scored_version}
-
-
 def _archive_provenance(run_dir: Path, step: int, rollout, trainer) -> dict:
     """provenance/step_N.json: the rlkernel ops each engine ran this step (backend, contract id,
     calls); returns whether every op both engines ran used the same contract (ΔC empty)."""
@@ -93,10 +83,6 @@ def _archive_provenance(run_dir: Path, step: int, rollout, trainer) -> dict:
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(both | {"contracts_match": ok, "contracts_differ": differ}))
     return {"contracts_match": ok, "contracts_differ": differ}
-
-
-def _not_compared() -> dict:
-    return {"mismatch_count": 0, "max_abs_diff": 0.0, "mean_abs_diff": 0.0, "compared_tokens": 0}
 
 
 def _advantages(records, cfg: VimeConfig) -> torch.Tensor:
@@ -117,6 +103,8 @@ def _step_metrics(step, records, stats, cmp, upd, version, t) -> dict:
         # kl: to the reference policy (None without one); entropy: None where the head cannot compute it (tp > 1)
         "kl": upd.get("kl"), "approx_kl_old": upd["approx_kl_old"], "clip_fraction": upd["clip_fraction"], "entropy": upd.get("entropy"),
         "loss": upd["loss"], "grad_norm": upd["grad_norm"], "response_tokens": tokens,
+        # why rewards failed this step (reason -> samples; those samples got reward 0.0): never a silent 0
+        "reward_failures": dict(Counter(r.reward_status for r in records if r.reward_status != "ok")),
         "time_rollout": t[1] - t[0], "time_score": t[2] - t[1], "time_update": t[3] - t[2], "time_sync": t[4] - t[3],
         "time_step": t[4] - t[0], "tokens_per_second": tokens / max(t[4] - t[0], 1e-9),
     }
@@ -129,8 +117,11 @@ def rng_batch(prompts, step: int, k: int, seed: int):
 
 # ---------------------------------------------------------------------------- preparation
 def prepare(cfg: VimeConfig, run_dir: Path):
-    """Model directory and prompt list for the run (building/generating them when the recipe says so)."""
-    from .data.prompts import load_prompts
+    """Model directory, prompt list and data report for the run (building/generating them when the recipe says so).
+    Rows that cannot be used are quarantined with a counted reason, including prompts the engine cannot hold."""
+    from transformers import AutoTokenizer
+
+    from .data.prompts import encode_prompt, load_prompts, quarantine_long
     from .data.synthetic import addition_rows, word_problem_rows, write_rows
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -150,8 +141,11 @@ def prepare(cfg: VimeConfig, run_dir: Path):
         rows = addition_rows(cfg.data.num_rows, cfg.run.seed) if cfg.data.generate == "addition" else word_problem_rows(cfg.data.num_rows, cfg.run.seed)
         write_rows(rows, data)
     prompts, report = load_prompts(data, cfg.data.layout)
+    tok = AutoTokenizer.from_pretrained(model)  # the tokenizer vLLM loads from the same directory
+    lengths = [len(encode_prompt(tok, p, cfg.data.template)) for p in prompts]
+    prompts, report = quarantine_long(prompts, report, lengths, cfg.rollout.max_model_len - cfg.rollout.max_tokens)
     (run_dir / "data_report.json").write_text(json.dumps(dataclasses.asdict(report)))
-    return model, prompts
+    return model, prompts, report
 
 
 def _roles(cfg: VimeConfig, weights: str):
@@ -165,7 +159,7 @@ def _roles(cfg: VimeConfig, weights: str):
     if tv != rv:
         executor.shutdown()
         raise RuntimeError(f"vocab ranges differ: trainer {tv}, rollout {rv}; logprobs would not be comparable")
-    return executor, rollout, trainer
+    return executor, rollout, trainer, rv
 
 
 def _write_provenance(run_dir, cfg, config_dict, rollout, trainer):

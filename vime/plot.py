@@ -19,7 +19,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
               ("reward_mean", "mean reward"), ("time_step", "seconds per step")]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (key, title) in zip(axes.flat, panels):
-        ax.plot(steps, [r.get(key, 0) for r in rows], marker="o", ms=3)
+        # an uncompared step (null) is a gap in the curve, not a zero
+        ax.plot(steps, [float("nan") if r.get(key) is None else r[key] for r in rows], marker="o", ms=3)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

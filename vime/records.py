@@ -56,7 +56,8 @@ class TokenRecord:
     engine_id: str  # which rollout engine
     sampling: SamplingSpec  # sampler settings
     finish_reason: str = ""  # engine's finish reason ("stop", "length", ...)
-    reward: float | None = None  # set by the reward function
+    reward: float | None = None  # set by the reward function (0.0 when it failed: see reward_status)
+    reward_status: str = "ok"  # "ok" or why the reward function failed (vime.data.reward_worker)
     status: Status = Status.OK
     response_text: str = ""  # detokenised response (for rewards and logs)
 

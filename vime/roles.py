@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from .batch import TrainBatch, pack_tensors
+from .batch import Scored, TrainBatch
 from .config import VimeConfig
-from .data.prompts import Prompt
-from .data.rewards import math_reward
+from .data.prompts import Prompt, encode_prompt
+from .data.reward_worker import RewardWorker
 from .records import SamplingSpec, Status, TokenRecord
+
+
+def _strict_model_vocab(worker) -> int:
+    """Runs inside the vLLM worker (collective_rpc): the vocab range the running model's logprobs normalise over."""
+    return int(worker.model_runner.model.config.vocab_size)
 
 
 class RolloutRole:
@@ -31,9 +36,10 @@ class RolloutRole:
             dtype=cfg.model.dtype, temperature=r.temperature, max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens, block_size=r.block_size,
             enable_prefix_caching=r.enable_prefix_caching, kv_cache_gb=r.kv_cache_gb, seed=cfg.run.seed, engine_id=engine_id,
-            max_model_len=1024,
+            max_model_len=r.max_model_len,
         ))
         self.tokenizer = self.engine.tokenizer
+        self.rewards = RewardWorker(cfg.reward.fn, cfg.reward.timeout_s)
 
     def provenance(self) -> dict:
         p = self.engine.provenance
@@ -41,23 +47,23 @@ class RolloutRole:
                 "rlkernel": self.engine.llm.collective_rpc("rlkernel_info")[0] if self.engine.config.engine == "rlkernel" else None}
 
     def vocab_size(self) -> int:
-        return self.engine.llm.llm_engine.model_config.get_vocab_size()
-
-    def _encode(self, prompt: Prompt) -> list[int]:
-        if self.cfg.data.template == "chat":
-            msgs = [{"role": r, "content": c} for r, c in prompt.messages]
-            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return self.tokenizer("".join(c for _, c in prompt.messages))["input_ids"]
+        """The vocab range of the model running inside the engine (asked of the worker, not read from config.json)."""
+        if self.engine.config.engine != "rlkernel":
+            return self.engine.llm.llm_engine.model_config.get_vocab_size()
+        sizes = set(self.engine.llm.collective_rpc(_strict_model_vocab))
+        if len(sizes) != 1:
+            raise RuntimeError(f"vLLM workers disagree on the vocab size: {sorted(sizes)}")
+        return sizes.pop()
 
     def generate(self, step: int, prompts: list[Prompt], weight_version: int) -> list[TokenRecord]:
         """samples_per_prompt completions of each prompt, rewarded, as versioned records."""
         n, r = self.cfg.data.samples_per_prompt, self.cfg.rollout
         spec = SamplingSpec(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, seed=None)
-        ids = [self._encode(p) for p in prompts]
+        ids = [encode_prompt(self.tokenizer, p, self.cfg.data.template) for p in prompts]
         comps = self.engine.generate([i for i in ids for _ in range(n)], spec, weight_version=weight_version)
+        rewards = self.rewards.score([(c.text, prompts[k // n].ground_truth) for k, c in enumerate(comps)])
         records = []
-        for k, c in enumerate(comps):
+        for k, (c, rw) in enumerate(zip(comps, rewards)):
             g, s = divmod(k, n)
             p = prompts[g]
             status = Status.TRUNCATED if c.finish_reason == "length" else Status.OK
@@ -65,7 +71,7 @@ class RolloutRole:
                 record_id=f"{step}-{g}-{s}", step=step, prompt_id=p.prompt_id, group_id=g, sample_idx=s,
                 prompt_ids=c.prompt_ids, response_ids=c.response_ids, loss_mask=[1] * len(c.response_ids),
                 rollout_logprobs=c.logprobs, weight_versions=[c.weight_version] * len(c.response_ids), engine_id=self.engine_id,
-                sampling=spec, finish_reason=c.finish_reason, reward=math_reward(c.text, p.ground_truth), status=status,
+                sampling=spec, finish_reason=c.finish_reason, reward=rw.value, reward_status=rw.status, status=status,
                 response_text=c.text,
             ))
         return records
@@ -105,11 +111,12 @@ class TrainerRole:
         return {**self.trainer.provenance, "allocator": self._alloc}
 
     def vocab_size(self) -> int:
-        return self.trainer.spec.decoder.vocab_size
+        """The vocab range of the trainer's logprob head."""
+        return self.trainer.model.output_layer.vocab_size
 
-    def score(self, batch: TrainBatch) -> tuple[int, tuple[torch.Tensor, list[int]]]:
-        """(weight version scored with, per-sample float32 logprobs packed flat: see batch.pack_tensors)."""
-        return self.trainer.weight_version, pack_tensors(self.trainer.score(batch))
+    def score(self, batch: TrainBatch) -> Scored:
+        """Old-policy logprobs, the version they were computed with and the digest of what was scored."""
+        return self.trainer.score_with_digest(batch)
 
     def update(self, batch: TrainBatch) -> dict:
         return self.trainer.update(batch)

@@ -3,7 +3,9 @@
 What this module decides: the metric record's persistence. JSONL lines are
 appended and flushed every step (nothing lost on a crash); wandb runs offline
 under the run directory unless configured online; the console shows one
-progress bar over steps with the numbers users watch.
+progress bar over steps with the numbers users watch. A step that was not
+comparable has `mismatch_count: null` in the JSONL and `mismatch=n/a` on the bar;
+wandb gets only numbers (nested counts flattened as `reward_failures/<reason>`).
 """
 from __future__ import annotations
 
@@ -38,14 +40,30 @@ class MetricSinks:
             f.flush()
             os.fsync(f.fileno())
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float, bool))}, step=metrics["step"])
-        self.bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", mismatch=metrics["mismatch_count"], v=metrics["weight_version"])
+            self.wandb.log(_numbers(metrics), step=metrics["step"])
+        self.bar.set_postfix(postfix(metrics))
         self.bar.update(1)
 
     def close(self) -> None:
         self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def postfix(metrics: dict) -> dict:
+    """The progress bar's numbers; an uncompared step shows mismatch=n/a, never 0."""
+    m = metrics["mismatch_count"]
+    return {"reward": f"{metrics['reward_mean']:.2f}", "mismatch": "n/a" if m is None else m, "v": metrics["weight_version"]}
+
+
+def _numbers(metrics: dict) -> dict:
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, dict):
+            out.update({f"{k}/{kk}": vv for kk, vv in v.items() if isinstance(vv, (int, float, bool))})
+        elif isinstance(v, (int, float, bool)):
+            out[k] = v
+    return out
 
 
 def _run_id(run_dir: Path) -> str:

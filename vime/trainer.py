@@ -23,11 +23,17 @@ Why this shape:
 * Determinism (seed, torch threads, `torch.use_deterministic_algorithms`) is set by the
   engine, restored by `close()`, and recorded in `self.provenance`.
 * bf16 on CPU updates bf16 params in place (no fp32 master copy); train in float32 here.
+* A non-finite loss or global grad norm stops the update before the optimizer steps
+  (`NonFiniteUpdateError`, naming which inputs were non-finite): weights, optimizer state
+  and version stay as they were, so a diverged step never becomes a weight version.
+* `score_with_digest` also hashes what was actually fed to the model (vime.gate), so
+  the controller can check it against the rollout's records.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import random
@@ -43,7 +49,8 @@ import rlkernel as rk
 from rlkernel.models.decoder import DecoderConfig, pack_sequences
 from rlkernel import tree_sum
 
-from .batch import TrainBatch
+from .batch import Scored, TrainBatch
+from .gate import ScoreDigest
 from .grpo import GRPOConfig, grpo_loss
 
 _MODES = ("strict", "native")
@@ -82,6 +89,10 @@ class TrainerConfig:
             raise ValueError("grad_clip must be > 0 or None")
         if self.grpo.entropy_coef and self.tp > 1:
             raise ValueError("entropy_coef > 0 needs the full-vocab entropy, implemented for tp=1 only (the vocab-parallel head has none yet)")
+
+
+class NonFiniteUpdateError(FloatingPointError):
+    """A GRPO step's loss or grad norm was NaN/inf; the optimizer was not stepped."""
 
 
 def _cpu_kernels_status(device: str) -> dict | None:
@@ -241,12 +252,16 @@ class MegatronTrainer:
         if self.model is None:
             raise RuntimeError("MegatronTrainer: call load_hf(path) first")
 
-    def _response_logprobs(self, model, batch: TrainBatch, entropy: bool = False):
-        """Per-sample logprobs of response tokens; with entropy=True also the flat [R] entropy
-        of the policy at those positions (tp=1: the strict tile-by-tile linear_entropy)."""
+    def _pack(self, batch: TrainBatch):
+        """(flat ids [T], cu_seqlens [B+1], scored rows [R]): row i predicts token ids[i + 1]."""
         ids, cu = pack_sequences(batch.sequences, self.config.device)
         rows = torch.cat([torch.arange(s + p - 1, s + len(q) - 1) for s, p, q in zip(cu.tolist(), batch.prompt_lens, batch.sequences)])
-        rows = rows.to(ids.device)
+        return ids, cu, rows.to(ids.device)
+
+    def _response_logprobs(self, model, batch: TrainBatch, entropy: bool = False, packed=None):
+        """Per-sample logprobs of response tokens; with entropy=True also the flat [R] entropy
+        of the policy at those positions (tp=1: the strict tile-by-tile linear_entropy)."""
+        ids, cu, rows = packed if packed is not None else self._pack(batch)
         hidden = model.hidden_states(ids, cu)
         lp = list(model.logprobs(hidden[rows], ids[rows + 1], batch.temperature).float().split(batch.response_lens))
         if not entropy:
@@ -256,11 +271,23 @@ class MegatronTrainer:
 
     def score(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Per sample, float32 log p(response token | prefix) at batch.temperature, under the current weights."""
+        return self.score_with_digest(batch).logprobs
+
+    def score_with_digest(self, batch: TrainBatch) -> Scored:
+        """`score`, plus the version and a digest of the tensors the model was actually fed."""
+        from rlkernel.integrations.megatron_spec import positions_from_cu_seqlens
+
         self._need_model()
+        ids, cu, rows = packed = self._pack(batch)
         # scoring may reuse packed weights: the optimizer updates them in place (version moves)
         with torch.no_grad(), self._policy(pack_weights=True), self.op_provenance.collect():
             self.model.eval()
-            return [t.cpu() for t in self._response_logprobs(self.model, batch)]
+            lps = [t.cpu() for t in self._response_logprobs(self.model, batch, packed=packed)]
+        pos = positions_from_cu_seqlens(cu)  # the positions StrictCoreAttention rotates by
+        digest = ScoreDigest.of(tokens=ids.cpu(), lengths=(cu[1:] - cu[:-1]).cpu(), positions=pos.cpu(), scored_positions=pos[rows].cpu(),
+                                targets=ids[rows + 1].cpu(), loss_mask=torch.cat(batch.loss_mask).cpu(),
+                                vocab_size=self.model.output_layer.vocab_size, versions=[self.weight_version] * int(rows.numel()))
+        return Scored(logprobs=lps, weight_version=self.weight_version, digest=digest)
 
     # ------------------------------------------------------------------ training
     def update(self, batch: TrainBatch) -> dict[str, float]:
@@ -295,11 +322,24 @@ class MegatronTrainer:
                     raise ValueError("update: tis_cap is set but the batch has no rollout_logprobs")
                 roll = torch.cat(batch.rollout_logprobs).to(dev)
             loss, metrics = grpo_loss(lp, old, adv, mask, g, ref_logprobs=ref, rollout_logprobs=roll, entropy=entropy)
+            inputs = {"advantages": batch.advantages, "old_logprobs": old, "logprobs": lp, "ref_logprobs": ref, "rollout_logprobs": roll}
+            if not torch.isfinite(loss):
+                raise NonFiniteUpdateError(self._nonfinite("loss", loss.item(), inputs))
             loss.backward()
             grad_norm = self._cuda_step() if self._ddp is not None else self._cpu_step()
+            if not math.isfinite(grad_norm):  # _cpu_step refuses to step on it; Megatron's DDP checks before its step
+                raise NonFiniteUpdateError(self._nonfinite("global grad norm", grad_norm, inputs))
         self.weight_version += 1
         metrics.update(loss=loss.item(), grad_norm=grad_norm, weight_version=self.weight_version, tokens=int(mask.numel()))
         return metrics
+
+    def _nonfinite(self, what: str, value: float, inputs: dict) -> str:
+        self.optimizer.zero_grad(set_to_none=True)
+        bad = ", ".join(f"{k} {int((~torch.isfinite(v)).sum())}/{v.numel()}" for k, v in inputs.items() if v is not None)
+        return (f"GRPO update at weight version {self.weight_version}: the {what} is {value}; the optimizer was not stepped "
+                f"(weights, optimizer state and version unchanged) and the run stops. Non-finite inputs: {bad}. "
+                "Fix the source (NaN rewards or advantages, NaN weights in the checkpoint, or a trainer.lr too large), "
+                "then resume from the last checkpoint (run.resume=true).")
 
     def _make_optimizer(self) -> None:
         c = self.config
@@ -307,8 +347,9 @@ class MegatronTrainer:
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-            self._ddp = DistributedDataParallel(config=self.model.config, module=self.model,
-                                                ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True))
+            # check_for_nan_in_grad: Megatron raises on a NaN/inf grad before its optimizer steps
+            ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True, check_for_nan_in_grad=True)
+            self._ddp = DistributedDataParallel(config=self.model.config, module=self.model, ddp_config=ddp_cfg)
             opt_cfg = OptimizerConfig(optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.betas[0], adam_beta2=c.betas[1],
                                       adam_eps=c.adam_eps, clip_grad=c.grad_clip or 0.0, bf16=c.dtype == "bfloat16")
             self.optimizer = get_megatron_optimizer(opt_cfg, [self._ddp])
@@ -346,6 +387,8 @@ class MegatronTrainer:
             return tree_sum(torch.stack(parts), dim=0) if parts else torch.zeros((), device=self.config.device)
 
         norm = torch.sqrt(self._reduce(sq(sharded).reshape(1), self.tp_group)[0] + sq(replicated))
+        if not torch.isfinite(norm):
+            return norm.item()  # update() raises before anything is stepped
         if self.config.grad_clip is not None:
             coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
             for p in params:

@@ -34,7 +34,8 @@ def build_tiny_policy(out: str | Path, tiny, seed: int = 0, progress: bool = Tru
         return out
     make_tiny_checkpoint(out, arch=tiny.arch, vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
                          intermediate_size=tiny.intermediate_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
-                         num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim, seed=seed)
+                         num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim, max_position_embeddings=tiny.max_position_embeddings,
+                         seed=seed)
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     torch.manual_seed(seed)

@@ -1,14 +1,20 @@
 """Prompt datasets: local Parquet/JSONL in dapo-math-17k or gsm8k layout.
 
 What this module decides: how a row becomes a `Prompt` (chat messages + ground
-truth) and what happens to malformed rows — they are skipped and counted (and
-the count logged), or raise when `strict=True`. Nothing is fetched from a hub.
+truth), how a prompt becomes token ids (`encode_prompt`, the one encoder the
+rollout uses), and what happens to rows that cannot be used — they are
+quarantined with a counted reason (`LoadReport.quarantined`: missing field,
+wrong type, empty prompt, no ground truth, no '#### answer', prompt too long for
+the engine), or raise when `strict=True`. The controller logs the counts in
+`data_report.json` and in every metrics line. Nothing is fetched from a hub.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -28,33 +34,60 @@ class LoadReport:
     path: str  # file read
     rows: int  # rows in the file
     kept: int  # rows turned into prompts
-    skipped: int  # malformed rows skipped
+    skipped: int  # rows quarantined (sum of `quarantined`)
+    quarantined: dict = field(default_factory=dict)  # reason -> rows, e.g. {"missing_field:prompt": 2, "prompt_too_long": 1}
+
+
+class Quarantined(ValueError):
+    """A row that cannot become a prompt; `reason` is its counted category."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 _GSM8K_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.S)
 
 
+def _get(row: dict, *path: str):
+    v = row
+    for k in path:
+        v = v.get(k) if isinstance(v, dict) else None
+        if v is None:
+            raise Quarantined(f"missing_field:{'.'.join(path)}")
+    return v
+
+
 def _from_dapo(row: dict) -> tuple[tuple, str]:
-    msgs = row["prompt"]
+    msgs = _get(row, "prompt")
     if isinstance(msgs, str):
         msgs = [{"role": "user", "content": msgs}]
-    messages = tuple((m["role"], m["content"]) for m in msgs)
-    truth = row["reward_model"]["ground_truth"]
-    if not messages or truth in (None, ""):
-        raise ValueError("empty prompt or ground truth")
+    if not isinstance(msgs, (list, tuple)) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
+        raise Quarantined("wrong_type:prompt")
+    messages = tuple((str(m.get("role") or "user"), m["content"]) for m in msgs)
+    if not any(c.strip() for _, c in messages):
+        raise Quarantined("empty_prompt")
+    truth = _get(row, "reward_model", "ground_truth")
+    if str(truth).strip() == "":
+        raise Quarantined("missing_ground_truth")
     return messages, str(truth)
 
 
 def _from_gsm8k(row: dict, template: str) -> tuple[tuple, str]:
-    m = _GSM8K_ANSWER.search(row["answer"])
-    if not m or not row["question"].strip():
-        raise ValueError("no '#### answer' in gsm8k row")
-    return (("user", template.format(question=row["question"].strip())),), m.group(1).replace(",", "")
+    question, answer = _get(row, "question"), _get(row, "answer")
+    if not isinstance(question, str) or not isinstance(answer, str):
+        raise Quarantined("wrong_type:question/answer")
+    if not question.strip():
+        raise Quarantined("empty_prompt")
+    m = _GSM8K_ANSWER.search(answer)
+    if not m:
+        raise Quarantined("no_answer_marker")
+    return (("user", template.format(question=question.strip())),), m.group(1).replace(",", "")
 
 
 def load_prompts(path: str | Path, layout: str = "dapo", *, strict: bool = False,
                  template: str = "{question}\nPut the final answer after 'Answer:'.") -> tuple[list[Prompt], LoadReport]:
-    """Read a local .parquet / .jsonl / .json file; returns prompts and a report of skipped rows."""
+    """Read a local .parquet / .jsonl / .json file; returns prompts and a report of quarantined rows."""
     import datasets
 
     if layout not in LAYOUTS:
@@ -66,19 +99,39 @@ def load_prompts(path: str | Path, layout: str = "dapo", *, strict: bool = False
     if kind is None:
         raise ValueError(f"unsupported dataset file type {path.suffix!r} (want .parquet, .jsonl or .json)")
     ds = datasets.load_dataset(kind, data_files=str(path), split="train")
-    prompts, skipped = [], 0
+    prompts, reasons = [], Counter()
     for i, row in enumerate(ds):
         try:
             messages, truth = _from_dapo(row) if layout == "dapo" else _from_gsm8k(row, template)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except Quarantined as e:
             if strict:
-                raise ValueError(f"{path}: row {i} is malformed for layout {layout!r}: {e}") from e
-            skipped += 1
+                raise ValueError(f"{path}: row {i} is malformed for layout {layout!r}: {e.reason}") from e
+            reasons[e.reason] += 1
             continue
         pid = str(row.get("prompt_id") or row.get("extra_info", {}) and (row.get("extra_info") or {}).get("index") or i)
         prompts.append(Prompt(prompt_id=pid, messages=messages, ground_truth=truth))
-    if skipped:
-        log.warning("%s: skipped %d malformed rows of %d", path, skipped, len(ds))
+    if reasons:
+        log.warning("%s: quarantined %d of %d rows: %s", path, sum(reasons.values()), len(ds), dict(reasons))
     if not prompts:
-        raise ValueError(f"{path}: no usable rows for layout {layout!r} ({skipped} malformed)")
-    return prompts, LoadReport(str(path), len(ds), len(prompts), skipped)
+        raise ValueError(f"{path}: no usable rows for layout {layout!r} (quarantined: {dict(reasons)})")
+    return prompts, LoadReport(str(path), len(ds), len(prompts), sum(reasons.values()), dict(reasons))
+
+
+def encode_prompt(tokenizer, prompt: Prompt, template: str) -> list[int]:
+    """Token ids the rollout engine is given: "chat" applies the tokenizer's chat template, "raw" joins the text."""
+    if template == "chat":
+        msgs = [{"role": r, "content": c} for r, c in prompt.messages]
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(tokenizer("".join(c for _, c in prompt.messages))["input_ids"])
+
+
+def quarantine_long(prompts: list[Prompt], report: LoadReport, lengths: list[int], budget: int) -> tuple[list[Prompt], LoadReport]:
+    """Drop prompts longer than `budget` tokens (max_model_len - max_tokens), counted as "prompt_too_long"."""
+    keep = [p for p, n in zip(prompts, lengths) if 0 < n <= budget]
+    empty, long = sum(n == 0 for n in lengths), sum(n > budget for n in lengths)
+    if not keep:
+        raise ValueError(f"{report.path}: every prompt is longer than {budget} tokens (rollout.max_model_len - rollout.max_tokens); "
+                         "raise rollout.max_model_len or lower rollout.max_tokens")
+    q = Counter(report.quarantined) + Counter({"prompt_too_long": long, "empty_prompt": empty})
+    return keep, dataclasses.replace(report, kept=len(keep), skipped=report.skipped + long + empty, quarantined=dict(q))

@@ -3,11 +3,16 @@
 What this module decides: how a response is turned into a reward. The answer
 is what follows the last 'Answer:' marker, or a \\boxed{...}, or else the whole
 response; math-verify decides equivalence with the ground truth (numbers,
-fractions, LaTeX). 1.0 for correct, 0.0 otherwise; never raises on model text.
+fractions, LaTeX). 1.0 for correct, 0.0 otherwise. math-verify does not raise on
+hostile text (its parser returns no match); anything that does raise is not
+hidden here: the reward worker (vime.data.reward_worker) runs this function in a
+child process, with a timeout, and counts failures per reason.
 """
 from __future__ import annotations
 
 import re
+
+from math_verify import parse, verify
 
 _ANSWER = re.compile(r"Answer:[ \t]*([^\n]*)", re.I)
 
@@ -21,14 +26,9 @@ def extract_answer(response: str) -> str:
 
 def math_reward(response: str, ground_truth: str) -> float:
     """1.0 if the response's answer is mathematically equal to ground_truth, else 0.0."""
-    from math_verify import parse, verify
-
     answer = extract_answer(response)
     if not answer:
         return 0.0
-    try:
-        gold = parse(f"${ground_truth}$")
-        pred = parse(answer if "\\boxed" in answer else f"${answer}$")
-        return 1.0 if pred and verify(gold, pred) else 0.0
-    except Exception:  # math-verify raises on pathological model output; that is a wrong answer
-        return 0.0
+    gold = parse(f"${ground_truth}$")
+    pred = parse(answer if "\\boxed" in answer else f"${answer}$")
+    return 1.0 if pred and verify(gold, pred) else 0.0
