@@ -296,8 +296,9 @@ def kernels(res):
     w2 = torch.randn(4096, 12288, device=DEV, dtype=torch.bfloat16) * 0.02  # down_proj, 4 canonical segments
     a2 = torch.randn(2000, 12288, device=DEV, dtype=torch.bfloat16)
     base2 = gemm.matmul(a2, w2, k_segments=4)
-    out["gemm_segments_bits_vs_config"] = {f"{k}_split{sp}": bool(torch.equal(
-        gemm.matmul(a2, w2, config=c, k_segments=4, split=sp), base2)) for k, c in variants.items() for sp in (0, 1)}
+    out["gemm_segments_bits_vs_config"] = {f"{k}_{sc}": bool(torch.equal(
+        gemm.matmul(a2, w2, config=c, k_segments=4, schedule=sc), base2)) for k, c in variants.items()
+        for sc in ("launches", "split", "registers")}
     out["gemm_fp32_out_then_cast_equal"] = bool(torch.equal(gemm.matmul(a, w, out_dtype=torch.float32).bfloat16(), base))
     ms = (1, 7, 64, 65, 129, 1024, 1025)
     out["gemm_row_invariance_across_m_classes"] = all(bool(torch.equal(gemm.matmul(a[:m], w), base[:m])) for m in ms)
@@ -371,6 +372,19 @@ def attention_bwd_check():
             "alone_equals_packed": same_alone}
 
 
+def top_kernels(fn, n=15):
+    """CUDA time by kernel name for one call of fn (where the strict path spends its time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", 0))
+    return [{"kernel": e.key[:80], "calls": e.count, "ms": round(getattr(e, "device_time_total", 0) / 1e3, 3)}
+            for e in rows[:n]]
+
+
 def bench(fn, ms=None):
     import triton.testing
     return triton.testing.do_bench(fn, warmup=10, rep=ms or 50)
@@ -392,9 +406,10 @@ def timing(args, res, model):
             out["gemm"][f"{name}_M{m}"] = {"strict_ms": round(t_s, 4), "cublas_ms": round(t_n, 4),
                                           "strict_tflops": round(2 * m * n * k / t_s / 1e9, 1),
                                           "ratio_tflops": round(t_n / t_s, 3)}
-            if name in ("o", "down"):  # the row-parallel layers: 4 canonical K segments
-                t_seg = bench(lambda: gemm.matmul(a, w, k_segments=4))
-                out["gemm"][f"{name}_M{m}"].update(segments4_ms=round(t_seg, 4), segments4_ratio=round(t_n / t_seg, 3))
+            if name in ("o", "down"):  # the row-parallel layers: 4 canonical K segments, each schedule
+                for sc in ("launches", "split", "registers"):
+                    t_seg = bench(lambda: gemm.matmul(a, w, k_segments=4, schedule=sc))
+                    out["gemm"][f"{name}_M{m}"][f"segments4_{sc}_ratio"] = round(t_n / t_seg, 3)
         del w
     log("gemm:", json.dumps(out["gemm"]))
     # attention prefill: 8 x 4096 causal, 32 q heads / 8 kv heads, D=128
@@ -499,6 +514,7 @@ def model_timing(args, model):
             h = model.hidden_states(ids1, pos1, attend)
             return torch.log_softmax(F.linear(h, model.lm_head_weight).float(), -1).gather(1, ids1[:, None])[:, 0]
 
+    out["profile_decode_step"] = top_kernels(strict_decode)
     t_s, t_n = bench(strict_decode, 200), bench(native_decode, 200)
     out["decode_step_b64_ctx2048"] = {"layers": args.layers, "strict_ms": round(t_s, 3), "native_ms": round(t_n, 3),
                                       "ratio_latency": round(t_s / t_n, 3),
@@ -533,6 +549,7 @@ def train_timing(args, res, model):
         return lp
 
     strict_step()
+    res["profile_train_step"] = top_kernels(strict_step)
     g1 = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None and "layers.0" in n}
     strict_step()
     rerun = all(torch.equal(g1[n], p.grad) for n, p in model.named_parameters() if n in g1)

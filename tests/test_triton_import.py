@@ -155,14 +155,17 @@ _WRAPPERS = textwrap.dedent('''
     for S in (2, 4, 8):
         for tma in (False, True):
             cfg = G.TileConfig(16, 16, 16, 2, 4, tma=tma)
-            one = gemm.matmul(xs, ws, k_segments=S, config=cfg, out_dtype=torch.float32)
+            one = gemm.matmul(xs, ws, k_segments=S, config=cfg, out_dtype=torch.float32, schedule="registers")
             seg = 256 // S
             parts = [gemm.matmul(xs[:, i * seg:(i + 1) * seg].contiguous(), ws[:, i * seg:(i + 1) * seg].contiguous(),
                                  config=cfg, out_dtype=torch.float32) for i in range(S)]
             assert torch.equal(one, rk.tree_sum(torch.stack(parts, -1), -1)), (S, tma)
-            for split in (True, False):  # segments as separate work items, merged on the host: same bits
-                got = gemm.matmul(xs, ws, k_segments=S, config=cfg, out_dtype=torch.float32, split=split)
-                assert torch.equal(got, one), (S, tma, split)
+            for sched in ("launches", "split", "registers"):  # how the segments run: same bits
+                got = gemm.matmul(xs, ws, k_segments=S, config=cfg, out_dtype=torch.float32, schedule=sched)
+                assert torch.equal(got, one), (S, tma, sched)
+                got = gemm.matmul(xs, b=ws.t().contiguous(), k_segments=S, config=cfg, out_dtype=torch.float32,
+                                  schedule=sched)
+                assert torch.equal(got, one), (S, tma, sched, "b")
     # linear-logprob: targets, backward, the full table equals the targets kernel bit for bit, entropy
     O.VOCAB_CHUNK = 256
     h = torch.randn(6, 32, requires_grad=True); W = torch.randn(700, 32, requires_grad=True)

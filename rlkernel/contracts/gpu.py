@@ -102,7 +102,7 @@ LINEAR = Contract(
     domain="K",
     partition=(("arch", ARCH), ("split_k", 1), ("m_independent", "kernel compiled with M unspecialised"),
                ("config", "bf16: 'wide' if N >= 16384 else by M (<= 64, <= 1024, larger) and K segments; fp32 one "
-                          "config; segments as separate work items at M <= 1024, in registers above (same bits); "
+                          "config; K segments: each a plain GEMM into fp32, then the tree (one launch or in registers: same bits); "
                           "bf16 bits proved independent of the tile on sm_90 (block_m >= 64: wgmma)"),
                *((f"bf16_{name}", _tiles(cfg)) for name, cfg in sorted(BF16_GEMM.items())),
                ("fp32", _tiles(FP32_GEMM)),

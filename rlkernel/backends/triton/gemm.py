@@ -263,16 +263,18 @@ def _tma_ok(cfg, *tensors) -> bool:
 
 def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, config: C.TileConfig | None = None,
-           num_progs: int | None = None, k_segments: int = 1, split: bool | None = None) -> torch.Tensor:
+           num_progs: int | None = None, k_segments: int = 1, schedule: str | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """a [M, K] @ weight[N, K].T (or @ b [K, N]) -> [M, N] in out_dtype (default a.dtype).
 
     config: override the contract's tile config (tuning and tests only: another config is
     another contract). num_progs: persistent grid size (default min(#SMs, tiles)); never
     changes a bit. k_segments (1, 2, 4 or 8, dividing K): K cut into equal segments, each its
     own fp32 accumulator, merged by a balanced binary tree before the one cast (bit for bit the
-    per-segment GEMMs summed by rlkernel.tree_sum). split (scheduling only, same bits): segments
-    as separate work items merged on the host (more parallel work at small M) or in registers;
-    None picks by M.
+    per-segment GEMMs summed by rlkernel.tree_sum). schedule (how, never what: same bits):
+    "launches" (default: one plain GEMM per segment into an fp32 buffer, the tree on the host),
+    "split" (one launch, segments as separate work items) or "registers" (one program walks
+    every segment, the tree in registers). out: write here ([M, N], out_dtype) instead.
     """
     if k_segments not in (1, 2, 4, 8):
         raise ValueError(f"matmul: k_segments must be 1, 2, 4 or 8, got {k_segments}")
@@ -295,13 +297,29 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         raise ValueError(f"matmul: dtypes differ ({a.dtype} vs {bt.dtype})")
     if K % k_segments:
         raise ValueError(f"matmul: K={K} is not divisible into {k_segments} segments")
-    cfg = _config(a, N, K, config)
-    out = torch.empty((M, N), device=a.device, dtype=out_dtype or a.dtype)
+    schedule = (schedule or "launches") if k_segments > 1 else None
+    if schedule not in (None, "launches", "split", "registers"):
+        raise ValueError(f"matmul: unknown schedule {schedule!r}")
+    if out is None:
+        out = torch.empty((M, N), device=a.device, dtype=out_dtype or a.dtype)
     if M == 0:
         return out
-    if split is None:
-        split = k_segments > 1 and M <= 1024
-    split = split and k_segments > 1
+    if schedule == "launches":
+        ks = K // k_segments
+        parts = torch.empty((k_segments, M, N), device=a.device, dtype=torch.float32)
+        for i in range(k_segments):
+            lo, hi = i * ks, (i + 1) * ks
+            if weight is not None:
+                matmul(a[:, lo:hi], weight[:, lo:hi], config=config, num_progs=num_progs, out=parts[i])
+            else:
+                matmul(a[:, lo:hi], b=b[lo:hi], config=config, num_progs=num_progs, out=parts[i])
+        p = parts
+        while p.shape[0] > 1:  # the balanced binary tree over adjacent segments
+            p = p[0::2] + p[1::2]
+        out.copy_(p[0])
+        return out
+    cfg = _config(a, N, K, config)
+    split = schedule == "split"
     if split and config is None and cfg.block_n * cfg.block_m > 128 * 128:
         cfg = C.BF16_GEMM["narrow_mid"] if not _is_fp32(a) else cfg
     if not split and k_segments > 1 and config is None and not _is_fp32(a):
