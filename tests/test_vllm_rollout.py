@@ -89,3 +89,23 @@ def test_negative_control_native_ops_in_both_engines_mismatch(models):
     """The same plugin and Megatron engine with rlkernel's native backend (torch production ops) drift."""
     r = _parity(models["qwen3-tied"], "--mode", "native", "--engine", "rlkernel", "--scorer", "megatron", "--num-prompts", "16", "--max-tokens", "12")
     assert r["engine"] == "rlkernel" and r["compared_tokens"] > 0 and r["mismatch_count"] > 0
+
+
+_STOCK_WITH_PLUGIN = r'''
+import json, os, sys
+os.environ.pop("VLLM_PLUGINS", None)  # vLLM's default: every installed general plugin loads
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
+from vllm import LLM, ModelRegistry
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256, block_size=32, max_num_seqs=2)
+print(json.dumps({"model_class": llm.apply_model(lambda m: type(m).__module__ + "." + type(m).__name__)[0],
+                  "registered": sorted(a for a in ModelRegistry.get_supported_archs() if a.startswith("Rlkernel"))}))
+'''
+
+
+def test_installed_plugin_leaves_stock_vllm_stock(models):
+    """With the package installed and every plugin loaded (vLLM's default), a plain vLLM engine of
+    a Qwen3 checkpoint runs vLLM's own Qwen3 class: the strict classes exist only under their own
+    names, for an engine that asks for them (vime does, through hf_overrides)."""
+    r = _run([sys.executable, "-c", _STOCK_WITH_PLUGIN, str(models["qwen3-tied"])], timeout=600)
+    assert r["registered"] == ["RlkernelStrictLlamaForCausalLM", "RlkernelStrictQwen3ForCausalLM"]  # the plugin ran
+    assert r["model_class"].startswith("vllm.") and r["model_class"].endswith(".Qwen3ForCausalLM"), r

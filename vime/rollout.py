@@ -18,6 +18,7 @@ per process.
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -114,7 +115,11 @@ class VLLMRollout:
             enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=True,
         )
         if c.engine == "rlkernel":
+            from rlkernel.integrations.vllm_plugin import strict_architecture
+
+            hf_archs = json.loads(Path(c.model, "config.json").read_text()).get("architectures")
             args.update(
+                hf_overrides={"architectures": [strict_architecture(hf_archs)]},  # opt in: stock names stay stock
                 logprobs_mode="raw_logits",
                 worker_extension_cls="rlkernel.integrations.vllm_worker.StrictWorkerExtension",
                 additional_config={"rlkernel": {"temperature": c.temperature, "mode": c.mode, "ops": dict(c.ops)}},
