@@ -119,10 +119,12 @@ def engine_step(model, cache, batch, tokens_of, pos_of, n_new):
     slot_t = torch.tensor(slots, device=DEV)
     qsl_t = torch.tensor(qsl, dtype=torch.int32, device=DEV)
     sl_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    max_q = max(n_new[s] for s in batch)
 
     def attend(layer, q, k, v):
         rk.write_kv_cache(k, v, cache.k[layer], cache.v[layer], slot_t)
-        return rk.attention_paged(q, cache.k[layer], cache.v[layer], bt, sl_t, qsl_t)
+        return rk.attention_paged(q, cache.k[layer], cache.v[layer], bt, sl_t, qsl_t, max_query_len=max_q,
+                                  max_seq_len=max(seq_lens))
 
     hidden = model.hidden_states(ids_t, pos_t, attend)
     return hidden[qsl_t[1:].long() - 1]
@@ -499,7 +501,7 @@ def model_timing(args, model):
     def strict_decode():
         def attend(layer, q, k, v):
             rk.write_kv_cache(k, v, kc[layer], vc[layer], slot)
-            return rk.attention_paged(q, kc[layer], vc[layer], bt, sl, qsl)
+            return rk.attention_paged(q, kc[layer], vc[layer], bt, sl, qsl, max_query_len=1, max_seq_len=ctx)
         with torch.no_grad():
             return model.logprobs(model.hidden_states(ids1, pos1, attend), ids1)
 

@@ -113,6 +113,19 @@ _INTERPRET = textwrap.dedent('''
         for split in (None, True, False):
             od = rk.attention_paged(q[rows], kc, vc, bt[:len(rows)], sl, torch.arange(len(rows) + 1), config=acfg, split=split)
             assert torch.equal(od, full[rows]), (t, split)
+    kk, vv = torch.randn(7, 2, 16), torch.randn(7, 2, 16)  # the KV write: negative slots skipped, any cache strides
+    for layout in ("plain", "vllm"):
+        if layout == "plain":
+            kc2 = torch.full((5, 4, 2, 16), float("nan")); vc2 = kc2.clone()
+        else:  # vLLM's CPU cache: [nb, Hkv, 2*bs, D], k and v as chunked, transposed views
+            kc2, vc2 = torch.full((5, 2, 8, 16), float("nan")).chunk(2, dim=2)
+            kc2, vc2 = kc2.transpose(1, 2), vc2.transpose(1, 2)
+        slots = torch.tensor([3, -1, 17, 0, 9, -1, 19])
+        rk.write_kv_cache(kk, vv, kc2, vc2, slots)
+        for t, s in enumerate(slots.tolist()):
+            if s >= 0:
+                assert torch.equal(kc2[s // 4, s % 4], kk[t]) and torch.equal(vc2[s // 4, s % 4], vv[t])
+        assert int((~torch.isnan(kc2[..., 0, 0])).sum()) == 5
     out = torch.cat([rk.attention_paged(q[lo:hi], kc, vc, bt[:1], torch.tensor([hi]), torch.tensor([0, hi - lo]), config=acfg)
                      for lo, hi in ((0, 5), (5, 17), (17, 29))])
     assert torch.equal(out, full[:29])

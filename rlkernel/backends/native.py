@@ -60,7 +60,7 @@ def _sdpa(q, qpos, k, v, scale):
 
 
 @dispatch.register("attention", "native", c_attention.NATIVE)
-def attention(kind, *args):
+def attention(kind, *args, max_query_len=None, max_seq_len=None):
     return (varlen if kind == "varlen" else paged)(_sdpa, *args)
 
 

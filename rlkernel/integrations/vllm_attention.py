@@ -57,7 +57,8 @@ class StrictAttentionImpl(CPUAttentionBackendImpl):
         write_kv_cache(key[:n], value[:n], kc, vc, md.slot_mapping[:n])
         num_reqs = md.seq_lens.shape[0]
         out = attention_paged(query[:n], kc, vc, md.block_table[:num_reqs],
-                              md.seq_lens, md.query_start_loc[: num_reqs + 1], scale=self.scale)
+                              md.seq_lens, md.query_start_loc[: num_reqs + 1], scale=self.scale,
+                              max_query_len=md.max_query_len, max_seq_len=md.max_seq_len)
         output[:n] = out.to(output.dtype)
         return output
 

@@ -6,6 +6,7 @@ import torch
 
 from .. import dispatch
 from ..backends import cpu as _cpu
+from ..backends.triton import ops as _triton
 
 
 def _check(q, k, v):
@@ -22,24 +23,30 @@ def attention_varlen(q, k, v, cu_seqlens, *, scale: float | None = None, backend
     return dispatch.call("attention", backend, (q, k, v), "varlen", q, k, v, cu_seqlens, scale)
 
 
-def attention_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale: float | None = None, backend: str | None = None) -> torch.Tensor:
+def attention_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale: float | None = None, backend: str | None = None,
+                    max_query_len: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
     """Queries against a paged KV cache (decode and chunked prefill).
 
     q [Tq, Hq, D]: request b owns rows query_start_loc[b]:query_start_loc[b+1], which are the
     *last* tokens of its sequence of seq_lens[b] tokens (their keys must already be in the cache).
     k_cache/v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] (int).
+    max_query_len / max_seq_len: the host's bounds when it has them (an engine's scheduler
+    does); a GPU implementation then launches without reading them back (no device sync).
+    They size the launch only, never a value.
     """
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"attention_paged: want caches [blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
     _check(q, k_cache[0], v_cache[0])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return dispatch.call("attention", backend, (q, k_cache, v_cache), "paged", q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    hints = {k: int(v) for k, v in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)) if v is not None}
+    return dispatch.call("attention", backend, (q, k_cache, v_cache), "paged", q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                         **hints)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Copy k/v [T, Hkv, D] into the caches at flat slots (block * block_size + offset); exact copies.
     Negative slots (vLLM's padding, PAD_SLOT_ID = -1) are skipped."""
-    if _cpu.write_kv(k, v, k_cache, v_cache, slot_mapping):
+    if _cpu.write_kv(k, v, k_cache, v_cache, slot_mapping) or _triton.write_kv(k, v, k_cache, v_cache, slot_mapping):
         return
     idx = slot_mapping.long()
     keep = idx >= 0

@@ -168,7 +168,7 @@ def _rope(x, positions, theta):
     return rope.rope(x, positions, theta, fwd=_ops().rope)
 
 
-def _attention(kind, q, k, v, *args):
+def _attention(kind, q, k, v, *args, max_query_len=None, max_seq_len=None):
     return attention.attention(kind, q, k, v, *args, prims=CPU, fwd_lse=lambda *a: tuple(_ops().attention_varlen_lse(*a)),
                                fwd_paged=_ops().attention_paged)
 

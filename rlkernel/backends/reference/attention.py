@@ -178,8 +178,10 @@ class VarlenFn(torch.autograd.Function):
         return (*varlen_backward(q, k, v, out, lse, cu, ctx.scale, g, ctx.prims), None, None, None, None)
 
 
-def attention(kind, q, k, v, *args, prims: Prims = REFERENCE, fwd_lse=None, fwd_paged=None):
-    """The op for one implementation: varlen (differentiable) or paged (inference) attention."""
+def attention(kind, q, k, v, *args, prims: Prims = REFERENCE, fwd_lse=None, fwd_paged=None, max_query_len=None,
+              max_seq_len=None):
+    """The op for one implementation: varlen (differentiable) or paged (inference) attention.
+    The max_* launch hints are for GPU implementations; nothing here needs them."""
     fwd_lse = fwd_lse or (lambda *a: varlen_lse(*a, prims=prims))
     if kind == "varlen":
         if wants_grad(q, k, v):

@@ -326,14 +326,42 @@ def attention_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                    split, cfg, (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[2]))
 
 
+@triton.jit(do_not_specialize=["n_tok"])
+def _write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_tok, skt, skh, svt, svh, scb, sco, sch, svb, svo, svhh,
+              BS: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # vLLM's padding slots (PAD_SLOT_ID = -1) are skipped on the device
+        blk = slot // BS
+        off = slot % BS
+        h = tl.arange(0, HKV)[:, None]
+        d = tl.arange(0, D)[None, :]
+        kx = tl.load(k_ptr + t * skt + h * skh + d)
+        vx = tl.load(v_ptr + t * svt + h * svh + d)
+        tl.store(kc_ptr + blk * scb + off * sco + h * sch + d, kx.to(kc_ptr.dtype.element_ty))
+        tl.store(vc_ptr + blk * svb + off * svo + h * svhh + d, vx.to(vc_ptr.dtype.element_ty))
+
+
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
-    """Exact copies of k/v [T, Hkv, D] into the caches at flat slots; negative slots skipped."""
-    idx = slot_mapping.long()
-    keep = idx >= 0
-    bs = k_cache.shape[1]
-    blk, off = idx[keep] // bs, idx[keep] % bs
-    k_cache[blk, off] = k[: idx.shape[0]][keep].to(k_cache.dtype)
-    v_cache[blk, off] = v[: idx.shape[0]][keep].to(v_cache.dtype)
+    """Exact copies of k/v [T, Hkv, D] into the caches [blocks, block_size, Hkv, D] at flat
+    slots; negative slots skipped. One program per token, no host sync (the slot test runs on
+    the device), any cache strides with a contiguous head dim."""
+    n = slot_mapping.shape[0]
+    hkv, d = k.shape[1], k.shape[2]
+    if n == 0:
+        return
+    if (k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
+            or hkv & (hkv - 1) or d & (d - 1)):
+        idx = slot_mapping.long()  # a layout the kernel does not take: indexed copies (syncs once)
+        keep = idx >= 0
+        bs = k_cache.shape[1]
+        blk, off = idx[keep] // bs, idx[keep] % bs
+        k_cache[blk, off] = k[:n][keep].to(k_cache.dtype)
+        v_cache[blk, off] = v[:n][keep].to(v_cache.dtype)
+        return
+    _write_kv[(n,)](k, v, k_cache, v_cache, slot_mapping, n, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+                    v_cache.stride(2), BS=k_cache.shape[1], HKV=hkv, D=d, num_warps=4)
 
 
 __all__ = ["attention_varlen", "attention_paged", "write_kv_cache"]

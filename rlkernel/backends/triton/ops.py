@@ -147,7 +147,7 @@ class _VarlenFn(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def attention(kind, *args):
+def attention(kind, *args, max_query_len=None, max_seq_len=None):
     att = _k()[2]
     if kind == "varlen":
         q, k, v, cu, scale = args
@@ -157,7 +157,17 @@ def attention(kind, *args):
     q, kc, vc, bt, seq_lens, qsl, scale = args
     if wants_grad(q, kc, vc):
         raise dispatch.BackendUnavailable("rlkernel triton: paged attention is for inference; train with attention_varlen")
-    return att.attention_paged(q, kc, vc, bt, seq_lens, qsl, scale=scale)
+    return att.attention_paged(q, kc, vc, bt, seq_lens, qsl, scale=scale, max_query_len=max_query_len,
+                               max_seq_len=max_seq_len)
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping) -> bool:
+    """The KV write without a host sync (the kernel skips negative slots itself) where the
+    triton implementation is the strict one on this device; False elsewhere."""
+    if k_cache.device.type != "cuda" or dispatch.resolve("attention", k_cache.device, "strict").name != "triton":
+        return False
+    _k()[2].write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return True
 
 
 # ---- linear_logprob -----------------------------------------------------------------------
