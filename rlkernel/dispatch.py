@@ -41,6 +41,7 @@ __all__ = [
     "Implementation",
     "record_provenance",
     "ProvenanceCounter",
+    "tap",
 ]
 
 # The op names the public API dispatches; recipes use the same names for
@@ -227,7 +228,24 @@ def call(op: str, backend: str | None, tensors: tuple, *args, **kwargs):
     """Resolve `op` for the device of its first tensor, record provenance, run it."""
     impl = resolve(op, tensors[0].device, backend)
     _record(op, impl, tensors)
-    return impl.fn(*args, **kwargs)
+    out = impl.fn(*args, **kwargs)
+    for fn in _TAPS.get():
+        fn(op, impl, tensors, out)
+    return out
+
+
+_TAPS: contextvars.ContextVar[tuple] = contextvars.ContextVar("rlkernel_taps", default=())
+
+
+@contextlib.contextmanager
+def tap(fn: Callable[[str, Implementation, tuple, object], None]) -> Iterator[None]:
+    """Observe every dispatched op call in the block: `fn(op, implementation, input tensors, output)`
+    runs after the op (read-only: for diagnosis, e.g. `vime diagnose`; values are not changed)."""
+    token = _TAPS.set(_TAPS.get() + (fn,))
+    try:
+        yield
+    finally:
+        _TAPS.reset(token)
 
 
 def note_call(op: str, impl: Implementation, tensors: tuple) -> None:

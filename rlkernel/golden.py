@@ -152,6 +152,22 @@ def check(impl: str, only_slice: bool = False) -> list[str]:
     return [f"{name} (op {ops[name]})" for name, h in got.items() if want.get(name) != h]
 
 
+def check_impls(impls: dict[str, str], only_slice: bool = False) -> dict[str, list[str]]:
+    """{op: [cases whose bits differ]} with each op's cases run by implementation `impls[op]`
+    (an op -> implementation map, as one engine's policy resolves it; ops left out are not
+    checked — native ops have no golden bits). Read-only: what `vime doctor` runs per engine."""
+    import rlkernel as rk
+
+    want, bad = committed()["cases"], {op: [] for op in impls}
+    with torch.inference_mode(False), torch.enable_grad():
+        for c in _cases():
+            if c.op in impls and (c.slice or not only_slice):
+                with rk.mode("strict", impl="auto", ops={c.op: impls[c.op]}):
+                    if digest(c.fn()) != want.get(c.name):
+                        bad[c.op].append(c.name)
+    return bad
+
+
 def self_check(impl: str) -> str:
     """The load-time check: the golden slice under `impl`; raises GoldenMismatch naming the cases."""
     bad = check(impl, only_slice=True)

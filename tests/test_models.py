@@ -67,3 +67,15 @@ def test_config_and_weight_errors(checkpoint):
         DecoderConfig.from_hf({"model_type": "gpt2"})
     with pytest.raises(ValueError):
         pack_sequences([[1, 2], []])
+
+
+def test_rope_position_bound_changes_no_bit_and_is_enforced():
+    """A model bounded by set_max_positions (what an engine does with its max_model_len, so a GPU
+    decode step never reads positions back) gives the bits of the unbounded model; a position at
+    or past the bound is refused, not silently rotated by a wrong table."""
+    import rlkernel as rk
+    torch.manual_seed(0)
+    x, pos = torch.randn(5, 3, 8), torch.tensor([0, 7, 3, 30, 2])
+    assert torch.equal(rk.rope(x, pos, 10000.0, max_position=64), rk.rope(x, pos, 10000.0))
+    with pytest.raises(ValueError, match="max_position"):
+        rk.rope(x, pos, 10000.0, max_position=30)

@@ -37,10 +37,10 @@ def swiglu(gate, up):
 
 
 @dispatch.register("rope", "native", c_rope.NATIVE)
-def rope(x, positions, theta):
+def rope(x, positions, theta, max_position=None):
     d = x.shape[-1]
     inv_freq = 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    n = int(positions.max()) + 1 if positions.numel() else 1
+    n = max_position if max_position is not None else (int(positions.max()) + 1 if positions.numel() else 1)
     ang = torch.arange(n, dtype=torch.float32, device=x.device)[:, None] * inv_freq[None, :]
     emb = torch.cat([ang, ang], dim=-1)
     c = emb.cos()[positions].to(x.dtype).unsqueeze(-2)

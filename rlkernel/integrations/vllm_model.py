@@ -43,6 +43,7 @@ class StrictForCausalLM(StrictDecoder):
         hf = vllm_config.model_config.hf_config
         config = DecoderConfig.from_hf(hf.to_dict())
         super().__init__(config, dtype=vllm_config.model_config.dtype, device=vllm_config.device_config.device)
+        self.set_max_positions(vllm_config.model_config.max_model_len)  # RoPE without reading positions back
         settings = plugin_settings(vllm_config)
         self.rollout_temperature = float(settings.get("temperature", 1.0))
         if not self.rollout_temperature > 0:

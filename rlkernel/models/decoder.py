@@ -127,6 +127,7 @@ class _Attention(nn.Module):
         self.k_proj = _Linear(h, c.num_kv_heads * d, c.attention_bias, dtype, device)
         self.v_proj = _Linear(h, c.num_kv_heads * d, c.attention_bias, dtype, device)
         self.o_proj = _Linear(c.num_heads * d, h, False, dtype, device, canonical_segments(c.num_heads * d, c.row_segments))
+        self.rope_positions: int | None = None  # a bound on positions (set_max_positions): no device read-back
         if c.qk_norm:
             self.q_norm = _Norm(d, c.rms_norm_eps, dtype, device)
             self.k_norm = _Norm(d, c.rms_norm_eps, dtype, device)
@@ -138,7 +139,8 @@ class _Attention(nn.Module):
         v = self.v_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        bound = self.rope_positions
+        q, k = rope(q, positions, c.rope_theta, max_position=bound), rope(k, positions, c.rope_theta, max_position=bound)
         out = attend(layer, q, k, v)
         return self.o_proj(out.reshape(t, c.num_heads * c.head_dim))
 
@@ -181,6 +183,13 @@ class StrictDecoder(nn.Module):
         self.model.norm = _Norm(c.hidden_size, c.rms_norm_eps, dtype, device)
         if not c.tie_word_embeddings:
             self.lm_head = _Linear(c.hidden_size, c.vocab_size, False, dtype, device)
+
+    def set_max_positions(self, n: int | None) -> None:
+        """Bound every position this model will see (an engine's max_model_len): RoPE then sizes
+        its table from the bound instead of reading the positions back from the device, which
+        keeps a GPU decode step free of host syncs (and CUDA-graph capturable)."""
+        for layer in self.model.layers:
+            layer.self_attn.rope_positions = None if n is None else int(n)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

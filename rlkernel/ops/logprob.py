@@ -18,8 +18,11 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         raise ValueError(f"linear_logprob: weight {tuple(weight.shape)} does not fit hidden {hidden.shape[1]} / vocab_size {vocab_size}")
     if not temperature > 0:
         raise ValueError(f"linear_logprob: temperature must be > 0, got {temperature}")
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
-        raise ValueError(f"linear_logprob: targets outside [0, {vocab_size})")
+    if targets.numel():
+        if targets.is_cuda:  # checked on the device: reading the targets back would sync every decode step
+            torch._assert_async(((targets >= 0) & (targets < vocab_size)).all(), "linear_logprob: targets outside the vocab")
+        elif int(targets.min()) < 0 or int(targets.max()) >= vocab_size:
+            raise ValueError(f"linear_logprob: targets outside [0, {vocab_size})")
     return dispatch.call("linear_logprob", backend, (hidden, weight, targets), "targets", hidden, weight, targets.long(), float(temperature), vocab_size)
 
 

@@ -9,10 +9,13 @@ from ..backends.reference.rope import rope_table
 __all__ = ["rope", "rope_table"]
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, *, backend: str | None = None) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by the absolute positions [T] (int64)."""
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, *, backend: str | None = None,
+         max_position: int | None = None) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by the absolute positions [T] (int64). max_position: a bound
+    on the positions the caller knows (sizes the table without reading the positions back)."""
     if x.dim() != 3 or positions.shape != x.shape[:1]:
         raise ValueError(f"rope: want x [T, heads, d] and positions [T], got {tuple(x.shape)} and {tuple(positions.shape)}")
     if x.shape[-1] % 2:
         raise ValueError(f"rope: head_dim must be even, got {x.shape[-1]}")
-    return dispatch.call("rope", backend, (x, positions), x, positions, theta)
+    hint = {} if max_position is None else {"max_position": int(max_position)}
+    return dispatch.call("rope", backend, (x, positions), x, positions, theta, **hint)

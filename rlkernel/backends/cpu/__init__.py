@@ -164,8 +164,8 @@ def _swiglu(gate, up):
     return swiglu.swiglu(gate, up, prims=CPU, fwd=_ops().swiglu)
 
 
-def _rope(x, positions, theta):
-    return rope.rope(x, positions, theta, fwd=_ops().rope)
+def _rope(x, positions, theta, max_position=None):
+    return rope.rope(x, positions, theta, fwd=_ops().rope, max_position=max_position)
 
 
 def _attention(kind, q, k, v, *args, max_query_len=None, max_seq_len=None):

@@ -98,9 +98,21 @@ class RopeFn(torch.autograd.Function):
         return ctx.fwd(g.contiguous(), ctx.positions, ctx.cos, -ctx.sin), None, None, None, None
 
 
-def rope(x, positions, theta, *, fwd=forward):
+def rope(x, positions, theta, *, fwd=forward, max_position=None):
+    """max_position (a bound the caller knows, e.g. the engine's max_model_len): size the table
+    from it instead of reading positions.max() back from the device (a sync); on CUDA the bound
+    is then checked by a device-side assert."""
     d = x.shape[-1]
-    cos, sin = rope_table(d, int(positions.max()) + 1 if positions.numel() else 1, theta, x.device)
+    if max_position is None:
+        n = int(positions.max()) + 1 if positions.numel() else 1
+    else:
+        n = int(max_position)
+        if positions.numel():
+            if positions.is_cuda:
+                torch._assert_async((positions < n).all(), "rope: a position is >= max_position")
+            elif int(positions.max()) >= n:
+                raise ValueError(f"rope: position {int(positions.max())} is >= max_position {n}")
+    cos, sin = rope_table(d, n, theta, x.device)
     if wants_grad(x):
         return RopeFn.apply(x, positions, cos, sin, fwd)
     return fwd(x, positions, cos, sin)
