@@ -53,6 +53,65 @@ def _logits_stats_kernel(a_ptr, b_ptr, tgt_ptr, ml_ptr, zt_ptr, M, N, K, vocab, 
         tl.store(zt_ptr + rm, zt, mask=own)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _grad_z_kernel(a_ptr, b_ptr, tgt_ptr, lse_ptr, g_ptr, dz_ptr, M, N, K, lo, hi, sam, sak, sbn, sbk, sdm,
+                   temperature, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, TMA: tl.constexpr, IEEE: tl.constexpr):
+    """dz[t, j] = (onehot(target_t)_j - p_tj) * g_t / T for vocab rows lo + j of one chunk, with
+    p = exp(z - lse) from the chunk's logits recomputed in the tile (never stored), written in
+    dz's dtype (the operand of the backward GEMMs). Deterministic: element-wise per output."""
+    width = hi - lo
+    if TMA:
+        a_src = tl.make_tensor_descriptor(a_ptr, [M, K], [sam, 1], [BLOCK_M, BLOCK_K])
+        b_src = tl.make_tensor_descriptor(b_ptr + lo * sbn, [width, K], [sbn, 1], [BLOCK_N, BLOCK_K])
+    else:
+        a_src = a_ptr
+        b_src = b_ptr + lo * sbn
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(width, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = _k_loop(a_src, b_src, off_m, off_n, M, width, K, sam, sak, sbn, sbk,
+                      BLOCK_M, BLOCK_N, BLOCK_K, TMA, True, IEEE)
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        row_ok = rm < M
+        lse = tl.load(lse_ptr + rm, mask=row_ok, other=0.0)
+        g = tl.load(g_ptr + rm, mask=row_ok, other=0.0)
+        tgt = tl.load(tgt_ptr + rm, mask=row_ok, other=-1)
+        z = tl.div_rn(acc, temperature)
+        p = tl.exp2((z - lse[:, None]) * 1.4426950408889634)
+        onehot = tl.where((lo + rn[None, :]) == tgt[:, None], 1.0, 0.0)
+        dz = tl.div_rn((onehot - p) * g[:, None], temperature)
+        ok = row_ok[:, None] & (rn[None, :] < width)
+        tl.store(dz_ptr + rm[:, None].to(tl.int64) * sdm + rn[None, :], dz.to(dz_ptr.dtype.element_ty), mask=ok)
+
+
+def grad_z(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
+           temperature: float, lo: int, hi: int, *, out_dtype=None, config: C.TileConfig | None = None) -> torch.Tensor:
+    """d(g . logprob(targets)) / d(logits[:, lo:hi]) as [T, hi - lo] in out_dtype (default the
+    weight's): the linear-logprob backward's operand, one vocab chunk, fused (no fp32 logits)."""
+    T, H = hidden.shape
+    cfg = config or C.logprob_config(str(hidden.dtype).replace("torch.", ""), hi, H)
+    dz = torch.empty((T, hi - lo), device=hidden.device, dtype=out_dtype or weight.dtype)
+    if T == 0 or hi <= lo:
+        return dz
+    tiles = triton.cdiv(T, cfg.block_m) * triton.cdiv(hi - lo, cfg.block_n)
+    progs = min(_num_sms(hidden.device), tiles)
+    tma = _tma_ok(cfg, hidden, weight) and (lo * weight.stride(0) * weight.element_size()) % 16 == 0
+    if tma:
+        _ensure_allocator()
+    _grad_z_kernel[(progs,)](
+        hidden, weight, targets.to(torch.int32).contiguous(), lse.contiguous(), g.float().contiguous(), dz, T,
+        weight.shape[0], H, lo, hi, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        dz.stride(0), float(temperature), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, NUM_PROGS=progs, TMA=tma, IEEE=hidden.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+    return dz
+
+
 @triton.jit
 def _merge_ml(m1, l1, m2, l2):
     m = tl.maximum(m1, m2)

@@ -185,13 +185,17 @@ def _chunks(vocab_size):
     return [(lo, min(lo + VOCAB_CHUNK, vocab_size)) for lo in range(0, vocab_size, VOCAB_CHUNK)]
 
 
-def _vocab_backward(hidden, weight, temperature, vocab_size, grad_z, needs):
+def _vocab_backward(hidden, weight, temperature, vocab_size, grad_z, needs, fused_gz=None):
+    """fused_gz(h, lo, hi) -> dz chunk in the weight dtype (a kernel), else grad_z on fp32 logits."""
     gemm = _k()[0]
     h = hidden.contiguous()
     gh = None
     gw = torch.zeros_like(weight) if needs[1] else None
     for lo, hi in _chunks(vocab_size):
-        gz = (grad_z(_logits(h, weight, lo, hi, temperature), lo, hi) / temperature).to(weight.dtype)
+        if fused_gz is not None:
+            gz = fused_gz(h, lo, hi)
+        else:
+            gz = (grad_z(_logits(h, weight, lo, hi, temperature), lo, hi) / temperature).to(weight.dtype)
         if needs[0]:
             part = gemm.matmul(gz, b=weight[lo:hi], out_dtype=torch.float32)
             gh = part if gh is None else gh + part
@@ -219,7 +223,11 @@ class _LogprobFn(torch.autograd.Function):
             gz[rows, targets[rows] - lo] += 1.0
             return gz * g[:, None]
 
-        gh, gw = _vocab_backward(hidden, weight, ctx.temperature, ctx.vocab_size, grad_z, ctx.needs_input_grad[:2])
+        def fused_gz(h, lo, hi):
+            return _k()[3].grad_z(h, weight, targets, lse, g, ctx.temperature, lo, hi)
+
+        gh, gw = _vocab_backward(hidden, weight, ctx.temperature, ctx.vocab_size, grad_z, ctx.needs_input_grad[:2],
+                                 fused_gz=fused_gz)
         return gh, gw, None, None, None
 
 
