@@ -202,6 +202,13 @@ _WRAPPERS = textwrap.dedent('''
     close(yn, ynr, 1e-5)
     for a, r in zip(torch.autograd.grad(yn.sum(), (xn, wn)), torch.autograd.grad(ynr.sum(), (xn, wn))):
         close(a, r, 1e-4)
+    res, c = torch.randn(5, 64, requires_grad=True), torch.randn(5, 64)  # the residual form: (y, x + residual)
+    yr2, hr2 = O.rms_norm(xn, wn, 1e-6, residual=res)
+    hh = xn + res
+    loss_a = yr2.sum() + (hr2 * c).sum()
+    loss_r = F.rms_norm(hh, (64,), wn, 1e-6).sum() + (hh * c).sum()
+    for a, r in zip(torch.autograd.grad(loss_a, (xn, wn, res)), torch.autograd.grad(loss_r, (xn, wn, res))):
+        close(a, r, 1e-4)
     gt, up = torch.randn(4, 40, requires_grad=True), torch.randn(4, 40, requires_grad=True)
     s, sr = O.swiglu(gt, up), F.silu(gt) * up
     close(s, sr, 1e-5)

@@ -58,3 +58,46 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
                                  num_warps=_warps(H), enable_fp_fusion=False)
     y = y.reshape(*x.shape[:-1], H)
     return y if residual is None else (y, h.reshape(x.shape))
+
+
+@triton.jit
+def _rmsnorm_bwd_kernel(h_ptr, w_ptr, gy_ptr, gho_ptr, gx_ptr, pw_ptr, H, sh, sgy, sgho, sgx, eps,
+                        HAS_GHO: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: dh = rstd * (gy*w - xhat * mean(gy*w*xhat)) (+ the residual stream's gradient),
+    and the row's share of dw, g * (the normalised row the forward multiplied by w), in fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    h = tl.load(h_ptr + row * sh + cols, mask=mask, other=0.0)
+    hf = h.to(tl.float32)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(hf * hf, axis=0), H.to(tl.float32)) + eps))
+    xhat = hf * rstd
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    gy = tl.load(gy_ptr + row * sgy + cols, mask=mask, other=0.0).to(tl.float32)
+    gyw = gy * w
+    dot = tl.div_rn(tl.sum(gyw * xhat, axis=0), H.to(tl.float32))
+    gh = rstd * (gyw - xhat * dot)
+    if HAS_GHO:
+        gh = gh + tl.load(gho_ptr + row * sgho + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(gx_ptr + row * sgx + cols, gh.to(gx_ptr.dtype.element_ty), mask=mask)
+    normed = xhat.to(h_ptr.dtype.element_ty).to(w_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(pw_ptr + row * H + cols, gy * normed, mask=mask)
+
+
+def rms_norm_backward(h: torch.Tensor, weight: torch.Tensor, gy: torch.Tensor, eps: float,
+                      gh_out: torch.Tensor | None = None):
+    """(dx, dw_rows) of RMSNorm from its input h (x, or x + residual), the weight and dy; dw_rows
+    [rows, H] float32 are the per-row shares of dw (the caller reduces them in a fixed order).
+    Deterministic: one program per row, fixed layouts."""
+    H = h.shape[-1]
+    h2 = h.reshape(-1, H).contiguous()
+    gy2 = gy.reshape(-1, H).contiguous()
+    rows = h2.shape[0]
+    gx = torch.empty_like(h2)
+    pw = torch.empty((rows, H), device=h.device, dtype=torch.float32)
+    gho = gh_out.reshape(-1, H).contiguous() if gh_out is not None else gy2
+    if rows:
+        _rmsnorm_bwd_kernel[(rows,)](h2, weight.contiguous(), gy2, gho, gx, pw, H, h2.stride(0), gy2.stride(0),
+                                     gho.stride(0), gx.stride(0), float(eps), HAS_GHO=gh_out is not None,
+                                     BLOCK=triton.next_power_of_2(H), num_warps=_warps(H), enable_fp_fusion=False)
+    return gx.reshape(h.shape), pw

@@ -5,7 +5,7 @@ What this module decides: how each public op maps onto the kernels (shapes, the 
 tree, the bias, the fused-logprob kinds) and how gradients are computed on the GPU:
   linear       dx = g W, dW = g^T x through the same GEMM kernel and configs (g in x.dtype,
                fp32 accumulate); db by a balanced tree over rows
-  rms_norm     the shared explicit backward (reference.norm.RmsNormFn), torch ops
+  rms_norm     one row per program (dx and the row's dw share), dw by a balanced tree over rows
   swiglu       the shared explicit backward (reference.swiglu.SwigluFn) with torch.exp
   attention    FlashAttention-2-style recompute kernels, no atomics (attention_bwd.py)
   linear_logprob / entropy   vocab chunks in fixed order: the chunk's logits recomputed with
@@ -24,7 +24,6 @@ import torch
 
 from ... import dispatch
 from ...contracts import gpu as G
-from ..reference import norm as _ref_norm
 from ..reference import swiglu as _ref_swiglu
 from ..reference.linear import wants_grad
 from ..reference.primitives import Prims, tree_sum
@@ -120,8 +119,27 @@ def _norm_fwd(x, weight, eps, residual):
     return norm.rms_norm(x, weight, eps, residual=residual)
 
 
+class _RmsNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, residual):
+        y, h = _norm_fwd(x, weight, eps, residual)
+        ctx.save_for_backward(h, weight)
+        ctx.eps, ctx.has_residual = eps, residual is not None
+        return (y, h) if residual is not None else y
+
+    @staticmethod
+    def backward(ctx, gy, gh_out=None):
+        h, w = ctx.saved_tensors
+        gx, pw = _k()[1].rms_norm_backward(h, w, gy, ctx.eps, gh_out)
+        gw = tree_sum(pw, dim=0).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw, None, (gx if ctx.has_residual else None)
+
+
 def rms_norm(x, weight, eps, residual=None):
-    return _ref_norm.rms_norm(x, weight, eps, residual, fwd=_norm_fwd)
+    if wants_grad(x, weight, residual):
+        return _RmsNormFn.apply(x, weight, eps, residual)
+    y, h = _norm_fwd(x, weight, eps, residual)
+    return y if residual is None else (y, h)
 
 
 def swiglu(gate, up):
