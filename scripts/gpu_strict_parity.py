@@ -623,8 +623,12 @@ def sweep(args, res):
             t_p = bench(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L, config=cfg))
             t_d = bench(lambda: A.attention_paged(q[last], kc, vc, pages, sl, qsl, max_query_len=1, max_seq_len=L,
                                                   config=cfg))
+            t_pn = bench(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L, config=cfg, split=False, walk="nested"))
+            nested = A.attention_varlen(q, k, v, cu, max_seqlen=L, config=cfg, split=False, walk="nested")
             out["attention"][key] = {"prefill_tflops": round(flops / t_p / 1e9, 1), "decode_b8_us": round(t_d * 1e3, 1),
-                                     "decode_equals_prefill": bool(torch.equal(dec, full[last]))}
+                                     "prefill_nested_tflops": round(flops / t_pn / 1e9, 1),
+                                     "decode_equals_prefill": bool(torch.equal(dec, full[last])),
+                                     "nested_equals_flat": bool(torch.equal(nested, full))}
         except Exception as e:
             out["attention"][key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         log("sweep attn", key, out["attention"][key])

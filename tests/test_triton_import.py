@@ -102,6 +102,7 @@ _INTERPRET = textwrap.dedent('''
                                                            v[:29].transpose(0, 1).repeat_interleave(2, 0), is_causal=True).transpose(0, 1)
     assert (full[:29] - ref).abs().max() < 1e-4
     assert torch.equal(full, rk.attention_varlen(q, k, v, cu, config=acfg, split=True))
+    assert torch.equal(full, rk.attention_varlen(q, k, v, cu, config=acfg, split=False, walk="nested"))
     kc = torch.full((12, 4, hkv, d), float("nan")); vc = kc.clone()
     bt = torch.tensor([[7, 2, 9, 0, 11, 4, 1, 8], [3, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.int32)
     for i, L in enumerate(lens):
@@ -113,6 +114,9 @@ _INTERPRET = textwrap.dedent('''
         for split in (None, True, False):
             od = rk.attention_paged(q[rows], kc, vc, bt[:len(rows)], sl, torch.arange(len(rows) + 1), config=acfg, split=split)
             assert torch.equal(od, full[rows]), (t, split)
+            od = rk.attention_paged(q[rows], kc, vc, bt[:len(rows)], sl, torch.arange(len(rows) + 1), config=acfg,
+                                    split=False, walk="nested")
+            assert torch.equal(od, full[rows]), (t, "nested")
     kk, vv = torch.randn(7, 2, 16), torch.randn(7, 2, 16)  # the KV write: negative slots skipped, any cache strides
     for layout in ("plain", "vllm"):
         if layout == "plain":

@@ -132,7 +132,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr
               sqt, sqh, sot, soh, skb, skt, skh, sbt, qk_scale, n_tiles, nseg,
               G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
               SEG_CHUNKS: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
-              IEEE: tl.constexpr, STORE_LSE: tl.constexpr):
+              IEEE: tl.constexpr, STORE_LSE: tl.constexpr, NESTED: tl.constexpr = False):
     pid0 = tl.program_id(0)
     req = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -162,6 +162,21 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr
                 tl.store(po_ptr + pidx[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
                 tl.store(pml_ptr + pidx * 2, m, mask=row_ok)
                 tl.store(pml_ptr + pidx * 2 + 1, l, mask=row_ok)
+        elif NESTED:
+            # segment by segment, each a clean chunk loop (_segment), folded in order: the same
+            # arithmetic as the flat walk below and as the split programs + combine
+            M = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+            L = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            O = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+            for s in range(0, n_seg):
+                m, l, acc = _segment(q, s, n_chunks, n_full, k_ptr, v_ptr, bt_ptr, req, kvh, kv_len, kv_start, qpos,
+                                     qk_scale, skb, skt, skh, sbt, SEG_CHUNKS, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE)
+                M, L, O = _merge(M, L, O, m, l, acc)
+            out = tl.div_rn(O, L[:, None])
+            tl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+            if STORE_LSE:
+                _store_lse(lse_ptr, qrow * (tl.num_programs(2) * G) + head, M, L, row_ok)
         else:
             # one flat walk over the chunks; a finished segment is folded into (M, L, O) at the
             # next segment's first chunk: the same arithmetic as _segment + _merge per segment
@@ -227,7 +242,9 @@ def _attn_combine(o_ptr, qs_ptr, ql_ptr, kl_ptr, po_ptr, pml_ptr, lse_ptr, sot, 
 
 
 def _launch(q, k, v, out, bt, q_start, q_len, kv_len, kv_start, n_tiles, max_kv, scale, paged, split, cfg,
-            strides_kv, lse=None):
+            strides_kv, lse=None, walk="flat"):
+    if walk not in ("flat", "nested"):
+        raise ValueError(f"attention: walk must be 'flat' or 'nested', got {walk!r}")
     T, hq, d = q.shape
     hkv = strides_kv[3]
     G = hq // hkv
@@ -252,7 +269,8 @@ def _launch(q, k, v, out, bt, q_start, q_len, kv_len, kv_start, n_tiles, max_kv,
         q, k, v, out, bt, q_start, q_len, kv_len, kv_start, po, pml, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), skb, skt, skh, bt.stride(0) if paged else 0,
         qk_scale, n_tiles, nseg, PAGED=paged, SPLIT=split, PAGE=cfg.page_size if not paged else k.shape[1],
-        IEEE=q.dtype == torch.float32, STORE_LSE=store_lse and not split, num_warps=cfg.num_warps,
+        IEEE=q.dtype == torch.float32, STORE_LSE=store_lse and not split, NESTED=walk == "nested",
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, enable_fp_fusion=False, **common)
     if split:
         _attn_combine[(n_tiles, B, hkv)](out, q_start, q_len, kv_len, po, pml, lse, out.stride(0), out.stride(1),
@@ -269,7 +287,7 @@ def _check_qkv(q, hkv, d):
 
 
 def attention_varlen(q, k, v, cu_seqlens, *, scale=None, max_seqlen=None, split=None, config=None,
-                     return_lse=False):
+                     return_lse=False, walk="flat"):
     """Causal attention over packed sequences: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1].
 
     return_lse=True returns (out, lse) with lse float32 [T, Hq] = logsumexp_j(scale * q.k_j) over
@@ -293,12 +311,12 @@ def attention_varlen(q, k, v, cu_seqlens, *, scale=None, max_seqlen=None, split=
     n_tiles = triton.cdiv(max_seqlen, cfg.block_m // (q.shape[1] // k.shape[1]))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     _launch(q, k, v, out, q_start, q_start, q_len, q_len, q_start, n_tiles, max_seqlen, scale, False, split,
-            cfg, (0, k.stride(0), k.stride(1), k.shape[1]), lse)
+            cfg, (0, k.stride(0), k.stride(1), k.shape[1]), lse, walk=walk)
     return (out, lse) if return_lse else out
 
 
 def attention_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None,
-                    max_query_len=None, max_seq_len=None, split=None, config=None):
+                    max_query_len=None, max_seq_len=None, split=None, config=None, walk="flat"):
     """Queries against a paged KV cache [num_blocks, block_size, Hkv, D] (decode, chunked prefill).
 
     Request b owns q rows query_start_loc[b]:query_start_loc[b+1], the last tokens of its
@@ -323,7 +341,7 @@ def attention_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     n_tiles = triton.cdiv(max_query_len, cfg.block_m // (q.shape[1] // k_cache.shape[2]))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _launch(q, k_cache, v_cache, out, bt, q_start, q_len, kv_len, q_start, n_tiles, max_seq_len, scale, True,
-                   split, cfg, (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[2]))
+                   split, cfg, (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[2]), walk=walk)
 
 
 @triton.jit(do_not_specialize=["n_tok"])
