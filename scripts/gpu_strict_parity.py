@@ -663,6 +663,7 @@ def main(argv=None):
     ap.add_argument("--gen-max", type=int, default=3072)
     ap.add_argument("--only", default="kernels,parity,native,timing,train")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
+    ap.add_argument("--merge", default=None, help="a previous call's JSON: keep its sections, add or replace these")
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -674,9 +675,11 @@ def main(argv=None):
         return 0
     import triton
     import rlkernel as rk
-    res = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+    res = json.loads(Path(args.merge).read_text()) if args.merge else {}
+    res.pop("skipped", None)
+    res.update({"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
            "torch": torch.__version__, "triton": triton.__version__, "args": vars(args),
-           "contracts": {op: rk.contract_for(op, device=DEV) .contract_id for op in rk.OPS}}
+           "contracts": {op: rk.contract_for(op, device=DEV).contract_id for op in rk.OPS}})
     log(res["contracts"])
     todo = args.only.split(",")
     model = build_model(args.layers) if set(todo) - {"kernels", "sweep"} else None
