@@ -121,6 +121,12 @@ _REGISTRY: dict[tuple[str, str], Implementation] = {}
 _STRICT_ORDER = {"cpu": ("cpu", "reference"), "cuda": ("triton", "reference")}
 
 
+def strict_preference(device_type: str) -> tuple:
+    """The strict implementations of a device type, most preferred first (read-only: a run whose
+    provenance shows a later one than the first fell back, and `vime` marks that)."""
+    return _STRICT_ORDER.get(device_type, ("reference",))
+
+
 def _always() -> bool:
     return True
 

@@ -1,6 +1,13 @@
-"""Reward functions that misbehave on purpose, for the reward-worker tests (imported by the worker process)."""
+"""Reward functions for the tests (imported by the worker process): most misbehave on purpose."""
 import os
 import time
+
+
+def digit_share(response: str, ground_truth: str) -> float:
+    """Well-behaved and text-dependent: the share of digits in the response. Unlike a correctness
+    reward on a barely trained model, it differs between a group's samples, so every GRPO step
+    really changes the weights (the exact-resume test needs updates that are not zero)."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
 
 
 def by_text(response: str, ground_truth: str):
@@ -15,6 +22,8 @@ def by_text(response: str, ground_truth: str):
         return None
     if response == "exit":
         os._exit(3)
+    if response == "alloc":  # 8 GiB of address space (calloc: untouched pages, no real memory), beyond reward.memory_mb
+        return float(len(bytes(8 << 30)))
     return 1.0 if response.strip() == ground_truth else 0.0
 
 

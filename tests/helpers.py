@@ -87,7 +87,7 @@ def run_gloo_ranks(world: int, body, args: tuple, outdir: str, timeout: float = 
     for r, p in enumerate(procs):
         err = os.path.join(outdir, f"rank{r}.err")
         assert p.exitcode == 0, f"rank {r} exit {p.exitcode}\n" + (open(err).read() if os.path.exists(err) else "")
-    return [torch.load(os.path.join(outdir, f"rank{r}.pt")) for r in range(world)]
+    return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=True) for r in range(world)]
 
 
 def record_native(fact: str, differs: int) -> None:

@@ -2,35 +2,91 @@
 GRPO loop end to end. Strict: every step compares > 0 tokens, is comparable, and has
 mismatch_count == 0; metrics.jsonl, the wandb offline run and the Parquet records exist and
 agree; weight versions rise by one per step and every record's version is the version the
-trainer scored it with; both engines ran the same op contracts (per-step provenance); a run
-resumed from its checkpoint continues the same step stream; no token is non-finite, no reward
-failed and no data row was quarantined, and each line says so.
+trainer scored it with; both engines ran the same op contracts (per-step provenance); no token
+is non-finite, no reward failed and no data row was quarantined, and each line says so. While
+it runs, every socket the run's process tree (driver, Ray, both roles, the reward worker,
+wandb) listens on is on loopback.
+Exact resume: a run killed (SIGKILL, whole process tree) after its step-2 checkpoint and
+resumed equals the uninterrupted run bit for bit — every metric line except the wall-clock
+fields (controller.WALL_CLOCK_FIELDS), every record file, every step's provenance, the final
+weights and the optimizer/RNG state — and the weights really changed on every step. A
+checkpoint of another model is refused naming both; a corrupt checkpoint file is named; after
+either refusal the run directory is byte for byte as it was.
 Native (rlkernel's native backend in both engines): mismatch_count > 0 on most steps.
 In-process, with a reward function that raises or hangs on some prompts: those samples are
 counted per reason in the step's `reward_failures`, exactly as their records' `reward_status`
 says, and the run goes on."""
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+from vime.executor import is_loopback
 from vime.records import read_records
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
+# run A and run B: 3 steps, a checkpoint after each, a reward that differs within every group
+RESUMABLE = ("trainer.total_steps=3", "run.save_every=1", "reward.fn=faulty_rewards:digit_share")
+
+
+def _overrides(tmp, out, *extra):
+    return [f"run.output_dir={out}", f"model.path={tmp / 'model'}", "model.tiny.warmstart_steps=20", f"data.path={tmp / 'addition.parquet'}",
+            "data.prompts_per_step=4", "data.samples_per_prompt=4", "logging.progress=false", *extra]
+
+
+def _cli(tmp, out, *overrides):
+    return [sys.executable, "-m", "vime.cli", "train", "--config-name", "grpo_tiny", *_overrides(tmp, out, *overrides)]
+
+
+def _env():
+    return os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}  # faulty_rewards
+
+
+def _rows(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
 def _train(tmp, out, *overrides):
-    args = [sys.executable, "-m", "vime.cli", "train", "--config-name", "grpo_tiny", f"run.output_dir={out}",
-            f"model.path={tmp / 'model'}", "model.tiny.warmstart_steps=20", f"data.path={tmp / 'addition.parquet'}",
-            "data.prompts_per_step=4", "data.samples_per_prompt=4", "logging.progress=false", *overrides]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}  # faulty_rewards
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(_cli(tmp, out, *overrides), cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return _rows(out)
+
+
+def _tree(pid):
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _bound(pid) -> set:
+    """(process, ip, port) of every listening TCP and bound, unconnected UDP socket of pid's process tree."""
+    out = set()
+    for p in _tree(pid):
+        try:
+            out |= {(p.name(), c.laddr.ip, c.laddr.port) for c in p.net_connections("inet")
+                    if c.status == psutil.CONN_LISTEN or (c.status == psutil.CONN_NONE and not c.raddr)}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def _digest(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _snapshot(run_dir):
+    """Every file of a run directory and its sha256 (to show a refused resume changed nothing)."""
+    return {str(f.relative_to(run_dir)): _digest(f) for f in sorted(Path(run_dir).rglob("*")) if f.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +94,23 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("e2e")
 
 
-def test_strict_loop_then_resume(tmp):
+@pytest.fixture(scope="module")
+def strict_run(tmp):
+    """Run A: RESUMABLE, uninterrupted, through the CLI; the sockets its process tree binds, sampled while it runs."""
     out = tmp / "strict"
-    first = _train(tmp, out, "trainer.total_steps=2", "run.save_every=1")
-    assert [m["step"] for m in first] == [0, 1]
-    rows = _train(tmp, out, "trainer.total_steps=3", "run.resume=true")
+    with open(tmp / "strict.log", "w") as log:
+        proc = subprocess.Popen(_cli(tmp, out, *RESUMABLE), cwd=ROOT, env=_env(), stdout=log, stderr=log)
+        bound, deadline = set(), time.monotonic() + 900
+        while proc.poll() is None and time.monotonic() < deadline:
+            bound |= _bound(proc.pid)
+            time.sleep(0.3)
+    assert proc.wait(timeout=10) == 0, (tmp / "strict.log").read_text()[-4000:]
+    return out, _rows(out), bound
+
+
+def test_strict_loop(tmp, strict_run):
+    out, rows, bound = strict_run
     assert [m["step"] for m in rows] == [0, 1, 2]
-    assert rows[:2] == first  # the resumed run kept the first two steps as written
     for m in rows:
         assert m["comparable"] and m["compared_tokens"] > 0 and m["mismatch_count"] == 0 and m["max_abs_diff"] == 0.0
         assert m["nonfinite_tokens"] == 0 and m["reward_failures"] == {} and m["data_quarantined"] == {} and m["not_comparable_reasons"] == []
@@ -53,6 +119,7 @@ def test_strict_loop_then_resume(tmp):
         assert len(recs) == 16 and all(set(r.weight_versions) == {m["step"]} for r in recs if r.weight_versions)
         assert sum(len(r.response_ids) for r in recs) == m["compared_tokens"] == m["response_tokens"]
         assert abs(sum(r.reward for r in recs) / len(recs) - m["reward_mean"]) < 1e-9
+        assert len({r.sampling.seed for r in recs}) == 16  # a seed per sample, recorded
         prov = json.loads((out / "provenance" / f"step_{m['step']:06d}.json").read_text())
         assert m["contracts_match"] and prov["contracts_match"]
         for side in ("rollout", "trainer"):  # both engines ran the strict contracts, and only those
@@ -61,8 +128,81 @@ def test_strict_loop_then_resume(tmp):
     assert wandb_runs and (out / "provenance.json").exists() and (out / "checkpoints" / "latest").read_text() == "step_000003"
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["config"]["rlkernel"]["mode"] == "strict" and prov["rollout"]["engine_args"]["worker"]["attention_impl"] == "StrictAttentionImpl"
+    # nothing the run binds is reachable from another machine: Ray (GCS, raylet, workers, agents), vLLM, gloo, wandb
+    names = {name for name, _, _ in bound}
+    assert {"gcs_server", "raylet"} <= names, names  # the sampling saw the run's services
+    assert [b for b in bound if not is_loopback(b[1])] == []
+    assert not list((out / "checkpoints").rglob("*.pt")) and not list((out / "checkpoints").rglob("*.pkl"))  # no pickles
     with pytest.raises(AssertionError):  # a finished run directory is not overwritten without resume
-        _train(tmp, out, "trainer.total_steps=3")
+        _train(tmp, out, *RESUMABLE)
+
+
+def test_exact_resume_after_kill(tmp, strict_run):
+    from vime.controller import WALL_CLOCK_FIELDS
+
+    a, rows_a, _ = strict_run
+    b = tmp / "killed"
+    with open(tmp / "killed.log", "w") as log:  # run B: the same run, SIGKILLed (whole tree) once checkpoint 2 is written
+        proc = subprocess.Popen(_cli(tmp, b, *RESUMABLE), cwd=ROOT, env=_env(), stdout=log, stderr=log)
+        latest, deadline = b / "checkpoints" / "latest", time.monotonic() + 900
+        while proc.poll() is None and time.monotonic() < deadline and not (latest.exists() and latest.read_text() == "step_000002"):
+            time.sleep(0.05)
+        for p in _tree(proc.pid):
+            p.kill()
+    assert proc.wait(timeout=30) == -9, "run B finished before it could be interrupted"
+    assert [m["step"] for m in _rows(b)] in ([0, 1], [0, 1, 2])  # step 2 was running (or logged, without its checkpoint)
+    rows_b = _train(tmp, b, *RESUMABLE, "run.resume=true")
+
+    def clockless(rows):
+        return [{k: v for k, v in m.items() if k not in WALL_CLOCK_FIELDS} for m in rows]
+
+    assert clockless(rows_b) == clockless(rows_a)
+    for rel in [f"{d}/step_{s:06d}.{ext}" for s in range(3) for d, ext in (("records", "parquet"), ("provenance", "json"))] + \
+            [f"checkpoints/step_000003/{f}" for f in ("model.safetensors", "trainer_state.safetensors", "trainer_state.json")]:
+        assert _digest(b / rel) == _digest(a / rel), rel
+    # not vacuous: rewards differed within groups, and every step changed the weights
+    assert all(m["reward_std"] > 0 and m["grad_norm"] > 0 for m in rows_a)
+    weights = [_digest(tmp / "model" / "model.safetensors")] + [_digest(a / f"checkpoints/step_{s:06d}/model.safetensors") for s in (1, 2, 3)]
+    assert len(set(weights)) == 4
+
+
+def _resume_in_process(tmp, out, *extra):
+    from vime.config import load_config
+    from vime.controller import train
+
+    cfg, plain = load_config("grpo_tiny", _overrides(tmp, out, *RESUMABLE, "run.resume=true", *extra))
+    return train(cfg, plain)
+
+
+def test_resume_refuses_another_model(tmp, strict_run):
+    from vime.checkpoint import CheckpointError
+
+    run, other = tmp / "other_model_run", tmp / "other_model"
+    shutil.copytree(strict_run[0], run)
+    shutil.copytree(tmp / "model", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 1e-5}))
+    before = _snapshot(run)
+    with pytest.raises(CheckpointError, match=r"step_000003 is refused: it was written for model \S+/model \(config sha256 \w+\), "
+                                              r"this run's model is \S+/other_model .*rms_norm_eps: 1e-06 -> 1e-05"):
+        _resume_in_process(tmp, run, f"model.path={other}", "trainer.total_steps=4")
+    assert _snapshot(run) == before
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "trainer_state.safetensors", "trainer_state.json", "meta.json"])
+def test_resume_names_a_corrupt_checkpoint_file(tmp, strict_run, name):
+    from vime.checkpoint import CheckpointError
+
+    run = tmp / f"corrupt_{name}"
+    shutil.copytree(strict_run[0], run)
+    path = run / "checkpoints" / "step_000003" / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit
+    path.write_bytes(bytes(data))
+    before = _snapshot(run)
+    with pytest.raises(CheckpointError, match=f"step_000003: {name} is corrupt"):
+        _resume_in_process(tmp, run, "trainer.total_steps=4")
+    assert _snapshot(run) == before
 
 
 def test_native_loop_mismatches(tmp):

@@ -2,8 +2,10 @@
 
 `vime train --config-name NAME [overrides]` runs a recipe (what `make run` calls
 with grpo_tiny), `vime parity` checks rollout-vs-training logprobs on a model,
-`vime plot RUN_DIR` draws a run's curves, `vime selfcheck` shows the strict
-contract on this machine.
+`vime plot RUN_DIR [RUN_DIR ...]` draws a run's curves (or overlays arms), `vime selfcheck`
+shows the strict contract on this machine. From a mismatch to its cause: `vime doctor`
+(before a run: predicted mismatch, per op), `vime replay RUN_DIR --step N` (re-score a saved
+step under any op combination), `vime diagnose RUN_DIR --step N` (both engines op by op).
 """
 from __future__ import annotations
 
@@ -31,9 +33,13 @@ def _train(args) -> int:
 
 
 def _plot(args) -> int:
-    from .plot import plot_run
+    from .plot import plot_run, plot_runs
 
-    for path in plot_run(args.run_dir):
+    if len(args.run_dirs) == 1 and not args.out:
+        paths = plot_run(args.run_dirs[0])
+    else:
+        paths = plot_runs(args.run_dirs, args.out or "compare.png")
+    for path in paths:
         print(path)
     return 0
 
@@ -54,10 +60,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config-name", default="grpo_tiny", help="recipe in recipes/ (without .yaml)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. rlkernel.mode=native trainer.total_steps=5")
     p.set_defaults(fn=_train)
-    p = sub.add_parser("plot", help="write PNG curves of a run's metrics.jsonl")
-    p.add_argument("run_dir")
+    from . import doctor
+
+    p = sub.add_parser("doctor", help="before a run: per-op contracts and implementations of both engines, ΔC, golden bits, predicted mismatch")
+    doctor.add_arguments(p)
+    p.set_defaults(fn=doctor.main)
+    from . import replay
+
+    p = sub.add_parser("replay", help="re-score a run's step with the weights of its version under any op combination")
+    replay.add_arguments(p)
+    p.set_defaults(fn=replay.main)
+    from . import diagnose
+
+    p = sub.add_parser("diagnose", help="both engines on frozen tokens, op by op: name the first op whose outputs differ, and why")
+    diagnose.add_arguments(p)
+    p.set_defaults(fn=diagnose.main)
+    p = sub.add_parser("plot", help="PNG curves of a run's metrics.jsonl, or of several runs overlaid arm by arm")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", help="with several runs: the PNG to write (default ./compare.png)")
     p.set_defaults(fn=_plot)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # overrides may follow options (`vime replay RUN --step N attention=native`): argparse leaves those over
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.fn(args)
 
 

@@ -51,6 +51,7 @@ class RunSection:
     seed: int = 1234
     resume: bool = False  # continue from output_dir/checkpoints/latest
     save_every: int = 0  # checkpoint every N steps (0: only at the end)
+    save_weights: bool = False  # keep every weight version under weights/ (what `vime replay` re-scores with); opt-in: a copy per step
     executor: str = "ray"  # "ray" (roles are actors) or "inprocess" (debugging)
 
     def __post_init__(self):
@@ -232,16 +233,24 @@ class OpOverrides:
 @dataclass(kw_only=True, slots=True)
 class RlkernelSection:
     mode: str = "strict"  # both engines: "strict" or "native"
-    ops: OpOverrides = field(default_factory=OpOverrides)
+    ops: OpOverrides = field(default_factory=OpOverrides)  # both engines
+    rollout_ops: OpOverrides = field(default_factory=OpOverrides)  # the rollout engine only, over `ops` (one-sided ablations)
+    trainer_ops: OpOverrides = field(default_factory=OpOverrides)  # the trainer only, over `ops`
 
     def __post_init__(self):
         _choice("rlkernel.mode", self.mode, ("strict", "native"))
+
+    def side_ops(self, side: str) -> tuple:
+        """The per-op overrides one engine ("rollout" or "trainer") runs: `ops`, then its own."""
+        own = self.rollout_ops if side == "rollout" else self.trainer_ops
+        return tuple(sorted((self.ops.as_dict() | own.as_dict()).items()))
 
 
 @dataclass(kw_only=True, slots=True)
 class RewardSection:
     fn: str = "math_verify"  # a name in vime.data.rewards.REWARD_FNS, or "package.module:function" (escape hatch)
     timeout_s: float = 15.0  # per sample; a slower reward is killed and counted as "timeout"
+    memory_mb: int = 4096  # address-space limit of the reward process (RLIMIT_AS); beyond it allocations fail (MemoryError)
 
     def __post_init__(self):
         import importlib.util
@@ -249,6 +258,8 @@ class RewardSection:
         from .data.reward_worker import REWARD_FNS
 
         _positive("reward.timeout_s", self.timeout_s, example=15.0)
+        _require(self.memory_mb >= 256, "reward.memory_mb", f"the reward process needs >= 256 MB to import Python and math-verify, "
+                 f"got {self.memory_mb}", "set reward.memory_mb=4096")
         if self.fn in REWARD_FNS:
             return
         module, _, attr = self.fn.partition(":")

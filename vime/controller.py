@@ -10,7 +10,7 @@ import dataclasses
 import json
 import os
 import random
-import shutil
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import checkpoint
 from .batch import TrainBatch
 from .config import VimeConfig
 from .gate import comparability
@@ -25,19 +26,25 @@ from .grpo import GRPOConfig, group_advantages
 from .metrics import compare_logprobs, not_compared
 from .records import write_records
 from .sinks import MetricSinks
+from .weights import keep_version
 
 
 def train(cfg: VimeConfig, config_dict: dict) -> Path:
     run_dir = Path(cfg.run.output_dir)
     model_path, prompts, data_report = prepare(cfg, run_dir)
-    start, version, trainer_state = _resume_point(cfg, run_dir, model_path)
-    executor, rollout, trainer, rollout_vocab = _roles(cfg, str(start_weights(run_dir, start, model_path)))
-    if trainer_state is not None:
-        trainer.call("load_state", trainer_state)
+    identity = checkpoint.model_identity(model_path, cfg.model.dtype)
+    resume = _resume_point(cfg, run_dir, identity, config_dict)                     # verified and loaded; nothing changed yet
+    start, version = (resume.step, resume.weight_version) if resume else (0, 0)
+    executor, rollout, trainer, rollout_vocab = _roles(cfg, model_path, resume)
+    if resume is not None:
+        trainer.call("load_state", resume.trainer_state)
         rollout.call("set_weight_version", version)
+        checkpoint.truncate_run(run_dir, start)                                      # only now: the state has loaded
     _write_provenance(run_dir, cfg, config_dict, rollout, trainer)
     sinks = MetricSinks(run_dir, cfg, config_dict, cfg.trainer.total_steps, start)
     try:
+        if cfg.run.save_weights:  # the version the first step generates with (`vime replay` re-scores with it)
+            keep_version(run_dir, model_path, version, trainer.call("export_weights", version))
         for step in range(start, cfg.trainer.total_steps):
             t0 = time.perf_counter()
             batch_prompts = rng_batch(prompts, step, cfg.data.prompts_per_step, cfg.run.seed)
@@ -58,13 +65,17 @@ def train(cfg: VimeConfig, config_dict: dict) -> Path:
             t3 = time.perf_counter()
             version = upd["weight_version"]
             sinks.phase("sync")
-            rollout.call("update_weights", trainer.call("export_weights", version), version)  # sync: version v+1
+            weights = trainer.call("export_weights", version)
+            rollout.call("update_weights", weights, version)                          # sync: version v+1
+            if cfg.run.save_weights:
+                keep_version(run_dir, model_path, version, weights)
             t4 = time.perf_counter()
-            ops = _archive_provenance(run_dir, step, rollout, trainer)
-            if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.trainer.total_steps:
-                save_checkpoint(run_dir, step + 1, version, trainer)
+            ops = _archive_provenance(run_dir, step, rollout, trainer, cfg)
+            # the step's line before its checkpoint: a crash between them recomputes the step, never loses its line
             sinks.log(_step_metrics(step, records, stats, cmp, upd, version, (t0, t1, t2, t3, t4)) | ops
                       | {"data_quarantined": data_report.quarantined})
+            if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.trainer.total_steps:
+                save_checkpoint(run_dir, step + 1, version, trainer, identity, config_dict)
     finally:
         sinks.close()
         executor.shutdown()
@@ -72,17 +83,21 @@ def train(cfg: VimeConfig, config_dict: dict) -> Path:
 
 
 # ---------------------------------------------------------------------------- phases' helpers
-def _archive_provenance(run_dir: Path, step: int, rollout, trainer) -> dict:
+def _archive_provenance(run_dir: Path, step: int, rollout, trainer, cfg: VimeConfig) -> dict:
     """provenance/step_N.json: the rlkernel ops each engine ran this step (backend, contract id,
-    calls); returns whether every op both engines ran used the same contract (ΔC empty)."""
+    calls); returns whether every op both engines ran used the same contract (ΔC empty), and
+    whether a strict run ran strict (vime.strictness: no native op, fallback or unverified kernel)."""
     from rlkernel import contracts_match
+
+    from .strictness import strict_status
 
     both = {"rollout": rollout.call("take_provenance"), "trainer": trainer.call("take_provenance")}
     ok, differ = contracts_match(both["rollout"], both["trainer"])
     path = run_dir / "provenance" / f"step_{step:06d}.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(both | {"contracts_match": ok, "contracts_differ": differ}))
-    return {"contracts_match": ok, "contracts_differ": differ}
+    return {"contracts_match": ok, "contracts_differ": differ} | strict_status(
+        cfg.rlkernel.mode, {side: cfg.rlkernel.side_ops(side) for side in ("rollout", "trainer")}, both)
 
 
 def _advantages(records, cfg: VimeConfig) -> torch.Tensor:
@@ -90,6 +105,11 @@ def _advantages(records, cfg: VimeConfig) -> torch.Tensor:
     rewards = torch.tensor([r.reward for r in records], dtype=torch.float32).reshape(-1, n)
     g = GRPOConfig(normalize_adv_std=cfg.algorithm.normalize_adv_std)
     return group_advantages(rewards, g).reshape(-1)
+
+
+# the only fields of a metric line measured by the wall clock (and so not bitwise repeatable: an exact resume
+# reproduces every other field)
+WALL_CLOCK_FIELDS = ("time_rollout", "time_score", "time_update", "time_sync", "time_step", "tokens_per_second")
 
 
 def _step_metrics(step, records, stats, cmp, upd, version, t) -> dict:
@@ -148,17 +168,22 @@ def prepare(cfg: VimeConfig, run_dir: Path):
     return model, prompts, report
 
 
-def _roles(cfg: VimeConfig, weights: str):
+def _roles(cfg: VimeConfig, model_path: Path, resume: checkpoint.ResumePoint | None):
+    """The roles, built from the base model, or on resume from the checkpoint's weights (the trainer's
+    reference model, when there is one, stays the base model); the rlkernel calls of their start-up are
+    dropped, so each step's provenance counts that step's calls only."""
     from .executor import InProcessExecutor, RayExecutor
     from .roles import RolloutRole, TrainerRole
 
     executor = RayExecutor(num_roles=2, colocate=cfg.resources.colocate) if cfg.run.executor == "ray" else InProcessExecutor()
-    trainer = executor.spawn(TrainerRole, cfg, weights)
-    rollout = executor.spawn(RolloutRole, cfg, weights)
+    weights = None if resume is None else str(resume.weights)
+    trainer = executor.spawn(TrainerRole, cfg, str(model_path), weights)
+    rollout = executor.spawn(RolloutRole, cfg, str(model_path if resume is None else checkpoint.hf_dir(resume.path, model_path)))
     tv, rv = trainer.call("vocab_size"), rollout.call("vocab_size")
     if tv != rv:
         executor.shutdown()
         raise RuntimeError(f"vocab ranges differ: trainer {tv}, rollout {rv}; logprobs would not be comparable")
+    rollout.call("take_provenance"), trainer.call("take_provenance")
     return executor, rollout, trainer, rv
 
 
@@ -169,57 +194,18 @@ def _write_provenance(run_dir, cfg, config_dict, rollout, trainer):
 
 
 # ---------------------------------------------------------------------------- checkpoints
-def save_checkpoint(run_dir: Path, step: int, version: int, trainer) -> Path:
-    """checkpoints/step_N: HF weights + trainer state + meta, written to a tmp dir and renamed (atomic)."""
-    from safetensors.torch import save_file
-
-    root = run_dir / "checkpoints"
-    final, tmp = root / f"step_{step:06d}", root / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weights = trainer.call("export_weights", version)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
-    torch.save(trainer.call("state"), tmp / "trainer_state.pt")
-    (tmp / "meta.json").write_text(json.dumps({"step": step, "weight_version": version, "data_position": step}))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    (root / "latest.tmp").write_text(final.name)
-    os.replace(root / "latest.tmp", root / "latest")
-    return final
+def save_checkpoint(run_dir: Path, step: int, version: int, trainer, identity: dict, config_dict: dict) -> Path:
+    """checkpoints/step_N: weights, trainer state (optimizer, RNG streams, version) and meta, atomically (vime.checkpoint)."""
+    return checkpoint.save(run_dir, step, version, trainer.call("export_weights", version), trainer.call("state"), identity, config_dict)
 
 
-def _resume_point(cfg: VimeConfig, run_dir: Path, model_path: Path):
-    latest = run_dir / "checkpoints" / "latest"
+def _resume_point(cfg: VimeConfig, run_dir: Path, identity: dict, config_dict: dict) -> checkpoint.ResumePoint | None:
     if not cfg.run.resume:
         if (run_dir / "metrics.jsonl").exists():
             raise FileExistsError(f"{run_dir} already holds a run; pass run.resume=true to continue it or choose another run.output_dir")
-        return 0, 0, None
-    if not latest.exists():
-        raise FileNotFoundError(f"run.resume=true but {latest} does not exist")
-    ckpt = run_dir / "checkpoints" / latest.read_text().strip()
-    meta = json.loads((ckpt / "meta.json").read_text())
-    _truncate_metrics(run_dir, meta["step"])
-    return meta["step"], meta["weight_version"], torch.load(ckpt / "trainer_state.pt", weights_only=False)
-
-
-def start_weights(run_dir: Path, start: int, model_path: Path) -> Path:
-    """The directory roles load: the base model, or a checkpoint laid out as an HF checkpoint."""
-    if start == 0:
-        return model_path
-    ckpt = run_dir / "checkpoints" / f"step_{start:06d}"
-    hf = ckpt / "hf"
-    if not hf.exists():
-        hf.mkdir()
-        for f in model_path.iterdir():
-            if f.is_file() and not f.name.endswith(".safetensors"):
-                shutil.copy(f, hf / f.name)
-        os.link(ckpt / "model.safetensors", hf / "model.safetensors")
-    return hf
-
-
-def _truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop metric lines past the checkpoint (they are recomputed), keep the rest."""
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
-        path.write_text("".join(line + "\n" for line in keep))
+        return None
+    resume = checkpoint.resume_point(run_dir, identity, config_dict)
+    if resume.config_changes:
+        print(f"vime: resuming {resume.path} with a changed config (not an exact continuation): {'; '.join(resume.config_changes)}",
+              file=sys.stderr)
+    return resume

@@ -146,7 +146,7 @@ class VLLMRollout:
             raise ValueError(f"the rlkernel engine samples at temperature {c.temperature} (set in RolloutConfig); got {spec.temperature}")
         temperature = 0.0 if greedy else (1.0 if c.engine == "rlkernel" else spec.temperature)
         return SamplingParams(temperature=temperature, top_p=spec.top_p, top_k=spec.top_k, max_tokens=spec.max_tokens,
-                              logprobs=0, seed=None, ignore_eos=False)
+                              logprobs=0, seed=spec.seed, ignore_eos=False)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSpec | Sequence[SamplingSpec], *,
                  weight_version: int | None = None, greedy: bool = False, use_tqdm: bool = False) -> list[Completion]:

@@ -25,8 +25,10 @@ class MetricSinks:
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
-            self.wandb = wandb.init(project=cfg.logging.project, name=cfg.run.name, dir=str(run_dir), mode=cfg.logging.wandb_mode,
-                                    config=config_dict, resume="allow", id=_run_id(run_dir))
+            # one experiment (recipe) = one wandb group, its arm a tag: the UI overlays the arms without hand work
+            self.wandb = wandb.init(project=cfg.logging.project, name=f"{cfg.run.name}-{arm_name(config_dict)}", dir=str(run_dir),
+                                    mode=cfg.logging.wandb_mode, config=config_dict, resume="allow", id=_run_id(run_dir),
+                                    group=cfg.run.name, tags=arm_tags(config_dict))
         self._desc = f"{cfg.run.name} [{cfg.rlkernel.mode}]"
         self.bar = tqdm(total=total, initial=start, desc=self._desc, unit="step", disable=not cfg.logging.progress)
 
@@ -48,6 +50,22 @@ class MetricSinks:
         self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def arm_name(config: dict) -> str:
+    """The experiment arm of a run's (plain) config: G<strict 1|native 0><rollout logprobs 1|0>, then any
+    per-op overrides (`+rms_norm=native`, one-sided: `+trainer:rms_norm=native`)."""
+    rl, algo = config.get("rlkernel", {}), config.get("algorithm", {})
+    name = f"G{int(rl.get('mode', 'strict') == 'strict')}{int(bool(algo.get('use_rollout_logprobs', False)))}"
+    for key, prefix in (("ops", ""), ("rollout_ops", "rollout:"), ("trainer_ops", "trainer:")):
+        name += "".join(f"+{prefix}{op}={v}" for op, v in sorted((rl.get(key) or {}).items()) if v)
+    return name
+
+
+def arm_tags(config: dict) -> list[str]:
+    """wandb tags: the arm (G00..G11), the mode, and each override."""
+    name = arm_name(config)
+    return [name.split("+")[0], config.get("rlkernel", {}).get("mode", "strict"), *name.split("+")[1:]]
 
 
 def postfix(metrics: dict) -> dict:

@@ -37,11 +37,12 @@ import math
 import os
 import platform
 import random
-import socket
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -104,12 +105,6 @@ def _cpu_kernels_status(device: str) -> dict | None:
     return cpu.status()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MegatronTrainer:
     """Trainer role: `load_hf`, `score`, `update`, `export_weights`; `close` (or `with`) tears down."""
 
@@ -146,8 +141,10 @@ class MegatronTrainer:
             backend = "nccl" if c.device == "cuda" else "gloo"
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
                 dist.init_process_group(backend)
-            else:  # a plain process: world 1 on a free local port
-                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            else:  # a plain process, world 1: a file store (a tcp:// store listens on every interface, whatever host it is given)
+                fd, self._store_file = tempfile.mkstemp(prefix="vime_pg_")
+                os.close(fd)
+                dist.init_process_group(backend, init_method=f"file://{self._store_file}", rank=0, world_size=1)
         self._ps.initialize_model_parallel(tensor_model_parallel_size=c.tp)
         self.tp_group = self._ps.get_tensor_model_parallel_group()
         self.dp_group = self._ps.get_data_parallel_group()
@@ -177,6 +174,8 @@ class MegatronTrainer:
             self._ps.destroy_model_parallel()
         if self._owns_pg and dist.is_initialized():
             dist.destroy_process_group()
+        if getattr(self, "_store_file", None):
+            Path(self._store_file).unlink(missing_ok=True)
         threads, det = self._restore
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(det)
@@ -229,6 +228,7 @@ class MegatronTrainer:
 
         torch.manual_seed(self.config.seed)  # the same on every rank: CPU init builds identical master weights
         random.seed(self.config.seed)
+        np.random.seed(self.config.seed % 2**32)  # every RNG stream of the process starts from the seed (a checkpoint saves them all)
         model = build_model(self.spec)
         model.load_state_dict(hf_to_megatron(hf, self.spec, self.tp_group.rank()), strict=True)
         return model.to(self.config.device)

@@ -16,6 +16,13 @@ engine down. Every sample gets a status:
 A failed sample's reward is 0.0 — the loop needs a number for the group's advantage — and
 its status stays on its record (`TokenRecord.reward_status`) and is counted per reason in
 the step's metrics (`reward_failures`), so a failing reward is never a silent 0.
+
+Model output is hostile input here: the process's address space is capped (`RLIMIT_AS`,
+`reward.memory_mb`; a reward that tries to build a huge number or expression gets a
+MemoryError, counted as "raised:MemoryError", instead of taking the machine's memory), it
+writes no core files, and the wall-clock timeout bounds what the cap does not (CPU time in
+C code that never returns to Python, e.g. sympy/gmpy arithmetic on 9^9^9^9). The text
+travels as a JSON string and is passed to the function as a `str`; nothing here evaluates it.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import importlib
 import json
 import math
 import os
+import resource
 import select
 import subprocess
 import sys
@@ -62,8 +70,9 @@ def _kill(proc: subprocess.Popen) -> None:
 class RewardWorker:
     """`score([(response_text, ground_truth), ...])` -> RewardResults, one child process at a time."""
 
-    def __init__(self, fn: str, timeout_s: float, startup_s: float = 120.0):
+    def __init__(self, fn: str, timeout_s: float, startup_s: float = 120.0, memory_mb: int = 4096):
         self.fn, self.timeout_s, self.startup_s = REWARD_FNS.get(fn, fn), float(timeout_s), float(startup_s)
+        self.memory_mb = int(memory_mb)
         self._proc: subprocess.Popen | None = None
         self._buf = b""
         self._finalizer = None
@@ -71,8 +80,8 @@ class RewardWorker:
     def _start(self) -> None:
         # the child imports what this process can (tests' modules, a user's package on sys.path)
         env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self._proc = subprocess.Popen([sys.executable, "-m", "vime.data.reward_worker", self.fn], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, env=env)
+        self._proc = subprocess.Popen([sys.executable, "-m", "vime.data.reward_worker", self.fn, str(self.memory_mb)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._finalizer = weakref.finalize(self, _kill, self._proc)
         self._buf = b""
         try:
@@ -127,7 +136,15 @@ class RewardWorker:
         self._stop()
 
 
-def _serve(fn_path: str) -> int:
+def _limit(memory_mb: int) -> None:
+    """Cap this process's address space and turn off core files, before any reward code is imported."""
+    limit = memory_mb << 20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _serve(fn_path: str, memory_mb: int) -> int:
+    _limit(memory_mb)
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # whatever the reward function prints goes to stderr, not into the protocol
     try:
@@ -151,4 +168,4 @@ def _serve(fn_path: str) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(_serve(sys.argv[1]))
+    raise SystemExit(_serve(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 4096))
