@@ -109,3 +109,26 @@ def test_installed_plugin_leaves_stock_vllm_stock(models):
     r = _run([sys.executable, "-c", _STOCK_WITH_PLUGIN, str(models["qwen3-tied"])], timeout=600)
     assert r["registered"] == ["RlkernelStrictLlamaForCausalLM", "RlkernelStrictQwen3ForCausalLM"]  # the plugin ran
     assert r["model_class"].startswith("vllm.") and r["model_class"].endswith(".Qwen3ForCausalLM"), r
+
+
+def test_seeded_prompt_longer_than_the_chunk_budget_is_refused_clearly(models):
+    """vLLM-CPU crashes ("CPU Generator does not use offset") when a seeded request's prefill is
+    split across steps; the rollout refuses such a request first, naming the field and the fix."""
+    code = (
+        "import sys\n"
+        "from vime.rollout import RolloutConfig, VLLMRollout\n"
+        "from vime.records import SamplingSpec\n"
+        "r = VLLMRollout(RolloutConfig(model=sys.argv[1], max_num_seqs=4, max_num_batched_tokens=32, block_size=16, max_model_len=256))\n"
+        "spec = SamplingSpec(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=3, seed=7)\n"
+        "print(len(r.generate([[5] * 20], [spec])[0].response_ids))\n"  # fits the budget: runs
+        "try:\n"
+        "    r.generate([[5] * 70], [spec])\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(models["qwen3-tied"])], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-2] == "3"
+    assert lines[-1].startswith("refused:") and "rollout.max_num_batched_tokens >= 70" in lines[-1], lines[-1]

@@ -160,6 +160,14 @@ class VLLMRollout:
             raise ValueError(f"{len(prompts)} prompts but {len(specs)} sampling specs")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
+        budget = self.config.max_num_batched_tokens
+        if not torch.cuda.is_available() and any(s.seed is not None and len(p) > budget for p, s in zip(prompts, specs)):
+            # vLLM-CPU's sampler rewinds a seeded generator's offset when a prompt's prefill is split
+            # across steps, which CPU generators do not support: it would crash deep in the engine
+            longest = max(len(p) for p in prompts)
+            raise ValueError(f"a seeded request's prompt has {longest} tokens, more than rollout.max_num_batched_tokens="
+                             f"{budget}; vLLM-CPU cannot split a seeded prompt's prefill. Fix: set "
+                             f"rollout.max_num_batched_tokens >= {longest} (or shorter prompts)")
         version = self.weight_version
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
                                  [self._params(s, greedy) for s in specs], use_tqdm=use_tqdm)
