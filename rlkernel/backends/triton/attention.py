@@ -127,6 +127,16 @@ def _tile_setup(ql_ptr, qs_ptr, kl_ptr, req, tile, G: tl.constexpr, BLOCK_M: tl.
     return q_len, q_start, kv_len, tok0, row_ok, tok_c, qpos, n_chunks, n_full, n_seg
 
 
+@triton.jit
+def _finish(o_ptr, lse_ptr, qrow, head, d, sot, soh, M, L, O, row_ok, G: tl.constexpr, STORE_LSE: tl.constexpr):
+    """out = O / L (IEEE), one cast, stored; and the row's lse when asked."""
+    out = tl.div_rn(O, L[:, None])
+    tl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    if STORE_LSE:
+        _store_lse(lse_ptr, qrow * (tl.num_programs(2) * G) + head, M, L, row_ok)
+
+
 @triton.jit(do_not_specialize=["n_tiles", "nseg"])
 def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, po_ptr, pml_ptr, lse_ptr,
               sqt, sqh, sot, soh, skb, skt, skh, sbt, qk_scale, n_tiles, nseg,
@@ -172,11 +182,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr
                 m, l, acc = _segment(q, s, n_chunks, n_full, k_ptr, v_ptr, bt_ptr, req, kvh, kv_len, kv_start, qpos,
                                      qk_scale, skb, skt, skh, sbt, SEG_CHUNKS, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE)
                 M, L, O = _merge(M, L, O, m, l, acc)
-            out = tl.div_rn(O, L[:, None])
-            tl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
-            if STORE_LSE:
-                _store_lse(lse_ptr, qrow * (tl.num_programs(2) * G) + head, M, L, row_ok)
+            _finish(o_ptr, lse_ptr, qrow, head, d, sot, soh, M, L, O, row_ok, G, STORE_LSE)
         else:
             # one flat walk over the chunks; a finished segment is folded into (M, L, O) at the
             # next segment's first chunk: the same arithmetic as _segment + _merge per segment
@@ -203,11 +209,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr
                 m, l, acc = _chunk(q, m, l, acc, k_ptr, v_ptr, bt_ptr, req, kvh, c, kv_len, kv_start, qpos, qk_scale,
                                    skb, skt, skh, sbt, True, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE)
             M, L, O = _merge(M, L, O, m, l, acc)
-            out = tl.div_rn(O, L[:, None])
-            tl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
-            if STORE_LSE:
-                _store_lse(lse_ptr, qrow * (tl.num_programs(2) * G) + head, M, L, row_ok)
+            _finish(o_ptr, lse_ptr, qrow, head, d, sot, soh, M, L, O, row_ok, G, STORE_LSE)
 
 
 @triton.jit(do_not_specialize=["n_tiles", "nseg"])

@@ -24,6 +24,7 @@ import torch
 
 from ... import dispatch
 from ...contracts import gpu as G
+from ..reference import norm as _ref_norm
 from ..reference import swiglu as _ref_swiglu
 from ..reference.linear import wants_grad
 from ..reference.primitives import Prims, tree_sum
@@ -119,25 +120,20 @@ def _norm_fwd(x, weight, eps, residual):
     return norm.rms_norm(x, weight, eps, residual=residual)
 
 
-class _RmsNormFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, residual):
-        y, h = _norm_fwd(x, weight, eps, residual)
-        ctx.save_for_backward(h, weight)
-        ctx.eps, ctx.has_residual = eps, residual is not None
-        return (y, h) if residual is not None else y
+class _RmsNormFn(_ref_norm.RmsNormFn):
+    """The shared forward (kernel bits from `fwd`); the backward as one Triton row kernel."""
 
     @staticmethod
     def backward(ctx, gy, gh_out=None):
         h, w = ctx.saved_tensors
         gx, pw = _k()[1].rms_norm_backward(h, w, gy, ctx.eps, gh_out)
         gw = tree_sum(pw, dim=0).to(w.dtype) if ctx.needs_input_grad[1] else None
-        return gx, gw, None, (gx if ctx.has_residual else None)
+        return gx, gw, None, (gx if ctx.has_residual else None), None
 
 
 def rms_norm(x, weight, eps, residual=None):
     if wants_grad(x, weight, residual):
-        return _RmsNormFn.apply(x, weight, eps, residual)
+        return _RmsNormFn.apply(x, weight, eps, residual, _norm_fwd)
     y, h = _norm_fwd(x, weight, eps, residual)
     return y if residual is None else (y, h)
 
