@@ -362,22 +362,23 @@ def _write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_tok, skt, skh, svt, svh,
         tl.store(vc_ptr + blk * svb + off * svo + h * svhh + d, vx.to(vc_ptr.dtype.element_ty))
 
 
+def write_kv_supported(k, v, k_cache, v_cache) -> bool:
+    """Whether the kernel takes this layout: contiguous head dims, power-of-two Hkv and D."""
+    hkv, d = k.shape[1], k.shape[2]
+    return (k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+            and not hkv & (hkv - 1) and not d & (d - 1))
+
+
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     """Exact copies of k/v [T, Hkv, D] into the caches [blocks, block_size, Hkv, D] at flat
     slots; negative slots skipped. One program per token, no host sync (the slot test runs on
-    the device), any cache strides with a contiguous head dim."""
+    the device), any cache strides; layouts per `write_kv_supported` (rk.write_kv_cache takes
+    the others by indexed copies)."""
     n = slot_mapping.shape[0]
     hkv, d = k.shape[1], k.shape[2]
+    if not write_kv_supported(k, v, k_cache, v_cache):
+        raise ValueError("write_kv_cache: head dims must be contiguous and Hkv, D powers of two")
     if n == 0:
-        return
-    if (k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
-            or hkv & (hkv - 1) or d & (d - 1)):
-        idx = slot_mapping.long()  # a layout the kernel does not take: indexed copies (syncs once)
-        keep = idx >= 0
-        bs = k_cache.shape[1]
-        blk, off = idx[keep] // bs, idx[keep] % bs
-        k_cache[blk, off] = k[:n][keep].to(k_cache.dtype)
-        v_cache[blk, off] = v[:n][keep].to(v_cache.dtype)
         return
     _write_kv[(n,)](k, v, k_cache, v_cache, slot_mapping, n, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),

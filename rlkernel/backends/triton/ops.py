@@ -180,6 +180,8 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> bool:
     triton implementation is the strict one on this device; False elsewhere."""
     if k_cache.device.type != "cuda" or dispatch.resolve("attention", k_cache.device, "strict").name != "triton":
         return False
+    if not _k()[2].write_kv_supported(k, v, k_cache, v_cache):
+        return False  # rk.write_kv_cache's indexed copies serve
     _k()[2].write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     return True
 
