@@ -197,6 +197,13 @@ def _logits(hidden, weight, lo, hi, temperature):
     return _k()[0].matmul(hidden, weight[lo:hi], out_dtype=torch.float32, config=_cfg(hidden, weight, hi)) / temperature
 
 
+def _stats(h, weight, temperature, vocab_size):
+    """(lse, m, log l) per row from the fused kernel (its target output unused)."""
+    dummy = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
+    _, lse, m, log_l = _k()[3].linear_logprob(h, weight, dummy, temperature, vocab_size=vocab_size, return_stats=True)
+    return lse, m, log_l
+
+
 def _chunks(vocab_size):
     return [(lo, min(lo + VOCAB_CHUNK, vocab_size)) for lo in range(0, vocab_size, VOCAB_CHUNK)]
 
@@ -254,8 +261,7 @@ class _EntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, temperature, vocab_size):
         h = hidden.contiguous()
-        dummy = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
-        _, lse = _k()[3].linear_logprob(h, weight, dummy, temperature, vocab_size=vocab_size, return_lse=True)
+        lse = _stats(h, weight, temperature, vocab_size)[0]
         mean_z = None
         for lo, hi in _chunks(vocab_size):
             z = _logits(h, weight, lo, hi, temperature)
@@ -281,8 +287,7 @@ def _full(hidden, weight, temperature, vocab_size):
     """[T, V] log-softmax; element [t, v] equals the targets kernel's value at target v (same
     tile logits, same (m, log l), same two subtractions)."""
     h = hidden.contiguous()
-    dummy = torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
-    _, _, m, log_l = _k()[3].linear_logprob(h, weight, dummy, temperature, vocab_size=vocab_size, return_stats=True)
+    _, m, log_l = _stats(h, weight, temperature, vocab_size)
     z = _logits(h, weight, 0, vocab_size, temperature)
     return (z - m[:, None]) - log_l[:, None]
 
