@@ -19,7 +19,7 @@ from .ops.norm import rms_norm
 from .ops.rope import rope, rope_table
 from .ops.swiglu import swiglu
 from .backends.reference.primitives import tree_sum
-from .parallel import all_gather, canonical_tree_sum, native_all_reduce, tree_all_reduce, vocab_parallel_logprob
+from .parallel import all_gather, canonical_tree_sum, native_all_reduce, tree_all_reduce, vocab_parallel_entropy, vocab_parallel_logprob
 
 __all__ = [
     "OPS",
@@ -38,6 +38,7 @@ __all__ = [
     "native_all_reduce",
     "tree_all_reduce",
     "vocab_parallel_logprob",
+    "vocab_parallel_entropy",
     "attention_varlen",
     "contract_for",
     "current_policy",

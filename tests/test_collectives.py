@@ -84,6 +84,13 @@ def _vocab_parallel(case, bounds, rank: int, group=None) -> torch.Tensor:
     return C.vocab_parallel_logprob(hidden, shard, targets, vocab_start=bounds[rank], vocab_size=VOCAB, temperature=temperature, group=group)
 
 
+def _vocab_parallel_entropy(case, bounds, rank: int, group=None) -> torch.Tensor:
+    _, dtype, temperature = case
+    hidden, weight, _ = _logprob_inputs(dtype)
+    shard = weight[bounds[rank] : bounds[rank + 1]].clone()
+    return C.vocab_parallel_entropy(hidden, shard, vocab_start=bounds[rank], vocab_size=VOCAB, temperature=temperature, group=group)
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -104,6 +111,7 @@ def _run_group(group) -> dict:
     out["gather_dim1"] = C.all_gather(_gather_block(rank), group, dim=-1)
     for case in LOGPROB_CASES:
         out[f"vp_{case[0]}"] = _vocab_parallel(case, ALIGNED[world], rank, group)
+        out[f"vpe_{case[0]}"] = _vocab_parallel_entropy(case, ALIGNED[world], rank, group)
     out["misaligned"] = _error(lambda: _vocab_parallel(LOGPROB_CASES[0], MISALIGNED[world], rank, group))
     out["mismatch_tree"] = _error(lambda: C.tree_all_reduce([torch.zeros(3 + (rank > 0))] * k, group))
     out["mismatch_gather"] = _error(lambda: C.all_gather(torch.zeros(2, 3 + rank), group))
@@ -192,6 +200,24 @@ def test_vocab_parallel_logprob_equals_single_process(runs, case):
     for world in WORLDS:
         for rank, res in enumerate(runs[world]):
             assert torch.equal(res[f"vp_{name}"], single), (world, rank)
+
+
+@pytest.mark.parametrize("case", LOGPROB_CASES, ids=[c[0] for c in LOGPROB_CASES])
+def test_vocab_parallel_entropy_equals_single_process(runs, case):
+    name, dtype, temperature = case
+    hidden, weight, _ = _logprob_inputs(dtype)
+    single = rlkernel.linear_entropy(hidden, weight, temperature, vocab_size=VOCAB)
+    assert single.dtype == torch.float32 and torch.isfinite(single).all() and (single > 0).all()
+    assert torch.equal(_vocab_parallel_entropy(case, ALIGNED[1], 0), single)  # world 1
+    for world in WORLDS:
+        for rank, res in enumerate(runs[world]):
+            assert torch.equal(res[f"vpe_{name}"], single), (world, rank)
+    # record, not an assertion (it can differ or not on another CPU): the native formula over full logits
+    logits = hidden.float() @ weight[:VOCAB].float().t() / temperature
+    native = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    print(f"native entropy differs from the contract's in {int((native != single).sum())}/{single.numel()} rows; "
+          f"max |diff| {float((native - single).abs().max()):.3g}")
+    assert torch.allclose(native, single, rtol=1e-4, atol=1e-4)  # the same quantity (not a bitwise claim)
 
 
 def test_misaligned_shard_raises_on_every_rank(runs):

@@ -10,7 +10,8 @@
    over TP, TP-aware grad norm): its loss equals the TP=1 update's loss bitwise (the forward
    is TP invariant), its grad norm matches TP=1 to 1e-6 relative and its weights to 1% of
    the learning rate (the backward reduces in another order, so not bitwise; dropping the
-   q/k-norm TP sum fails both bounds, measured); both ranks export identical
+   q/k-norm TP sum fails both bounds, measured); its entropy metric (vocab-parallel tile
+   tree) equals TP=1's bitwise; both ranks export identical
    weights, and a StrictDecoder loaded with them scores bitwise like the TP=2 engine.
 4. Negative control: the native path (F.linear partial sums + gloo all-reduce, Megatron's
    vocab-parallel cross entropy) gives different bits at TP=2 than at TP=1.
@@ -115,6 +116,8 @@ def test_tp2_update_matches_tp1_and_exports_consistent_weights(checkpoints, tp1,
     for rank in range(2):
         u2 = tp2[rank]["update"]
         assert u2["loss"] == u1["loss"]
+        # the entropy metric at TP=2 (vocab-parallel tile tree) is the TP=1 value bit for bit
+        assert u1["entropy"] is not None and u2["entropy"] == u1["entropy"], (u1.get("entropy"), u2.get("entropy"))
         assert abs(u2["grad_norm"] - u1["grad_norm"]) <= 1e-6 * u1["grad_norm"]
         w1, w2 = tp1["update/export"], tp2[rank]["update/export"]
         # Adam's first step is about lr * sign(grad): 1% of lr is far above the backward's

@@ -75,6 +75,11 @@ class TrainerConfig:
     weight_decay: float = 0.0
     grad_clip: float | None = 1.0  # max global grad norm; None: no clipping
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    # a group of trainer processes (vime.executor's trainer group): this process's rank, the group's size and the
+    # file:// store its ranks meet at (a file store: nothing listens on a port); world_size = tp (no data parallel)
+    rank: int = 0
+    world_size: int = 1
+    init_method: str | None = None
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -88,6 +93,9 @@ class TrainerConfig:
             raise ValueError(f"device must be cpu|cuda and dtype float32|bfloat16, got {self.device!r}, {self.dtype!r}")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError("grad_clip must be > 0 or None")
+        if self.world_size > 1 and (not 0 <= self.rank < self.world_size or not (self.init_method or "").startswith("file://")):
+            raise ValueError(f"a group of {self.world_size} trainer processes needs 0 <= rank < world_size and a file:// init_method, "
+                             f"got rank {self.rank}, init_method {self.init_method!r}")
         if self.grpo.entropy_coef and self.tp > 1:
             raise ValueError("entropy_coef > 0 needs the full-vocab entropy, implemented for tp=1 only (the vocab-parallel head has none yet)")
 
@@ -139,7 +147,9 @@ class MegatronTrainer:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if self._owns_pg:
             backend = "nccl" if c.device == "cuda" else "gloo"
-            if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+            if c.world_size > 1:  # a trainer group (vime.executor): ranks meet at the group's file store
+                dist.init_process_group(backend, init_method=c.init_method, rank=c.rank, world_size=c.world_size)
+            elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
                 dist.init_process_group(backend)
             else:  # a plain process, world 1: a file store (a tcp:// store listens on every interface, whatever host it is given)
                 fd, self._store_file = tempfile.mkstemp(prefix="vime_pg_")
@@ -266,7 +276,14 @@ class MegatronTrainer:
         lp = list(model.logprobs(hidden[rows], ids[rows + 1], batch.temperature).float().split(batch.response_lens))
         if not entropy:
             return lp
-        ent = rk.linear_entropy(hidden[rows], model.output_weight, batch.temperature, vocab_size=self.spec.decoder.vocab_size)
+        vocab, tp = self.spec.decoder.vocab_size, self.tp_group.size()
+        if tp == 1:
+            return lp, rk.linear_entropy(hidden[rows], model.output_weight, batch.temperature, vocab_size=vocab)
+        if rk.current_policy().choice("linear_logprob") == "native":
+            return lp, None  # no native vocab-parallel entropy: the metric is absent (null), never made up
+        with torch.no_grad():  # a metric only at TP>1 (config refuses an entropy bonus there): bitwise the TP=1 value
+            ent = rk.vocab_parallel_entropy(hidden[rows].detach(), model.output_weight.detach(), vocab_start=self.tp_group.rank() * self.spec.padded_vocab // tp,
+                                            vocab_size=vocab, temperature=batch.temperature, group=self.tp_group)
         return lp, ent
 
     def score(self, batch: TrainBatch) -> list[torch.Tensor]:
@@ -304,14 +321,10 @@ class MegatronTrainer:
             if self._ddp is not None:
                 self._ddp.zero_grad_buffer()
             self.optimizer.zero_grad(set_to_none=True)
-            entropy = None
-            if self.config.tp == 1:  # the bonus needs its gradient; the metric is free of it
-                lps, entropy = self._response_logprobs(self.model, batch, entropy=True)
-                lp = torch.cat(lps)
-                if not g.entropy_coef:
-                    entropy = entropy.detach()
-            else:
-                lp = torch.cat(self._response_logprobs(self.model, batch))
+            lps, entropy = self._response_logprobs(self.model, batch, entropy=True)
+            lp = torch.cat(lps)
+            if entropy is not None and not g.entropy_coef:  # the bonus needs its gradient (TP=1); the metric is free of it
+                entropy = entropy.detach()
             old = torch.cat(batch.old_logprobs).to(dev) if batch.old_logprobs is not None else lp.detach()
             ref = roll = None
             if g.kl_coef:

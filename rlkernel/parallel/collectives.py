@@ -52,6 +52,7 @@ __all__ = [
     "native_all_reduce",
     "all_gather",
     "vocab_parallel_logprob",
+    "vocab_parallel_entropy",
 ]
 
 def strict_prims(device: torch.device):
@@ -168,6 +169,53 @@ def _check_shards(ranges: list[list[int]], vocab_size: int) -> None:
         raise ValueError(f"vocab_parallel_logprob: shards cover [0, {end}) but the vocab is [0, {vocab_size}); per-rank ranges {ranges}")
 
 
+def _vocab_shards(who, hidden, weight_shard, vocab_start, vocab_size, temperature, group):
+    """Checks shared by the vocab-parallel ops; (this rank's [lo, hi), every rank's meta, tiles per rank)."""
+    if hidden.dim() != 2 or weight_shard.dim() != 2 or weight_shard.shape[1] != hidden.shape[1]:
+        raise ValueError(f"{who}: want hidden [T, H], weight_shard [rows, H]; got {tuple(hidden.shape)}, {tuple(weight_shard.shape)}")
+    if vocab_size <= 0 or vocab_start < 0 or not temperature > 0:
+        raise ValueError(f"{who}: need vocab_size > 0, vocab_start >= 0, temperature > 0; got {vocab_size}, {vocab_start}, {temperature}")
+    lo, hi = min(vocab_start, vocab_size), min(vocab_start + weight_shard.shape[0], vocab_size)
+    meta = _gather_ints([lo, hi, hidden.shape[0], vocab_size], hidden.device, group)
+    if any(m[2:] != meta[0][2:] for m in meta):
+        raise ValueError(f"{who}: ranks disagree on (tokens, vocab_size): {[m[2:] for m in meta]}")
+    _check_shards([m[:2] for m in meta], vocab_size)
+    return (lo, hi), meta, [-(-(end - start) // VOCAB_TILE) for start, end, *_ in meta]
+
+
+def _in_vocab_order(gathered: torch.Tensor, meta, n_tiles, offset: int = 0) -> list[torch.Tensor]:
+    """The per-tile rows of every rank's gathered buffer, in global tile order."""
+    out = []
+    for r in sorted(range(len(meta)), key=lambda r: meta[r][0]):  # vocab order; _check_shards made it unambiguous
+        out += list(gathered[r][offset : offset + n_tiles[r]])
+    return out
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, *, vocab_start: int, vocab_size: int, temperature: float = 1.0,
+                           group=None) -> torch.Tensor:
+    """float32 entropy of softmax(hidden @ lm_head.T / T) over the true vocab, the lm_head split over ranks by
+    vocab rows; forward only. The global log-sum-exp is the (m, l) tile tree of `vocab_parallel_logprob`; each
+    rank then sums p*z inside its tiles, the per-tile sums are gathered and summed by the tree of
+    `rlkernel.linear_entropy` over the global tile list — bitwise equal to it on every rank."""
+    (lo, hi), meta, n_tiles = _vocab_shards("vocab_parallel_entropy", hidden, weight_shard, vocab_start, vocab_size, temperature, group)
+    prims, width, h32 = strict_prims(hidden.device), max(n_tiles), hidden.float()
+    zs = [_lp.tile_logits(h32, weight_shard, a - vocab_start, min(a + VOCAB_TILE, vocab_size) - vocab_start, temperature, prims)
+          for a in range(lo, hi, VOCAB_TILE)]
+    buf = torch.zeros(2 * width, hidden.shape[0], device=hidden.device)
+    for i, z in enumerate(zs):
+        buf[i] = z.amax(dim=-1)
+        buf[width + i] = tree_sum(prims.exp(z - buf[i][:, None]), dim=-1)
+    gathered = _gather(buf, group)
+    m, l = _lp.tree_merge_ml(_in_vocab_order(gathered, meta, n_tiles), _in_vocab_order(gathered, meta, n_tiles, width), prims)
+    lse = m + prims.log(l)
+    parts = torch.zeros(width, hidden.shape[0], device=hidden.device)
+    for i, z in enumerate(zs):
+        parts[i] = tree_sum(prims.exp(z - lse[:, None]) * z, dim=-1)
+    mean_z = tree_sum(torch.stack(_in_vocab_order(_gather(parts, group), meta, n_tiles), dim=-1), dim=-1)
+    return lse - mean_z
+
+
 @torch.no_grad()
 def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, vocab_size: int, temperature: float = 1.0, group=None) -> torch.Tensor:
     """float32 log p(targets) with the lm_head split over ranks by vocab rows; forward only (no autograd).
@@ -181,22 +229,14 @@ def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
     is bitwise equal to it on every rank. Shard boundaries that are not tile
     multiples raise ValueError on every rank.
     """
-    if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or weight_shard.dim() != 2 or weight_shard.shape[1] != hidden.shape[1]:
-        raise ValueError(f"vocab_parallel_logprob: want hidden [T, H], targets [T], weight_shard [rows, H]; got {tuple(hidden.shape)}, {tuple(targets.shape)}, {tuple(weight_shard.shape)}")
-    if vocab_size <= 0 or vocab_start < 0 or not temperature > 0:
-        raise ValueError(f"vocab_parallel_logprob: need vocab_size > 0, vocab_start >= 0, temperature > 0; got {vocab_size}, {vocab_start}, {temperature}")
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"vocab_parallel_logprob: want hidden [T, H], targets [T]; got {tuple(hidden.shape)}, {tuple(targets.shape)}")
     targets = targets.long()
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
         raise ValueError(f"vocab_parallel_logprob: targets outside [0, {vocab_size})")
-    lo, hi = min(vocab_start, vocab_size), min(vocab_start + weight_shard.shape[0], vocab_size)
-    meta = _gather_ints([lo, hi, hidden.shape[0], vocab_size], hidden.device, group)
-    if any(m[2:] != meta[0][2:] for m in meta):
-        raise ValueError(f"vocab_parallel_logprob: ranks disagree on (tokens, vocab_size): {[m[2:] for m in meta]}")
-    _check_shards([m[:2] for m in meta], vocab_size)
-
+    (lo, hi), meta, n_tiles = _vocab_shards("vocab_parallel_logprob", hidden, weight_shard, vocab_start, vocab_size, temperature, group)
     tile = VOCAB_TILE
     prims = strict_prims(hidden.device)
-    n_tiles = [-(-(end - start) // tile) for start, end, *_ in meta]
     width = max(n_tiles)  # ranks own different tile counts: pad every rank's stats to the widest
     h32, local_t = hidden.float(), targets - vocab_start
     ms, ls = [], []
@@ -216,12 +256,8 @@ def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
     buf[2 * width], buf[2 * width + 1] = zt, own_any.float()
     gathered = _gather(buf, group)  # [world, 2 * width + 2, T]
 
-    all_m, all_l = [], []
     zt = torch.zeros(hidden.shape[0], device=hidden.device)
-    for r in sorted(range(len(meta)), key=lambda r: meta[r][0]):  # vocab order; _check_shards made it unambiguous
-        g = gathered[r]
-        all_m += list(g[: n_tiles[r]])
-        all_l += list(g[width : width + n_tiles[r]])
-        zt = torch.where(g[2 * width + 1] > 0, g[2 * width], zt)  # exactly one rank owns each target: a select, not a sum
-    m, l = _lp.tree_merge_ml(all_m, all_l, prims)
+    for g in gathered:  # exactly one rank owns each target: a select, not a sum
+        zt = torch.where(g[2 * width + 1] > 0, g[2 * width], zt)
+    m, l = _lp.tree_merge_ml(_in_vocab_order(gathered, meta, n_tiles), _in_vocab_order(gathered, meta, n_tiles, width), prims)
     return (zt - m) - prims.log(l)
