@@ -53,9 +53,11 @@ class RunSection:
     save_every: int = 0  # checkpoint every N steps (0: only at the end)
     save_weights: bool = False  # keep every weight version under weights/ (what `vime replay` re-scores with); opt-in: a copy per step
     executor: str = "ray"  # "ray" (roles are actors) or "inprocess" (debugging)
+    call_timeout_s: float = 1800.0  # the longest the driver waits for one remote call (a step's rollout, score, update, sync)
 
     def __post_init__(self):
         _choice("run.executor", self.executor, ("ray", "inprocess"))
+        _positive("run.call_timeout_s", self.call_timeout_s, example="1800 (seconds; raise it for big models or slow machines)")
         _require(bool(self.output_dir), "run.output_dir", "is empty", "set run.output_dir=runs/<name>")
         _positive("run.save_every", self.save_every, zero_ok=True, example=10)
         _positive("run.seed", self.seed, zero_ok=True, example=1234)
@@ -318,11 +320,12 @@ class VimeConfig:
             _require(r.max_model_len <= self.model.tiny.max_position_embeddings, "rollout.max_model_len",
                      f"{r.max_model_len} exceeds the tiny model's max_position_embeddings={self.model.tiny.max_position_embeddings}",
                      f"set rollout.max_model_len<={self.model.tiny.max_position_embeddings}")
-        if res.gpus == 0:  # the CPU loop: one trainer process and one engine process
-            for key, v in (("trainer.tp", t.tp), ("trainer.cp", t.cp), ("rollout.tp", r.tp), ("rollout.num_engines", r.num_engines),
-                           ("resources.nodes", res.nodes)):
-                _require(v == 1, key, f"{v} is not supported on CPU (resources.gpus=0): vime train runs one trainer process and one "
-                         "vLLM engine there", f"set {key}=1 (tensor parallelism on CPU is exercised by tests/test_megatron_tp.py, not the loop)")
+        for key, v in (("trainer.tp", t.tp), ("rollout.num_engines", r.num_engines)):
+            _require(v == 1 or self.run.executor == "ray", key, f"{v} processes need the Ray executor, got run.executor={self.run.executor}",
+                     "set run.executor=ray")
+        if res.gpus == 0:  # the CPU loop: trainer ranks (gloo) and vLLM-CPU engines, all on this node
+            _require(res.nodes == 1, "resources.nodes", f"{res.nodes} is not supported on CPU (resources.gpus=0): the CPU loop runs on one node",
+                     "set resources.nodes=1")
         else:
             have, train, roll = res.gpus * res.nodes, t.tp * t.cp * t.pp, r.tp * r.num_engines
             need = max(train, roll) if res.colocate else train + roll

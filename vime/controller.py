@@ -73,7 +73,7 @@ def train(cfg: VimeConfig, config_dict: dict) -> Path:
             ops = _archive_provenance(run_dir, step, rollout, trainer, cfg)
             # the step's line before its checkpoint: a crash between them recomputes the step, never loses its line
             sinks.log(_step_metrics(step, records, stats, cmp, upd, version, (t0, t1, t2, t3, t4)) | ops
-                      | {"data_quarantined": data_report.quarantined})
+                      | {"data_quarantined": data_report.quarantined, "rollout_restarts": rollout.take_restarts()})
             if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.trainer.total_steps:
                 save_checkpoint(run_dir, step + 1, version, trainer, identity, config_dict)
     finally:
@@ -173,12 +173,15 @@ def _roles(cfg: VimeConfig, model_path: Path, resume: checkpoint.ResumePoint | N
     reference model, when there is one, stays the base model); the rlkernel calls of their start-up are
     dropped, so each step's provenance counts that step's calls only."""
     from .executor import InProcessExecutor, RayExecutor
-    from .roles import RolloutRole, TrainerRole
+    from .roles import RolloutEngines, TrainerGroup
 
-    executor = RayExecutor(num_roles=2, colocate=cfg.resources.colocate) if cfg.run.executor == "ray" else InProcessExecutor()
+    roles = cfg.trainer.tp * cfg.trainer.cp + cfg.rollout.num_engines
+    executor = (RayExecutor(num_roles=roles, colocate=cfg.resources.colocate, call_timeout_s=cfg.run.call_timeout_s)
+                if cfg.run.executor == "ray" else InProcessExecutor())
     weights = None if resume is None else str(resume.weights)
-    trainer = executor.spawn(TrainerRole, cfg, str(model_path), weights)
-    rollout = executor.spawn(RolloutRole, cfg, str(model_path if resume is None else checkpoint.hf_dir(resume.path, model_path)))
+    trainer = TrainerGroup(executor, cfg, str(model_path), weights)
+    rollout = RolloutEngines(executor, cfg, str(model_path if resume is None else checkpoint.hf_dir(resume.path, model_path)),
+                             weights_for=lambda v: trainer.call("export_weights", v))
     tv, rv = trainer.call("vocab_size"), rollout.call("vocab_size")
     if tv != rv:
         executor.shutdown()

@@ -1,10 +1,15 @@
 """Executors: where roles run. Ray actors in one placement group, or this process.
 
-What this module decides: placement, the calling convention and what the run listens on.
-The driver holds only handles; `handle.call(method, ...)` returns the result,
-`handle.async_call(method, ...)` returns a future/ref (Ray) that `resolve` turns into the
-result. Roles get one bundle each, packed on one node by default (colocated), spread when
-`resources.colocate=false`.
+What this module decides: placement, the calling convention, how long the driver waits and
+what the run listens on. The driver holds only handles; `handle.call(method, ...)` returns the
+result, `handle.async_call(method, ...)` returns a future/ref (Ray) that `handle.wait` turns
+into the result. Every wait on a remote call has a limit (`run.call_timeout_s`): a call that
+does not return in time raises `RoleTimeoutError` naming the role, the method and the key,
+and an actor that died raises `RoleDiedError` — never a silent hang. Roles get one bundle
+each, packed on one node by default (colocated), spread when `resources.colocate=false`.
+A group of processes that form one torch.distributed world (the trainer's TP ranks) meets at
+a file store in a private directory of this executor (`group_store`): nothing listens on a
+port for it.
 
 Loopback only. Ray 2.60 rewrites `_node_ip_address="127.0.0.1"` to the node's routable
 address (`services.resolve_ip_for_localhost`), and its gRPC servers (GCS, raylet, workers)
@@ -21,8 +26,10 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import shutil
 import socket
 import sys
+import tempfile
 from typing import Any
 
 RAY_LOCAL_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -63,15 +70,29 @@ def ray_addresses() -> dict[str, str]:
             "nodes": ",".join(n["NodeManagerAddress"] for n in ray.nodes()), "dashboard_url": node.address_info.get("webui_url") or ""}
 
 
+class RoleTimeoutError(TimeoutError):
+    """A remote call did not return within run.call_timeout_s."""
+
+
+class RoleDiedError(RuntimeError):
+    """The actor serving a call died (killed, crashed, out of memory)."""
+
+
 class _Local:
-    def __init__(self, obj):
-        self.obj = obj
+    def __init__(self, obj, name: str = "role"):
+        self.obj, self.name = obj, name
 
     def call(self, method: str, *args, **kwargs) -> Any:
         return getattr(self.obj, method)(*args, **kwargs)
 
     def async_call(self, method: str, *args, **kwargs) -> Any:
         return self.call(method, *args, **kwargs)
+
+    def wait(self, pending, method: str = "") -> Any:
+        return pending
+
+    def restart(self) -> None:
+        raise RoleDiedError(f"{self.name}: an in-process role cannot be restarted")
 
 
 class InProcessExecutor:
@@ -81,34 +102,59 @@ class InProcessExecutor:
         for k, v in role_env().items():
             os.environ.setdefault(k, v)
 
-    def spawn(self, cls, *args, **kwargs) -> _Local:
-        return _Local(cls(*args, **kwargs))
+    def spawn(self, cls, *args, name: str | None = None, **kwargs) -> _Local:
+        return _Local(cls(*args, **kwargs), name or cls.__name__)
+
+    def group_store(self) -> str:
+        raise ValueError("a group of role processes (trainer.tp > 1, rollout.num_engines > 1) needs run.executor=ray")
 
     @staticmethod
-    def resolve(x):
-        return x
+    def share(obj):
+        return obj
 
     def shutdown(self) -> None:
         pass
 
 
 class _Actor:
-    def __init__(self, actor):
-        self.actor = actor
+    def __init__(self, actor, name: str, timeout_s: float | None, respawn=None):
+        self.actor, self.name, self.timeout_s, self._respawn = actor, name, timeout_s, respawn
 
-    def call(self, method: str, *args, **kwargs) -> Any:
+    def restart(self) -> None:
+        """Kill this actor (if it still lives) and start a fresh one with the same arguments in the same bundle."""
         import ray
 
-        return ray.get(getattr(self.actor, method).remote(*args, **kwargs))
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # already dead
+            pass
+        self.actor = self._respawn()
+
+    def call(self, method: str, *args, **kwargs) -> Any:
+        return self.wait(self.async_call(method, *args, **kwargs), method)
 
     def async_call(self, method: str, *args, **kwargs):
         return getattr(self.actor, method).remote(*args, **kwargs)
+
+    def wait(self, ref, method: str = "") -> Any:
+        """The result of `ref` (from async_call), waiting at most timeout_s."""
+        import ray
+        from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except GetTimeoutError:
+            raise RoleTimeoutError(f"{self.name}.{method} did not return within {self.timeout_s:g} s (run.call_timeout_s); the role is "
+                                   "hung or the limit is too short for this model — raise run.call_timeout_s, or resume from the last "
+                                   "checkpoint (run.resume=true)") from None
+        except (ActorDiedError, RayActorError) as e:
+            raise RoleDiedError(f"{self.name} died during {method}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
 
 
 class RayExecutor:
     name = "ray"
 
-    def __init__(self, num_roles: int = 2, cpus_per_role: float = 1.0, colocate: bool = True):
+    def __init__(self, num_roles: int = 2, cpus_per_role: float = 1.0, colocate: bool = True, call_timeout_s: float | None = None):
         started = "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
         if started:
             os.environ.update(RAY_LOCAL_ONLY)  # before `import ray`: its constants read it once
@@ -130,25 +176,36 @@ class RayExecutor:
         # a Ray the caller started (ray.init before vime) is the caller's cluster: used as it is
         self.pg = placement_group([{"CPU": cpus_per_role}] * num_roles, strategy="PACK" if colocate else "SPREAD")
         ray.get(self.pg.ready())
-        self._next = 0
-        self.cpus = cpus_per_role
+        self._next, self._stores = 0, []
+        self.cpus, self.num_roles, self.call_timeout_s = cpus_per_role, num_roles, call_timeout_s
 
-    def spawn(self, cls, *args, **kwargs) -> _Actor:
+    def spawn(self, cls, *args, name: str | None = None, **kwargs) -> _Actor:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if self._next >= self.num_roles:
+            raise ValueError(f"RayExecutor: all {self.num_roles} bundles are taken (spawn {cls.__name__})")
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=self._next)
         self._next += 1
         remote = ray.remote(num_cpus=self.cpus)(cls).options(scheduling_strategy=strategy)
-        return _Actor(remote.remote(*args, **kwargs))
+        return _Actor(remote.remote(*args, **kwargs), name or cls.__name__, self.call_timeout_s, respawn=lambda: remote.remote(*args, **kwargs))
+
+    def group_store(self) -> str:
+        """A fresh file:// rendezvous for one process group, in a directory only this user can read (removed at shutdown)."""
+        d = tempfile.mkdtemp(prefix="vime_group_")
+        self._stores.append(d)
+        return f"file://{d}/store"
 
     @staticmethod
-    def resolve(x):
+    def share(obj):
+        """One copy of a large argument in Ray's object store for several actors (a ref; Ray resolves it per call)."""
         import ray
 
-        return ray.get(x)
+        return ray.put(obj)
 
     def shutdown(self) -> None:
         import ray
 
         ray.shutdown()
+        for d in self._stores:
+            shutil.rmtree(d, ignore_errors=True)

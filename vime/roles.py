@@ -56,20 +56,22 @@ class RolloutRole:
             raise RuntimeError(f"vLLM workers disagree on the vocab size: {sorted(sizes)}")
         return sizes.pop()
 
-    def generate(self, step: int, prompts: list[Prompt], weight_version: int) -> list[TokenRecord]:
-        """samples_per_prompt completions of each prompt, rewarded, as versioned records."""
+    def generate(self, step: int, prompts: list[Prompt], weight_version: int, first_group: int = 0) -> list[TokenRecord]:
+        """samples_per_prompt completions of each prompt, rewarded, as versioned records. `first_group`: the
+        step-wide index of prompts[0] (an engine of several serves a slice; ids and seeds stay step-wide)."""
         n, r = self.cfg.data.samples_per_prompt, self.cfg.rollout
-        # one seed per sample, from (run.seed, step, index): the draws do not depend on the batch, the
-        # engine's history or a resume, so the sampler has no state a checkpoint would need
-        specs = [SamplingSpec(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, seed=sample_seed(self.cfg.run.seed, step, k))
-                 for k in range(len(prompts) * n)]
+        # one seed per sample, from (run.seed, step, step-wide index): the draws do not depend on the batch, the
+        # engine's history, how prompts are split across engines or a resume, so the sampler has no state a
+        # checkpoint would need
+        specs = [SamplingSpec(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+                              seed=sample_seed(self.cfg.run.seed, step, first_group * n + k)) for k in range(len(prompts) * n)]
         ids = [encode_prompt(self.tokenizer, p, self.cfg.data.template) for p in prompts]
         comps = self.engine.generate([i for i in ids for _ in range(n)], specs, weight_version=weight_version)
         rewards = self.rewards.score([(c.text, prompts[k // n].ground_truth) for k, c in enumerate(comps)])
         records = []
         for k, (c, rw) in enumerate(zip(comps, rewards)):
             g, s = divmod(k, n)
-            p = prompts[g]
+            p, g = prompts[g], first_group + g
             status = Status.TRUNCATED if c.finish_reason == "length" else Status.OK
             records.append(TokenRecord(
                 record_id=f"{step}-{g}-{s}", step=step, prompt_id=p.prompt_id, group_id=g, sample_idx=s,
@@ -94,9 +96,11 @@ class RolloutRole:
 
 
 class TrainerRole:
-    def __init__(self, cfg: VimeConfig, model_path: str, weights: str | None = None):
+    def __init__(self, cfg: VimeConfig, model_path: str, weights: str | None = None, rank: int = 0, world_size: int = 1,
+                 init_method: str | None = None):
         """Built from the HF checkpoint `model_path`; `weights` (a resumed checkpoint's model.safetensors)
-        then replaces the policy's weights, so a reference model stays the base model."""
+        then replaces the policy's weights, so a reference model stays the base model. One rank of a
+        trainer group when world_size > 1 (TrainerGroup drives them)."""
         from rlkernel.runtime import tune_cpu_allocator
 
         from .grpo import GRPOConfig
@@ -110,7 +114,9 @@ class TrainerRole:
         self.trainer = MegatronTrainer(TrainerConfig(
             mode=cfg.rlkernel.mode, ops=cfg.rlkernel.side_ops("trainer"), tp=t.tp, dtype=cfg.model.dtype,
             seed=cfg.run.seed, threads=t.threads, lr=t.lr, grad_clip=t.grad_clip, grpo=grpo,
+            rank=rank, world_size=world_size, init_method=init_method,
         ))
+        self.rank = rank
         self.trainer.load_hf(model_path)
         if weights is not None:
             from safetensors.torch import load_file
@@ -131,8 +137,10 @@ class TrainerRole:
     def update(self, batch: TrainBatch) -> dict:
         return self.trainer.update(batch)
 
-    def export_weights(self, version: int) -> dict:
-        return self.trainer.export_weights(version)
+    def export_weights(self, version: int) -> dict | None:
+        """The full HF-named weights; in a group every rank takes part in the gather, rank 0 returns them."""
+        hf = self.trainer.export_weights(version)
+        return hf if self.rank == 0 else None
 
     def take_provenance(self) -> dict:
         return self.trainer.take_provenance()
@@ -166,3 +174,137 @@ class TrainerRole:
         np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
         if "cuda" in rng:
             torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+# ---------------------------------------------------------------------------- groups of role processes
+def merge_op_provenance(summaries: list[dict]) -> dict:
+    """Several processes' rlkernel call counts ({op: [{backend, impl, contract_id, device, calls}]}) as one."""
+    total: dict[tuple, int] = {}
+    for summary in summaries:
+        for op, entries in summary.items():
+            for e in entries:
+                key = (op, e["backend"], e["impl"], e["contract_id"], e["device"])
+                total[key] = total.get(key, 0) + e["calls"]
+    out: dict[str, list[dict]] = {}
+    for (op, backend, impl, cid, device), n in sorted(total.items()):
+        out.setdefault(op, []).append({"backend": backend, "impl": impl, "contract_id": cid, "device": device, "calls": n})
+    return out
+
+
+class TrainerGroup:
+    """The trainer as trainer.tp * trainer.cp Ray actors, one per rank, forming one torch.distributed world
+    (gloo on CPU, NCCL on GPUs) at a file store of the executor; driven through one handle with the
+    TrainerRole calls. Every call goes to every rank at once (their collectives meet). Results: rank 0's,
+    after checking that every rank scored (and updated) the same bits — a TP group whose ranks disagree
+    is an error, not a number."""
+
+    def __init__(self, executor, cfg: VimeConfig, model_path: str, weights: str | None = None):
+        self.world = cfg.trainer.tp * cfg.trainer.cp
+        store = executor.group_store() if self.world > 1 else None
+        self.ranks = [executor.spawn(TrainerRole, cfg, model_path, weights, rank, self.world, store, name=f"trainer[rank {rank}]")
+                      for rank in range(self.world)]
+
+    def _all(self, method: str, *args) -> list:
+        pending = [h.async_call(method, *args) for h in self.ranks]
+        return [h.wait(p, method) for h, p in zip(self.ranks, pending)]
+
+    def call(self, method: str, *args):
+        if method == "load_state":
+            return self._load_state(*args)
+        out = self._all(method, *args)
+        if method == "take_provenance":
+            return merge_op_provenance(out)
+        if method == "state":  # every rank holds the optimizer state of its own shards
+            return out[0] if self.world == 1 else {"world_size": self.world, "ranks": out}
+        if method == "score":
+            for rank, s in enumerate(out[1:], 1):
+                if s.digest != out[0].digest or not all(map(torch.equal, s.logprobs, out[0].logprobs)):
+                    raise RuntimeError(f"trainer ranks 0 and {rank} scored different bits (or different tokens): a TP group must agree")
+        if method == "update" and any(u["loss"] != out[0]["loss"] for u in out[1:]):
+            raise RuntimeError(f"trainer ranks disagree on the GRPO loss: {[u['loss'] for u in out]}")
+        if method == "provenance":
+            return out[0] | {"world_size": self.world, "ranks": len(out)}
+        return out[0]
+
+    def _load_state(self, state: dict) -> None:
+        ranks = state["ranks"] if "ranks" in state else [state]
+        if len(ranks) != self.world:
+            raise ValueError(f"the checkpoint's trainer state is from {len(ranks)} trainer rank(s); this run has "
+                             f"trainer.tp*trainer.cp={self.world} — resume with the layout it was written with")
+        pending = [h.async_call("load_state", s) for h, s in zip(self.ranks, ranks)]
+        for h, p in zip(self.ranks, pending):
+            h.wait(p, "load_state")
+
+
+class RolloutEngines:
+    """rollout.num_engines vLLM engines (each a RolloutRole actor) behind one handle: a step's prompts are split
+    into contiguous slices, one per engine, generated at once and joined in prompt order; record ids and
+    sampling seeds stay step-wide, so the records are those one engine would produce (batch invariance and
+    per-sample seeds). Weights go to every engine from one copy in the object store."""
+
+    MAX_RESTARTS_PER_CALL = 2
+
+    def __init__(self, executor, cfg: VimeConfig, model_path: str, weights_for=None, version: int = 0):
+        """`weights_for(version)`: the HF weights of a version (the trainer's export), for an engine restarted
+        after it died; `version`: the weight version the engines start at (a resumed checkpoint's)."""
+        self.executor, self.weights_for, self.version = executor, weights_for, version
+        self.restarts = 0  # engines restarted since the last take_restarts
+        self.engines = [executor.spawn(RolloutRole, cfg, model_path, f"vllm-{e}", name=f"rollout[vllm-{e}]")
+                        for e in range(cfg.rollout.num_engines)]
+
+    def take_restarts(self) -> int:
+        n, self.restarts = self.restarts, 0
+        return n
+
+    def _restart(self, e: int, err: Exception, bring_up: bool = True) -> None:
+        """A dead engine (its actor and the vLLM engine inside it killed or crashed) comes back at self.version
+        (bring_up=False: the call being retried is the weight update that moves it past that version)."""
+        import sys
+
+        h = self.engines[e]
+        print(f"vime: {h.name} died ({err}); restarting it at weight version {self.version}", file=sys.stderr)
+        h.restart()
+        h.call("take_provenance")  # its start-up calls are not the step's
+        if bring_up and self.version > 0:
+            if self.weights_for is None:
+                raise RuntimeError(f"{h.name} restarted but no weights of version {self.version} can be fetched") from err
+            h.call("update_weights", self.weights_for(self.version), self.version)
+        self.restarts += 1
+
+    def _all(self, method: str, per_engine_args: list[tuple]) -> list:
+        from .executor import RoleDiedError
+
+        pending = [h.async_call(method, *a) for h, a in zip(self.engines, per_engine_args)]
+        out = []
+        for e, (h, p, a) in enumerate(zip(self.engines, pending, per_engine_args)):
+            for attempt in range(self.MAX_RESTARTS_PER_CALL + 1):
+                try:
+                    out.append(h.wait(p, method))
+                    break
+                except RoleDiedError as err:
+                    if attempt == self.MAX_RESTARTS_PER_CALL:
+                        raise
+                    self._restart(e, err, bring_up=method != "update_weights")  # then the same call again: seeds are per sample, so a regenerated slice is the same
+                    p = h.async_call(method, *a)
+        return out
+
+    def call(self, method: str, *args):
+        n = len(self.engines)
+        if method == "generate":
+            step, prompts, version = args
+            bounds = [len(prompts) * e // n for e in range(n + 1)]
+            parts = self._all("generate", [(step, prompts[a:b], version, a) for a, b in zip(bounds, bounds[1:])])
+            return [r for part in parts for r in part]
+        if method == "update_weights" and n > 1:
+            tensors, version = args
+            args = (self.executor.share(tensors), version)
+        out = self._all(method, [args] * n)
+        if method in ("update_weights", "set_weight_version"):
+            self.version = int(args[1] if method == "update_weights" else args[0])
+        if method == "take_provenance":
+            return merge_op_provenance(out)
+        if method == "vocab_size" and len(set(out)) != 1:
+            raise RuntimeError(f"the rollout engines disagree on the vocab size: {out}")
+        if method == "provenance":
+            return out[0] | {"num_engines": n}
+        return out[0]

@@ -356,7 +356,7 @@ class MegatronTrainer:
 
     def _make_optimizer(self) -> None:
         c = self.config
-        if c.device == "cuda":  # Megatron DDP + distributed optimizer (run on one H200: benchmarks/h200_trainer_check.json)
+        if c.device == "cuda":  # Megatron DDP + distributed optimizer (run on one H200 before later rlkernel changes: benchmarks/history/; to re-run)
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

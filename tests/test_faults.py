@@ -1,0 +1,64 @@
+"""Claims (real Ray actors, real process kills; no mocks): every remote call of the executor has a limit.
+A call that outlives `call_timeout_s` raises RoleTimeoutError naming the role, the method and
+the config key; an actor SIGKILLed mid-call raises RoleDiedError naming the role; `restart`
+brings up a fresh actor with the same arguments in the same placement bundle, which then
+serves calls. (The loop's use of this — a killed rollout engine restarted and its step
+regenerated bit for bit — is tests/test_e2e_loop.py::test_killed_rollout_engine_is_restarted.)"""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_CODE = """
+    import json, os, signal, threading, time
+    from vime.executor import RayExecutor, RoleDiedError, RoleTimeoutError
+
+    class Worker:
+        def __init__(self, tag):
+            self.tag = tag
+        def pid(self):
+            return os.getpid()
+        def sleep(self, s):
+            time.sleep(s)
+            return self.tag
+
+    ex = RayExecutor(num_roles=1, call_timeout_s=3)
+    w = ex.spawn(Worker, "w0", name="worker[0]")
+    out = {"first_pid": w.call("pid"), "quick": w.call("sleep", 0.1)}
+    try:
+        w.call("sleep", 60)
+        out["timeout"] = "returned"
+    except RoleTimeoutError as e:
+        out["timeout"] = str(e)
+    w.restart()  # the hung actor is killed, a fresh one takes its bundle
+    pid = w.call("pid")
+    out["restarted_pid"] = pid
+    ref = w.async_call("sleep", 30)
+    time.sleep(1.0)
+    os.kill(pid, signal.SIGKILL)  # a real kill, mid-call
+    try:
+        w.wait(ref, "sleep")
+        out["died"] = "returned"
+    except RoleDiedError as e:
+        out["died"] = str(e)
+    w.restart()
+    out["after_restart"] = [w.call("sleep", 0.1), w.call("pid")]
+    print(json.dumps(out))
+    ex.shutdown()
+"""
+
+
+def test_timeouts_kills_and_restarts_of_real_actors():
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_CODE)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["quick"] == "w0"
+    assert got["timeout"].startswith("worker[0].sleep did not return within 3 s (run.call_timeout_s)"), got["timeout"]
+    assert got["restarted_pid"] != got["first_pid"]
+    assert got["died"].startswith("worker[0] died during sleep"), got["died"]
+    tag, pid = got["after_restart"]
+    assert tag == "w0" and pid not in (got["first_pid"], got["restarted_pid"])
