@@ -106,16 +106,17 @@ def test_malformed_rows_are_quarantined_with_reasons(tmp_path):
         {"prompt": [{"role": "user", "content": "1+1="}]},  # no reward_model at all
         {"prompt": "x" * 200, "reward_model": {"ground_truth": "1"}},  # longer than 64 - 8 tokens
         {"prompt": "y" * 200, "reward_model": {"ground_truth": "1"}},
+        {"prompt": "z" * 30, "reward_model": {"ground_truth": "1"}},  # fits the model, not vLLM-CPU's 16-token chunk budget
     ]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in good + bad))
     model = make_tiny_checkpoint(tmp_path / "model", vocab_size=128, seed=0)
     cfg, _ = load_config("grpo_tiny", [f"model.path={model}", "model.init=existing", f"data.path={data}", "data.generate=",
-                                       "rollout.max_model_len=64", "rollout.max_num_batched_tokens=64", f"run.output_dir={tmp_path / 'run'}"])
+                                       "rollout.max_model_len=64", "rollout.max_num_batched_tokens=16", f"run.output_dir={tmp_path / 'run'}"])
     _, prompts, report = prepare(cfg, tmp_path / "run")
-    assert len(prompts) == report.kept == 5 and report.rows == 11 and report.skipped == 6
+    assert len(prompts) == report.kept == 5 and report.rows == 12 and report.skipped == 7
     assert report.quarantined == {"missing_field:prompt": 1, "empty_prompt": 1, "missing_ground_truth": 1,
-                                  "missing_field:reward_model.ground_truth": 1, "prompt_too_long": 2}
+                                  "missing_field:reward_model.ground_truth": 1, "prompt_too_long": 2, "prompt_exceeds_chunk_budget": 1}
     assert json.loads((tmp_path / "run" / "data_report.json").read_text())["quarantined"] == report.quarantined
     with pytest.raises(ValueError, match="row 5 is malformed.*missing_field:prompt"):
         load_prompts(data, "dapo", strict=True)

@@ -91,9 +91,15 @@ def test_doctor_predicts_what_the_run_measures(tmp, strict_run, one_sided_run):
 
     _, mirror = _cli("doctor", *_recipe(tmp), "rlkernel.rollout_ops.swiglu=native")
     assert mirror["differing_ops"] == ["swiglu"] and mirror["ops"]["swiglu"]["rollout"]["impl"] == "native"
-    _, native = _cli("doctor", *_recipe(tmp), "rlkernel.mode=native")  # the native arm: same contracts, other call patterns
+    # the plugin's native arm: same (native) contracts in both engines, other call patterns
+    _, native = _cli("doctor", *_recipe(tmp), "rlkernel.mode=native", "rlkernel.native_rollout=rlkernel")
     assert native["predicted_mismatch"] and "attention" in native["differing_ops"] and native["ops"]["attention"]["delta"] == []
     assert native["ops"]["attention"]["probe"]["rows_differ"] > 0 and not native["guaranteed"]
+    # the default native arm: stock vLLM's own kernels against the trainer's — every op's implementation differs
+    text, stock = _cli("doctor", *_recipe(tmp), "rlkernel.mode=native")
+    assert stock["predicted_mismatch"] and sorted(stock["differing_ops"]) == sorted(stock["ops"]) == sorted(native["ops"])
+    assert stock["ops"]["attention"]["rollout"]["impl"] == "vllm-stock" and "stock vLLM" in stock["ops"]["attention"]["reason"]
+    assert "stock (its own kernels, no rlkernel code)" in text
 
 
 def test_replay_from_the_run_directory_alone(tmp, one_sided_run):

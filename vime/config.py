@@ -238,9 +238,19 @@ class RlkernelSection:
     ops: OpOverrides = field(default_factory=OpOverrides)  # both engines
     rollout_ops: OpOverrides = field(default_factory=OpOverrides)  # the rollout engine only, over `ops` (one-sided ablations)
     trainer_ops: OpOverrides = field(default_factory=OpOverrides)  # the trainer only, over `ops`
+    # the rollout engine of a run whose rollout side is native everywhere: "stock" (production vLLM, its own kernels:
+    # no rlkernel code in vLLM — the drift users see in production) or "rlkernel" (the plugin with rlkernel's native ops)
+    native_rollout: str = "stock"
 
     def __post_init__(self):
         _choice("rlkernel.mode", self.mode, ("strict", "native"))
+        _choice("rlkernel.native_rollout", self.native_rollout, ("stock", "rlkernel"))
+
+    def rollout_engine(self) -> str:
+        """"stock" when the rollout runs no strict op and native_rollout=stock; otherwise "rlkernel" (the plugin)."""
+        ops = dict(self.side_ops("rollout"))
+        native = self.mode == "native" and all(v == "native" for v in ops.values())
+        return "stock" if native and self.native_rollout == "stock" else "rlkernel"
 
     def side_ops(self, side: str) -> tuple:
         """The per-op overrides one engine ("rollout" or "trainer") runs: `ops`, then its own."""
@@ -323,6 +333,9 @@ class VimeConfig:
         for key, v in (("trainer.tp", t.tp), ("rollout.num_engines", r.num_engines)):
             _require(v == 1 or self.run.executor == "ray", key, f"{v} processes need the Ray executor, got run.executor={self.run.executor}",
                      "set run.executor=ray")
+        _require(not (self.rlkernel.rollout_engine() == "stock" and res.gpus == 0 and r.block_size % 32), "rollout.block_size",
+                 f"stock vLLM on CPU (the native arm's rollout) needs a multiple of 32, got {r.block_size}",
+                 "set rollout.block_size=32 (or rlkernel.native_rollout=rlkernel)")
         if res.gpus == 0:  # the CPU loop: trainer ranks (gloo) and vLLM-CPU engines, all on this node
             _require(res.nodes == 1, "resources.nodes", f"{res.nodes} is not supported on CPU (resources.gpus=0): the CPU loop runs on one node",
                      "set resources.nodes=1")

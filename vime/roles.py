@@ -33,7 +33,7 @@ class RolloutRole:
         self._alloc = tune_cpu_allocator()
         r = cfg.rollout
         self.engine = VLLMRollout(RolloutConfig(
-            model=model_path, engine="rlkernel", mode=cfg.rlkernel.mode, ops=cfg.rlkernel.side_ops("rollout"),
+            model=model_path, engine=cfg.rlkernel.rollout_engine(), mode=cfg.rlkernel.mode, ops=cfg.rlkernel.side_ops("rollout"),
             dtype=cfg.model.dtype, temperature=r.temperature, max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens, block_size=r.block_size,
             enable_prefix_caching=r.enable_prefix_caching, kv_cache_gb=r.kv_cache_gb, seed=cfg.run.seed, engine_id=engine_id,
@@ -44,7 +44,7 @@ class RolloutRole:
 
     def provenance(self) -> dict:
         p = self.engine.provenance
-        return {"env": p.env, "engine_args": p.engine_args, "allocator": self._alloc,
+        return {"env": p.env, "engine_args": p.engine_args, "allocator": self._alloc, "engine": self.engine.config.engine,
                 "rlkernel": self.engine.llm.collective_rpc("rlkernel_info")[0] if self.engine.config.engine == "rlkernel" else None}
 
     def vocab_size(self) -> int:
@@ -87,7 +87,16 @@ class RolloutRole:
         return self.engine.weight_version
 
     def take_provenance(self) -> dict:
-        """rlkernel op calls inside the engine since the last take (model forward + logprobs)."""
+        """rlkernel op calls inside the engine since the last take (model forward + logprobs). A stock engine
+        runs vLLM's own kernels under no rlkernel contract: each op is listed as such (calls not counted)."""
+        if self.engine.config.engine == "stock":
+            from rlkernel.integrations.vllm_compat import vllm_version
+
+            import rlkernel as rk
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            return {op: [{"backend": "native", "impl": "vllm", "contract_id": f"vllm-{vllm_version()}-stock", "device": device,
+                          "calls": None}] for op in rk.OPS}
         return self.engine.llm.collective_rpc("rlkernel_take_provenance")[0]
 
     def set_weight_version(self, version: int) -> None:
@@ -184,7 +193,8 @@ def merge_op_provenance(summaries: list[dict]) -> dict:
         for op, entries in summary.items():
             for e in entries:
                 key = (op, e["backend"], e["impl"], e["contract_id"], e["device"])
-                total[key] = total.get(key, 0) + e["calls"]
+                prev, n = total.get(key, 0), e["calls"]
+                total[key] = None if prev is None or n is None else prev + n  # None: not counted (a stock engine)
     out: dict[str, list[dict]] = {}
     for (op, backend, impl, cid, device), n in sorted(total.items()):
         out.setdefault(op, []).append({"backend": backend, "impl": impl, "contract_id": cid, "device": device, "calls": n})

@@ -7,10 +7,10 @@ temperature 1.0 and the rollout temperature inside the model), and `mode`
 (strict | native, plus per-op `ops`) picks the rlkernel backends inside it — the
 P/R ablation arms. `engine="stock"` runs unmodified vLLM with
 `processed_logprobs` (log-softmax of logits / T): the negative control of
-`vime parity`. Stock vLLM's in-place reload does not update the weights its CPU
-linears repacked (measured: logprobs stay off by 0.1 after an update), so the
-training loop always uses the rlkernel engine. Every returned token carries the weight version that
-produced it; generating against a version other than the engine's raises.
+`vime parity` and the rollout of the loop's native arm (no rlkernel code in vLLM). Its
+weights are replaced in place through vLLM's own `reload_weights` (rlkernel's
+`vllm_compat`: the same bits as a fresh engine). Every returned token carries the
+weight version that produced it; generating against a version other than the engine's raises.
 
 vLLM reads its settings from the environment at import, so the engine sets
 them (and records them in `provenance`) before the first import; one engine
@@ -186,13 +186,32 @@ class VLLMRollout:
         if version <= self.weight_version:
             raise ValueError(f"weight versions must increase: engine holds {self.weight_version}, got {version}")
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        with tempfile.TemporaryDirectory(dir=shm) as tmp:
-            path = os.path.join(tmp, "model.safetensors")
-            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
-            if self.config.engine != "rlkernel":
-                raise NotImplementedError("in-place weight updates need engine='rlkernel' (stock vLLM's CPU reload leaves repacked linears stale)")
-            got = self.llm.collective_rpc("rlkernel_load_weights", args=(path, version))
-            if any(g["version"] != version for g in got):
-                raise RuntimeError(f"weight update did not reach every worker: {got}")
+        if self.config.engine == "stock":
+            self._stock_reload(tensors, shm)
+        else:
+            with tempfile.TemporaryDirectory(dir=shm) as tmp:
+                path = os.path.join(tmp, "model.safetensors")
+                save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
+                got = self.llm.collective_rpc("rlkernel_load_weights", args=(path, version))
+                if any(g["version"] != version for g in got):
+                    raise RuntimeError(f"weight update did not reach every worker: {got}")
         self.llm.reset_prefix_cache()
         self.weight_version = version
+
+    def _stock_reload(self, tensors: dict[str, torch.Tensor], shm: str | None) -> None:
+        """vLLM's own in-place reload from a checkpoint directory; the directory stays until the next one
+        (the engine's model config points at it after a reload)."""
+        import shutil
+
+        from rlkernel.integrations import vllm_compat
+
+        tied = bool(json.loads(Path(self.config.model, "config.json").read_text()).get("tie_word_embeddings", False))
+        new = vllm_compat.write_reload_checkpoint(tensors, tempfile.mkdtemp(prefix="vime_reload_", dir=shm), tied)
+        vllm_compat.reload_weights(self.llm, new)
+        old, self._reload_dir = getattr(self, "_reload_dir", None), new
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        else:  # /dev/shm is memory: the last directory goes when the process ends
+            import atexit
+
+            atexit.register(lambda: shutil.rmtree(self._reload_dir, ignore_errors=True))

@@ -126,12 +126,18 @@ def encode_prompt(tokenizer, prompt: Prompt, template: str) -> list[int]:
     return list(tokenizer("".join(c for _, c in prompt.messages))["input_ids"])
 
 
-def quarantine_long(prompts: list[Prompt], report: LoadReport, lengths: list[int], budget: int) -> tuple[list[Prompt], LoadReport]:
-    """Drop prompts longer than `budget` tokens (max_model_len - max_tokens), counted as "prompt_too_long"."""
-    keep = [p for p, n in zip(prompts, lengths) if 0 < n <= budget]
+def quarantine_long(prompts: list[Prompt], report: LoadReport, lengths: list[int], budget: int,
+                    chunk_budget: int | None = None) -> tuple[list[Prompt], LoadReport]:
+    """Drop prompts longer than `budget` tokens (max_model_len - max_tokens), counted as "prompt_too_long", and
+    — where the engine cannot split a seeded prompt's prefill (vLLM-CPU) — prompts longer than `chunk_budget`
+    (rollout.max_num_batched_tokens), counted as "prompt_exceeds_chunk_budget"; never a crash mid-run."""
+    chunk = chunk_budget if chunk_budget is not None else budget
+    keep = [p for p, n in zip(prompts, lengths) if 0 < n <= min(budget, chunk)]
     empty, long = sum(n == 0 for n in lengths), sum(n > budget for n in lengths)
+    over_chunk = sum(chunk < n <= budget for n in lengths)
     if not keep:
-        raise ValueError(f"{report.path}: every prompt is longer than {budget} tokens (rollout.max_model_len - rollout.max_tokens); "
-                         "raise rollout.max_model_len or lower rollout.max_tokens")
-    q = Counter(report.quarantined) + Counter({"prompt_too_long": long, "empty_prompt": empty})
-    return keep, dataclasses.replace(report, kept=len(keep), skipped=report.skipped + long + empty, quarantined=dict(q))
+        raise ValueError(f"{report.path}: every prompt is longer than {min(budget, chunk)} tokens (rollout.max_model_len - rollout.max_tokens"
+                         + (f", or rollout.max_num_batched_tokens={chunk}: vLLM-CPU cannot split a seeded prompt" if chunk < budget else "")
+                         + "); raise rollout.max_model_len / rollout.max_num_batched_tokens or lower rollout.max_tokens")
+    q = Counter(report.quarantined) + Counter({"prompt_too_long": long, "empty_prompt": empty, "prompt_exceeds_chunk_budget": over_chunk})
+    return keep, dataclasses.replace(report, kept=len(keep), skipped=report.skipped + long + empty + over_chunk, quarantined=dict(q))
