@@ -5,7 +5,7 @@
    bfloat16; tied exports carry no lm_head.
 2. Shard layout is Megatron's: QKV interleaved per kv group (rank r holds whole groups),
    fc1 shard = [gate_r; up_r], row-parallel weights split by input columns, vocab padded
-   with zero rows so each shard is a whole number of VOCAB_TILEs (TP > 1).
+   with zero rows to S_v canonical segments of whole VOCAB_TILEs (TP > 1).
    (The distributed gather of the same shards is checked in test_megatron_tp.py, and a
    real Megatron model loads them with strict=True in every engine test.)
 3. Configurations Megatron cannot shard here raise ValueError (kv heads not divisible by tp,
@@ -70,10 +70,13 @@ def test_shard_layout_is_megatrons():
     assert torch.equal(s1[L + "mlp.linear_fc1.weight"], torch.cat([gate[F:], up[F:]]))
     assert torch.equal(s1[L + "mlp.linear_fc2.weight"], hf["model.layers.0.mlp.down_proj.weight"][:, F:])
     assert torch.equal(s1[L + "self_attention.linear_proj.weight"], hf[a + "o_proj.weight"][:, dec.num_heads * hd // 2:])
-    emb = s1["gpt.embedding.word_embeddings.weight"]
-    assert cfg.padded_vocab == 2 * rk.VOCAB_TILE and emb.shape[0] == rk.VOCAB_TILE
-    assert torch.equal(emb[: dec.vocab_size - rk.VOCAB_TILE], hf["model.embed_tokens.weight"][rk.VOCAB_TILE:])
-    assert not emb[dec.vocab_size - rk.VOCAB_TILE:].any()
+    # vocab: S_v = 4 canonical segments of whole tiles, the same at every TP size (600 rows: 2 tiles -> 1 tile per
+    # segment), so TP=2 pads to 4 tiles and rank 0 holds rows [0, 1024): every true row; rank 1 padding only
+    emb0, emb = hf_to_megatron(hf, cfg, 0)["gpt.embedding.word_embeddings.weight"], s1["gpt.embedding.word_embeddings.weight"]
+    assert (cfg.vocab_segments, cfg.vocab_segment_rows) == (4, rk.VOCAB_TILE)
+    assert cfg.padded_vocab == 4 * rk.VOCAB_TILE and emb.shape[0] == emb0.shape[0] == 2 * rk.VOCAB_TILE
+    assert torch.equal(emb0[: dec.vocab_size], hf["model.embed_tokens.weight"]) and not emb0[dec.vocab_size:].any()
+    assert not emb.any()
     assert "output_layer.weight" not in s1  # tied
 
 

@@ -383,23 +383,33 @@ class MegatronTrainer:
         return (rk.tree_all_reduce if self.config.mode == "strict" else rk.native_all_reduce)([t], group)
 
     def _cpu_step(self) -> float:
-        """Megatron's finalize_model_grads + clip_grad_norm, for a model without DDP; then AdamW."""
+        """Megatron's finalize_model_grads + clip_grad_norm, for a model without DDP; then AdamW. Strict: the grad norm
+        is TP invariant (rlkernel's canonical_grad_norm; the q/k-norm grads are already summed over TP by their
+        layer), so a TP=2 step equals a TP=1 step bit for bit."""
+        from rlkernel.parallel.tp_backward import canonical_grad_norm
+
         params = [p for p in self.model.parameters() if p.grad is not None]
-        for p in self._qk_norms:  # replicated, but each TP rank's grad covers only its own heads
-            if p.grad is not None:
-                p.grad = self._reduce(p.grad, self.tp_group)
+        strict = self.config.mode == "strict"
+        policy = rk.ExecutionPolicy(mode=self.config.mode, ops=dict(self.config.ops))
+        if policy.choice("rms_norm") == "native":
+            for p in self._qk_norms:  # replicated, but each TP rank's grad covers only its own heads
+                if p.grad is not None:
+                    p.grad = self._reduce(p.grad, self.tp_group)
         dp = self.dp_group.size()
         if dp > 1:
             for p in params:
                 p.grad = self._reduce(p.grad, self.dp_group) / dp
-        sharded = [p for p in params if getattr(p, "tensor_model_parallel", False)]
-        replicated = [p for p in params if not getattr(p, "tensor_model_parallel", False)]
+        if strict:
+            norm = canonical_grad_norm(self.model.named_parameters(), self.tp_group)
+        else:
+            sharded = [p for p in params if getattr(p, "tensor_model_parallel", False)]
+            replicated = [p for p in params if not getattr(p, "tensor_model_parallel", False)]
 
-        def sq(ps):
-            parts = [tree_sum(p.grad.float().square().reshape(-1), dim=0) for p in ps]
-            return tree_sum(torch.stack(parts), dim=0) if parts else torch.zeros((), device=self.config.device)
+            def sq(ps):
+                parts = [tree_sum(p.grad.float().square().reshape(-1), dim=0) for p in ps]
+                return tree_sum(torch.stack(parts), dim=0) if parts else torch.zeros((), device=self.config.device)
 
-        norm = torch.sqrt(self._reduce(sq(sharded).reshape(1), self.tp_group)[0] + sq(replicated))
+            norm = torch.sqrt(self._reduce(sq(sharded).reshape(1), self.tp_group)[0] + sq(replicated))
         if not torch.isfinite(norm):
             return norm.item()  # update() raises before anything is stepped
         if self.config.grad_clip is not None:

@@ -48,3 +48,26 @@ VOCAB_PARALLEL_LOGPROB_REFERENCE = dataclasses.replace(
     op="vocab_parallel_logprob",
     invariant=logprob.STRICT.invariant + ("tensor-parallel world size (shard boundaries multiples of VOCAB_TILE)",),
 )
+# The backward of a tensor-parallel layer stack, made independent of the TP size: every gradient
+# that TP splits into per-rank partial sums is cut into S canonical segments (S from the model,
+# not the world) and merged by ALL_REDUCE_REFERENCE's tree. rlkernel/parallel/tp_backward.py.
+TP_BACKWARD_REFERENCE = Contract(
+    op="tp_backward",
+    backend="strict",
+    domain="gradients of column-parallel inputs, vocab-parallel logprob inputs, per-head norm weights, the global grad norm",
+    partition=(
+        ("column-parallel dX", "S = canonical_segments(N / stride, row_segments) segments of the output rows (a segment = the rows "
+                               "rank s would hold at TP = S, stride chunks included); partial dY_s @ W_s per segment, float32"),
+        ("vocab-parallel dhidden", "S_v = row_segments segments of ceil(tiles / S_v) VOCAB_TILEs each; tiles left to right inside a "
+                                   "segment (each tile's share a contract GEMM)"),
+        ("per-head norm weights", "S_h = canonical_segments(heads, row_segments) head segments; each segment's weight grad from the "
+                                  "rms_norm backward of its rows"),
+        ("grad norm", "per parameter: its S canonical segments (rows / columns as above), each a tree sum of squares; replicated "
+                      "parameters one segment; then a tree over parameters in named order"),
+    ),
+    merge="ALL_REDUCE_REFERENCE's tree over all S segments (every rank, every TP size dividing S)",
+    precision=(("partials", "float32"), ("output", "the parameter / activation dtype, one cast")),
+    rounding=("one cast after the tree",),
+    primitives=(("add", "IEEE element-wise"), ("gemm", "the strict linear contract")),
+    invariant=("tensor-parallel world size dividing S", "rank", "run to run"),
+)

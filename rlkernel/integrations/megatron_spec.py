@@ -15,7 +15,11 @@ points), using only Megatron's extension points, no patching:
   round its table differently; RoPE is the core attention's job here.
 * Column-parallel linears compute their local shard with `rk.linear` (the strict GEMM is
   column invariant, so a fused QKV / fc1 shard gives the bits of separate q/k/v, gate/up
-  GEMMs); `copy_to_tensor_model_parallel_region` all-reduces the input gradient.
+  GEMMs). Their input gradient is the canonical tree over S output-row segments
+  (`rlkernel.parallel.tp_backward`, TP_BACKWARD_REFERENCE), so the backward is TP invariant
+  too; likewise the logprob head's dL/dhidden (vocab segments) and the per-head q/k-norm
+  weight gradients (`StrictHeadRMSNorm`). Under a native "linear" policy:
+  `copy_to_tensor_model_parallel_region` (Megatron's all-reduce of the input gradient).
 * Row-parallel linears (o_proj, down_proj) reduce over *canonical K-segments*: with
   S = canonical_segments(K_full, row_segments) each rank computes the float32 partials of
   its S/tp segments and `rk.tree_all_reduce` merges all S by one fixed tree, then one cast
@@ -25,8 +29,8 @@ points), using only Megatron's extension points, no patching:
   ColumnParallelLinear that materialises full logits, and its loss is Megatron's CE):
   `StrictGPTModel` owns the final norm and `StrictLogprobHead`, which returns
   selected-token logprobs via `rk.linear_logprob` (TP=1) or the vocab-parallel op
-  (TP>1). The vocab is padded so every TP shard is a whole number of VOCAB_TILEs; padded
-  rows are never read. Embeddings are tied by the head reading the embedding weight.
+  (TP>1; with gradients at every TP size). At TP>1 the vocab is padded to S_v canonical
+  segments of whole VOCAB_TILEs (the same segments as TP=1); padded rows are never read. Embeddings are tied by the head reading the embedding weight.
 * Only the packed `thd` layout is supported (that is what scoring and training feed).
 
 Megatron param attributes (`tensor_model_parallel`, `partition_dim`,
@@ -61,6 +65,7 @@ import rlkernel as rk
 from rlkernel.models.decoder import DecoderConfig
 from rlkernel.ops.linear import canonical_segments, linear_segment_partials
 from rlkernel.parallel import vocab_parallel_logprob_fn
+from rlkernel.parallel.tp_backward import ColumnParallelLinearFn, SharedWeightFanout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -80,22 +85,36 @@ class MegatronSpecConfig:
             raise ValueError(f"tp={self.tp} must divide heads {d.num_heads} and kv heads {d.num_kv_heads} (kv heads < tp needs CUDA paths)")
         if d.intermediate_size % self.tp:
             raise ValueError(f"tp={self.tp} must divide intermediate_size {d.intermediate_size}")
-        for name, k in (("o_proj", d.num_heads * d.head_dim), ("down_proj", d.intermediate_size)):
+        q_rows = (d.num_heads + 2 * d.num_kv_heads) * d.head_dim
+        for name, k in (("o_proj", d.num_heads * d.head_dim), ("down_proj", d.intermediate_size), ("qkv rows", q_rows),
+                        ("gate/up rows", d.intermediate_size), ("q-norm heads", d.num_heads), ("k-norm heads", d.num_kv_heads),
+                        ("vocab segments", 1 << 30)):
             s = canonical_segments(k, d.row_segments)
             if s % self.tp:
-                raise ValueError(f"{name}: {s} canonical K-segments (K={k}, row_segments={d.row_segments}) are not divisible by tp={self.tp}")
+                raise ValueError(f"{name}: {s} canonical segments (of {k}, row_segments={d.row_segments}) are not divisible by tp={self.tp}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 
     @property
+    def vocab_segments(self) -> int:
+        """S_v: canonical vocab segments (the largest power of two <= row_segments), the same at every TP size."""
+        return canonical_segments(1 << 30, self.decoder.row_segments)
+
+    @property
+    def vocab_segment_rows(self) -> int:
+        """Rows per canonical vocab segment: a whole number of VOCAB_TILEs, independent of TP."""
+        tiles = -(-self.decoder.vocab_size // rk.VOCAB_TILE)
+        return -(-tiles // self.vocab_segments) * rk.VOCAB_TILE
+
+    @property
     def padded_vocab(self) -> int:
-        """Rows of the embedding / lm_head: at TP>1 each shard is a whole number of VOCAB_TILEs."""
+        """Rows of the embedding / lm_head: the true vocab at TP=1; at TP>1 S_v whole segments (so every shard is
+        S_v/tp segments of whole VOCAB_TILEs, and the segments are those of TP=1)."""
         if self.tp == 1:
             return self.decoder.vocab_size
-        step = rk.VOCAB_TILE * self.tp
-        return -(-self.decoder.vocab_size // step) * step
+        return self.vocab_segments * self.vocab_segment_rows
 
     def transformer_config(self) -> TransformerConfig:
         d, dt = self.decoder, self.torch_dtype
@@ -134,34 +153,64 @@ class StrictRMSNorm(torch.nn.Module):
         return rk.rms_norm(x, self.weight, self.eps)
 
 
+class StrictHeadRMSNorm(StrictRMSNorm):
+    """Qwen3's per-head q/k norm (one [head_dim] weight shared by every head): rk.rms_norm over the last dim, with the
+    weight's gradient summed over S_h canonical head segments by one tree across the TP group (TP_BACKWARD_REFERENCE),
+    so every rank holds the full, TP-invariant gradient. Under a native rms_norm policy: one call, the trainer
+    all-reduces the gradient as Megatron would."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, *, row_segments: int, **_unused):
+        super().__init__(config, hidden_size, eps)
+        self.row_segments = row_segments
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+
+    def forward(self, x):
+        if rk.current_policy().choice("rms_norm") == "native" or not torch.is_grad_enabled():
+            return rk.rms_norm(x, self.weight, self.eps)
+        world, heads = self.tp_group.size(), x.shape[-2]
+        n = canonical_segments(heads * world, self.row_segments) // world
+        weights = SharedWeightFanout.apply(self.weight, self.tp_group, n)
+        return torch.cat([rk.rms_norm(part, w, self.eps) for part, w in zip(x.chunk(n, dim=-2), weights)], dim=-2)
+
+
 class StrictColumnParallelLinear(torch.nn.Module):
     """ColumnParallelLinear's interface (gather_output=False): y_local = rk.linear(x, w_local)."""
 
     def __init__(self, input_size, output_size, *, config, init_method, bias=True, gather_output=False, stride=1,
-                 skip_bias_add=False, tp_group=None, **_unused):
+                 skip_bias_add=False, tp_group=None, row_segments: int, **_unused):
         super().__init__()
         if gather_output:
             raise ValueError("StrictColumnParallelLinear: gather_output is not supported (outputs stay sharded)")
         self.tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
         world, rank = self.tp_group.size(), self.tp_group.rank()
+        # canonical segments of the output rows (TP_BACKWARD_REFERENCE): the input gradient is their tree
+        segments = canonical_segments(output_size // stride, row_segments)
+        if segments % world:
+            raise ValueError(f"column-parallel N={output_size}: {segments} canonical segments not divisible by tp={world}")
+        self.segments, self.stride = segments // world, stride
         self.weight = torch.nn.Parameter(torch.empty(output_size // world, input_size, dtype=config.params_dtype))
         if config.perform_initialization:
             _init_shard(self.weight, (output_size, input_size), 0, stride, init_method, rank, world)
         set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+        self.weight.rk_segments = ("chunks", 0, stride, self.segments)
         self.bias = None
         if bias:
             self.bias = torch.nn.Parameter(torch.zeros(output_size // world, dtype=config.params_dtype))
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+            self.bias.rk_segments = ("chunks", 0, stride, self.segments)
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = False
 
     def forward(self, x, weight=None, runtime_gather_output=None):
-        if self.tp_group.size() > 1:
-            x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)  # backward: all-reduce dgrad
         w = self.weight if weight is None else weight
-        if self.skip_bias_add:
-            return rk.linear(x, w), self.bias
-        return rk.linear(x, w, self.bias), None
+        bias = None if self.skip_bias_add else self.bias
+        if rk.current_policy().choice("linear") == "native":
+            if self.tp_group.size() > 1:
+                x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)  # backward: Megatron's all-reduce of dgrad
+            y = rk.linear(x, w, bias)
+        else:  # strict: dX is the canonical tree over every rank's output-row segments (TP invariant)
+            y = ColumnParallelLinearFn.apply(x, w, bias, self.tp_group, self.segments, self.stride)
+        return y, (self.bias if self.skip_bias_add else None)
 
 
 class _SegmentTreeSum(torch.autograd.Function):
@@ -194,6 +243,7 @@ class StrictRowParallelLinear(torch.nn.Module):
         if config.perform_initialization:
             _init_shard(self.weight, (output_size, input_size), 1, stride, init_method, rank, world)
         set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        self.weight.rk_segments = ("chunks", 1, 1, self.segments // world)
         self.bias = None
         self.sequence_parallel = False
 
@@ -257,6 +307,8 @@ def layer_spec(cfg: MegatronSpecConfig) -> ModuleSpec:
     """The TransformerLayer spec: every submodule an rlkernel-backed module."""
     d = cfg.decoder
     row = ModuleSpec(module=StrictRowParallelLinear, params={"row_segments": d.row_segments})
+    column = ModuleSpec(module=StrictColumnParallelLinear, params={"row_segments": d.row_segments})
+    head_norm = ModuleSpec(module=StrictHeadRMSNorm, params={"row_segments": d.row_segments})
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -265,16 +317,16 @@ def layer_spec(cfg: MegatronSpecConfig) -> ModuleSpec:
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=StrictColumnParallelLinear,
+                    linear_qkv=column,
                     core_attention=ModuleSpec(module=StrictCoreAttention, params={"rope_theta": d.rope_theta}),
                     linear_proj=row,
-                    q_layernorm=StrictRMSNorm if d.qk_norm else None,
-                    k_layernorm=StrictRMSNorm if d.qk_norm else None,
+                    q_layernorm=head_norm if d.qk_norm else None,
+                    k_layernorm=head_norm if d.qk_norm else None,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=StrictRMSNorm,
-            mlp=ModuleSpec(module=StrictMLP, submodules=MLPSubmodules(linear_fc1=StrictColumnParallelLinear, linear_fc2=row)),
+            mlp=ModuleSpec(module=StrictMLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
             mlp_bda=get_bias_dropout_add,
         ),
     )
@@ -290,6 +342,7 @@ class StrictLogprobHead(torch.nn.Module):
         super().__init__()
         self.vocab_size, self.tp_group = cfg.decoder.vocab_size, tp_group
         self.shard = cfg.padded_vocab // cfg.tp
+        self.segment_rows = cfg.vocab_segment_rows
         self.weight = None
         if not tied:
             self.weight = torch.nn.Parameter(torch.empty(self.shard, cfg.decoder.hidden_size, dtype=cfg.torch_dtype))
@@ -297,21 +350,26 @@ class StrictLogprobHead(torch.nn.Module):
             init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
             _init_shard(self.weight, (cfg.padded_vocab, cfg.decoder.hidden_size), 0, 1, init, rank, world)
             set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+            self.weight.rk_segments = ("rows", self.segment_rows, cfg.vocab_segments // world)
 
     def forward(self, hidden, targets, temperature: float, weight=None):
         w = self.weight if weight is None else weight
         world, rank = self.tp_group.size(), self.tp_group.rank()
+        wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or w.requires_grad)
+        strict = rk.current_policy().choice("linear_logprob") != "native"
+        if wants_grad and strict:  # at every TP size: dL/dhidden over the canonical vocab segments (TP invariant)
+            return vocab_parallel_logprob_fn(hidden, w, targets.long(), rank * self.shard, self.vocab_size, float(temperature), self.tp_group,
+                                             self.segment_rows)
         if world == 1:
             return rk.linear_logprob(hidden, w, targets, temperature, vocab_size=self.vocab_size)
         start = rank * self.shard
         if rk.current_policy().choice("linear_logprob") == "native":
             # Megatron's vocab-parallel CE over full float32 logits; padded columns masked out.
+            hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)  # backward: all-reduce dhidden (Megatron's output layer)
             logits = rk.linear(hidden, w, backend="native").float() / temperature  # the production GEMM (backends/native)
             pad = torch.arange(start, start + self.shard, device=hidden.device) >= self.vocab_size
             logits = logits.masked_fill(pad, -math.inf)
             return -vocab_parallel_cross_entropy(logits[:, None], targets[:, None])[:, 0]
-        if torch.is_grad_enabled() and (hidden.requires_grad or w.requires_grad):
-            return vocab_parallel_logprob_fn(hidden, w, targets.long(), start, self.vocab_size, float(temperature), self.tp_group)
         return rk.vocab_parallel_logprob(hidden, w, targets, vocab_start=start, vocab_size=self.vocab_size,
                                          temperature=temperature, group=self.tp_group)
 
@@ -333,6 +391,8 @@ class StrictGPTModel(MegatronModule):
         )
         self.final_layernorm = StrictRMSNorm(tc, d.hidden_size, d.rms_norm_eps)
         self.output_layer = StrictLogprobHead(cfg, parallel_state.get_tensor_model_parallel_group(), d.tie_word_embeddings)
+        world = parallel_state.get_tensor_model_parallel_world_size()
+        self.gpt.embedding.word_embeddings.weight.rk_segments = ("rows", cfg.vocab_segment_rows, cfg.vocab_segments // world)
 
     @property
     def output_weight(self) -> torch.Tensor:

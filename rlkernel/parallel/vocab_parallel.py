@@ -20,7 +20,7 @@ class VocabParallelLogprob(torch.autograd.Function):
     canonical tile tree; the backward recomputes each local tile and tree-reduces dL/dhidden."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, start, vocab_size, temperature, group):
+    def forward(ctx, hidden, weight, targets, start, vocab_size, temperature, group, segment_rows=None):
         lp = vocab_parallel_logprob(hidden, weight, targets, vocab_start=start, vocab_size=vocab_size, temperature=temperature, group=group)
         h32, prims = hidden.float(), strict_prims(hidden.device)
         shard, world = weight.shape[0], group.size()
@@ -37,6 +37,10 @@ class VocabParallelLogprob(torch.autograd.Function):
         m, l = _lp.tree_merge_ml(ms, ls, prims)
         ctx.save_for_backward(hidden, weight, targets, m + prims.log(l))
         ctx.span, ctx.start, ctx.temperature, ctx.group, ctx.prims = (lo, hi), start, temperature, group, prims
+        # canonical vocab segments of the backward's dL/dhidden (TP_BACKWARD_REFERENCE): this rank's share of the S_v
+        # segments of `segment_rows` rows; None: one segment per rank (the sum then depends on the TP size)
+        ctx.segments = None if segment_rows is None else [(start + j * segment_rows, start + (j + 1) * segment_rows)
+                                                          for j in range(-(-weight.shape[0] // segment_rows))]
         return lp
 
     @staticmethod
@@ -44,21 +48,25 @@ class VocabParallelLogprob(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         (lo, hi), start, t = ctx.span, ctx.start, ctx.temperature
         h32, g, prims = hidden.float(), grad.float(), ctx.prims
-        gh = torch.zeros_like(h32)
         gw = torch.zeros_like(weight, dtype=torch.float32)
-        for a in range(lo, hi, VOCAB_TILE):  # fixed tile order
-            b = min(a + VOCAB_TILE, hi)
-            z = _lp.tile_logits(h32, weight, a - start, b - start, t, prims)
-            gz = -prims.exp(z - lse[:, None])
-            rows = ((targets >= a) & (targets < b)).nonzero()[:, 0]
-            gz[rows, targets[rows] - a] += 1.0
-            gz = gz * g[:, None] / t
-            gh = gh + prims.matmul(gz, weight[a - start:b - start])
-            gw[a - start:b - start] = prims.matmul(gz.t(), h32)
-        gh = tree_all_reduce([gh], ctx.group)  # each rank's vocab block contributes to dL/dhidden
-        return gh.to(hidden.dtype), gw.to(weight.dtype), None, None, None, None, None
+        partials = []
+        for seg_lo, seg_hi in ctx.segments or [(lo, hi)]:
+            gh = torch.zeros_like(h32)
+            for a in range(max(seg_lo, lo), min(seg_hi, hi), VOCAB_TILE):  # fixed tile order inside a segment
+                b = min(a + VOCAB_TILE, hi)
+                z = _lp.tile_logits(h32, weight, a - start, b - start, t, prims)
+                gz = -prims.exp(z - lse[:, None])
+                rows = ((targets >= a) & (targets < b)).nonzero()[:, 0]
+                gz[rows, targets[rows] - a] += 1.0
+                gz = gz * g[:, None] / t
+                gh = gh + prims.matmul(gz, weight[a - start:b - start])
+                gw[a - start:b - start] = prims.matmul(gz.t(), h32)
+            partials.append(gh)
+        gh = tree_all_reduce(partials, ctx.group)  # every rank's vocab segments contribute to dL/dhidden, one tree
+        return gh.to(hidden.dtype), gw.to(weight.dtype), None, None, None, None, None, None
 
 
-def vocab_parallel_logprob_fn(hidden, weight, targets, start, vocab_size, temperature, group):
-    """Differentiable float32 log p(targets) with the lm_head split over `group` by vocab rows."""
-    return VocabParallelLogprob.apply(hidden, weight, targets, start, vocab_size, temperature, group)
+def vocab_parallel_logprob_fn(hidden, weight, targets, start, vocab_size, temperature, group, segment_rows=None):
+    """Differentiable float32 log p(targets) with the lm_head split over `group` by vocab rows. With `segment_rows`
+    (rows per canonical vocab segment, the shard a whole number of them) dL/dhidden is TP invariant."""
+    return VocabParallelLogprob.apply(hidden, weight, targets, start, vocab_size, temperature, group, segment_rows)

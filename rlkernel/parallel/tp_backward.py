@@ -1,0 +1,106 @@
+"""Tensor-parallel backwards whose bits do not depend on the TP size (contract: TP_BACKWARD_REFERENCE).
+
+What this module decides: how the gradients TP splits into per-rank partial sums are merged.
+The forward of a TP layer stack is already TP invariant (column shards are column invariant,
+row-parallel GEMMs reduce over canonical K-segments, the vocab-parallel logprob over the tile
+tree). Its backward is not, unless every partial sum is one of S canonical segments fixed by
+the model and merged by one tree: then TP=1 (all S segments local) and TP=w (S/w each) give
+the same bits. Three sums need it — the input gradient of a column-parallel linear (sum over
+its output rows), the input gradient of the vocab-parallel logprob (sum over vocab tiles),
+the weight gradient of a norm shared by all heads (sum over heads) — plus the global grad
+norm (a sum over every parameter's shards). Everything else in the backward is local to a
+rank or the same on every rank.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..backends.reference.primitives import tree_sum
+from ..ops.linear import linear, linear_segment_partials
+from .collectives import _gather, tree_all_reduce
+
+
+def segment_rows(rows: int, stride: int, segments: int) -> list[torch.Tensor]:
+    """Row indices of each of `segments` canonical segments of a [rows, ...] shard laid out with Megatron's
+    partition `stride` (e.g. fc1's [gate; up]): segment j = chunk j of every stride block."""
+    if rows % (stride * segments):
+        raise ValueError(f"{rows} rows do not split into stride {stride} x {segments} segments")
+    c = rows // (stride * segments)
+    return [torch.cat([torch.arange((t * segments + j) * c, (t * segments + j + 1) * c) for t in range(stride)]) for j in range(segments)]
+
+
+class ColumnParallelLinearFn(torch.autograd.Function):
+    """y = linear(x, w_local, b_local) (strict). Backward: dX as the canonical tree over the output-row segments of
+    every rank (a partial dY_s @ W_s per segment), dW = dY^T X and db = sum_T dY locally (the same rows at any TP)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, segments: int, stride: int):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.segments, ctx.stride, ctx.has_bias = group, segments, stride, bias is not None
+        return linear(x, weight, bias, backend="strict")
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]).to(x.dtype)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            perm = torch.cat(segment_rows(weight.shape[0], ctx.stride, ctx.segments)).to(x.device)
+            parts = linear_segment_partials(dy2[:, perm], weight[perm].t().contiguous(), ctx.segments)  # [M, K] float32 each
+            dx = tree_all_reduce(parts, ctx.group).to(x.dtype).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = linear(dy2.t().contiguous(), x2.t().contiguous(), backend="strict").to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = tree_sum(dy2.float(), dim=0).to(weight.dtype)
+        return dx, dw, db, None, None, None
+
+
+class SharedWeightFanout(torch.autograd.Function):
+    """`n` aliases of one replicated weight, one per canonical segment of its uses; backward: the tree over every
+    rank's segment gradients (so each rank holds the full, TP-invariant gradient — no further TP reduction)."""
+
+    @staticmethod
+    def forward(ctx, weight, group, n: int):
+        ctx.group = group
+        return tuple(weight.view_as(weight) for _ in range(n))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [g if g is not None else None for g in grads]
+        if any(g is None for g in grads):
+            like = next(g for g in grads if g is not None)
+            grads = [torch.zeros_like(like) if g is None else g for g in grads]
+        return tree_all_reduce(grads, ctx.group), None, None
+
+
+def _segment_values(grad: torch.Tensor, spec) -> list[torch.Tensor]:
+    """Sum of squares (float32, tree) of each local canonical segment of a sharded gradient."""
+    kind = spec[0]
+    if kind == "chunks":  # ("chunks", dim, stride, n_local)
+        _, dim, stride, n = spec
+        g = grad.movedim(dim, 0)
+        return [tree_sum(g[idx.to(g.device)].float().square().reshape(-1), dim=0) for idx in segment_rows(g.shape[0], stride, n)]
+    if kind == "rows":  # ("rows", rows_per_segment, n_local): vocab segments (the last ones may be short or empty)
+        _, per, n = spec
+        return [tree_sum(grad[j * per:(j + 1) * per].float().square().reshape(-1), dim=0) for j in range(n)]
+    raise ValueError(f"unknown segment spec {spec!r}")
+
+
+def canonical_grad_norm(named_params, group) -> torch.Tensor:
+    """sqrt of the sum of squares of every gradient, TP invariant: a parameter tagged `rk_segments` (sharded) contributes
+    the tree over all ranks' canonical segments (gathered in rank order), any other (replicated) its own tree sum; then
+    one tree over the parameters in named order."""
+    values = []
+    for _, p in named_params:
+        if p.grad is None:
+            continue
+        spec = getattr(p, "rk_segments", None)
+        if spec is None:
+            values.append(tree_sum(p.grad.float().square().reshape(-1), dim=0))
+            continue
+        local = torch.stack(_segment_values(p.grad, spec))
+        every = _gather(local, group).reshape(-1) if group is not None and group.size() > 1 else local
+        values.append(tree_sum(every, dim=0))
+    if not values:
+        return torch.zeros(())
+    return torch.sqrt(tree_sum(torch.stack(values), dim=0))
