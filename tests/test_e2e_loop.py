@@ -13,7 +13,9 @@ weights and the optimizer/RNG state — and the weights really changed on every 
 checkpoint of another model is refused naming both; a corrupt checkpoint file is named; after
 either refusal the run directory is byte for byte as it was.
 Faults: the rollout actor SIGKILLed mid-generate is restarted at the current weight version and
-the step regenerated: the run equals the uninterrupted one (records, metrics, provenance).
+the step regenerated; the trainer actor SIGKILLed after checkpoint 1 makes the run resume from
+it by itself. Either way the run equals the uninterrupted one (records, metrics, provenance,
+weights).
 Parallel: the trainer as two TP ranks (Ray actors, gloo) and two vLLM engines — mismatch 0 on
 every step, and the whole run (metrics, records, final weights) bitwise equal to the TP=1/one-engine run; the group's checkpoint resumes
 exactly (a checkpoint of two ranks is refused by one).
@@ -205,6 +207,37 @@ def test_killed_rollout_engine_is_restarted(tmp, strict_run):
             assert _digest(out / rel) == _digest(a / rel), rel
         recs = read_records(out / "records" / f"step_{s:06d}.parquet")
         assert len({r.record_id for r in recs}) == len(recs) == 16
+
+
+def test_killed_trainer_resumes_from_its_checkpoint(tmp, strict_run):
+    """Fault: the trainer actor SIGKILLed once checkpoint 1 is written. Every role stops, the run resumes from the
+    last checkpoint by itself (run.max_restarts) and finishes equal to run A: every metric line but wall clock,
+    every record file and step provenance, the final weights and trainer state."""
+    from vime.controller import WALL_CLOCK_FIELDS
+
+    a, rows_a, _ = strict_run
+    out = tmp / "trainer_killed"
+    killed = []
+    with open(tmp / "trainer_killed.log", "w") as log:
+        proc = subprocess.Popen(_cli(tmp, out, *RESUMABLE), cwd=ROOT, env=_env(), stdout=log, stderr=log)
+        latest, deadline = out / "checkpoints" / "latest", time.monotonic() + 900
+        while proc.poll() is None and time.monotonic() < deadline and not killed:
+            if latest.exists() and latest.read_text() == "step_000001":
+                for p in _tree(proc.pid):
+                    if _title(p).startswith("ray::TrainerRole"):
+                        p.kill()
+                        killed.append(p.pid)
+            time.sleep(0.005)
+    assert proc.wait(timeout=900) == 0, (tmp / "trainer_killed.log").read_text()[-4000:]
+    assert killed, "the trainer was never killed"
+    text = (tmp / "trainer_killed.log").read_text()
+    assert "trainer[rank 0] died" in text and "resuming from the last checkpoint (restart 1 of run.max_restarts=2)" in text
+    rows = _rows(out)
+    clockless = lambda rs: [{k: v for k, v in m.items() if k not in WALL_CLOCK_FIELDS} for m in rs]  # noqa: E731
+    assert clockless(rows) == clockless(rows_a)
+    for rel in [f"{d}/step_{s:06d}.{ext}" for s in range(3) for d, ext in (("records", "parquet"), ("provenance", "json"))] + \
+            [f"checkpoints/step_000003/{f}" for f in ("model.safetensors", "trainer_state.safetensors", "trainer_state.json")]:
+        assert _digest(out / rel) == _digest(a / rel), rel
 
 
 def _title(p) -> str:

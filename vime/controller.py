@@ -30,6 +30,29 @@ from .weights import keep_version
 
 
 def train(cfg: VimeConfig, config_dict: dict) -> Path:
+    """The run; a role that dies (RoleDiedError: a trainer rank, or a rollout engine past its own restarts) stops
+    every role and the run resumes from its last checkpoint, up to run.max_restarts times. The resume is exact
+    (vime.checkpoint), so the finished run equals one that never failed."""
+    from .executor import RoleDiedError
+
+    restarts = 0
+    while True:
+        try:
+            return _train(cfg, config_dict)
+        except RoleDiedError as e:
+            run_dir = Path(cfg.run.output_dir)
+            if restarts >= cfg.run.max_restarts or not (run_dir / "checkpoints" / "latest").exists():
+                why = ("no checkpoint to resume from yet (set run.save_every)" if restarts < cfg.run.max_restarts
+                       else f"run.max_restarts={cfg.run.max_restarts} used up")
+                raise RoleDiedError(f"{e} — not restarted: {why}") from e
+            restarts += 1
+            print(f"vime: {e}; resuming from the last checkpoint (restart {restarts} of run.max_restarts={cfg.run.max_restarts})",
+                  file=sys.stderr)
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
+            config_dict = {**config_dict, "run": {**config_dict.get("run", {}), "resume": True}}
+
+
+def _train(cfg: VimeConfig, config_dict: dict) -> Path:
     run_dir = Path(cfg.run.output_dir)
     model_path, prompts, data_report = prepare(cfg, run_dir)
     identity = checkpoint.model_identity(model_path, cfg.model.dtype)
