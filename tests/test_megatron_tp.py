@@ -170,3 +170,26 @@ def test_native_backward_is_not_tp_invariant(tp1, tp2):
 def test_native_tp2_differs_from_native_tp1(tp1, tp2):
     for rank in range(2):
         assert int((torch.cat(tp2[rank]["native"]) != torch.cat(tp1["native"])).sum()) > 0
+
+
+def test_two_gpu_script_runs_its_claims_on_cpu(tmp_path):
+    """scripts/gpu_tp_parity.py (the nvidia-h200-x2 run) at tiny dimensions on two gloo processes: the strict
+    collectives are identical on both ranks and equal to the one-process tree, TP=2 scoring equals TP=1 (native
+    differs), and a TP=1 rollout-style decode equals the TP=2 trainer's packed scoring."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", "scripts/gpu_tp_parity.py", "--device", "cpu", "--tiny",
+                           "--seqs", "24", "--reps", "2", "--out", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads((tmp_path / "tp_parity_smoke.json").read_text())
+    assert res["collectives"] and all(r["equal_to_canonical"] and r["ranks_identical"] for r in res["collectives"].values())
+    assert res["scoring"]["strict_tp1_vs_tp2"]["mismatch_count"] == 0 and res["scoring"]["strict_tp1_vs_tp2"]["compared_tokens"] > 0
+    assert res["scoring"]["native_tp1_vs_tp2"]["mismatch_count"] > 0  # the negative control
+    r = res["rollout_tp1_vs_training_tp2"]
+    assert r["compared_tokens"] > 0 and r["mismatch_count"] == 0

@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""Tensor parallelism on two GPUs: strict collectives, TP=1 vs TP=2 scoring, rollout (TP=1) vs training (TP=2).
+
+    torchrun --standalone --nproc_per_node=2 scripts/gpu_tp_parity.py [--layers 2] [--seqs 512] [--out DIR]
+    torchrun --standalone --nproc_per_node=2 scripts/gpu_tp_parity.py --device cpu --tiny   # the smoke run (gloo)
+
+Two processes, one GPU each (NCCL; leave NVLink multicast off), random weights at Qwen3-8B
+dimensions (no hub here), the Megatron-core trainer of this repo (vime.trainer.MegatronTrainer,
+rlkernel's layer spec, Triton kernels under the GPU contracts):
+
+  collectives  rk.tree_all_reduce of canonical segments: identical bits on both ranks and equal to the
+               one-process canonical tree; latency vs a plain all_reduce at decode and prefill sizes
+  scoring      MegatronTrainer.score at TP=1 (each rank alone) and TP=2 (one group): bitwise equal;
+               the native path (cuBLAS + NCCL all-reduce) as the negative control
+  rollout      rank 0 decodes every sequence like a rollout engine (StrictDecoder, paged KV cache,
+               requests joining and leaving, TP=1); the TP=2 trainer re-scores them packed:
+               mismatch_count over every generated token (the claim: 0 over >= 1,000,000 tokens)
+
+Rank 0 writes DIR/h200x2_tp_parity.json (DIR: $OUT, else benchmarks/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+T0 = time.time()
+TINY = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=32, vocab_size=1100,
+            rope_theta=10000.0, rms_norm_eps=1e-6)
+
+
+def log(rank, *a):
+    if rank == 0:
+        print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
+
+
+def _sync(dev):
+    import torch
+
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def collectives(args, res, rank, world, dev):
+    import torch
+    import torch.distributed as dist
+
+    import rlkernel as rk
+
+    out = {}
+    S = 4 * world
+    sizes = {"decode": (64, 4096), "prefill": (8192, 4096)} if not args.tiny else {"decode": (4, 64), "prefill": (64, 64)}
+    for name, shape in sizes.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            g = torch.Generator(device="cpu").manual_seed(5)
+            segs = [torch.randn(shape, generator=g).to(dtype).to(dev) for _ in range(S)]
+            k = S // world
+            local = segs[rank * k:(rank + 1) * k]
+            got = rk.tree_all_reduce(local, None)
+            want = rk.canonical_tree_sum(segs)
+            hashes = [None] * world
+            dist.all_gather_object(hashes, rk.backends.reference.primitives.tree_sum(got.float().reshape(-1)[:1024], dim=0).item())
+            row = {"equal_to_canonical": bool(torch.equal(got, want)), "ranks_identical": len(set(hashes)) == 1}
+            # latency: strict tree (gather + tree) vs a plain all_reduce of the local sum
+            plain = torch.stack(local).sum(0)
+
+            def strict_call():
+                return rk.tree_all_reduce(local, None)
+
+            def native_call():
+                x = plain.clone()
+                dist.all_reduce(x)
+                return x
+
+            for fn in (strict_call, native_call):
+                fn()
+            times = {}
+            for label, fn in (("strict", strict_call), ("native", native_call)):
+                ts = []
+                for _ in range(args.reps):
+                    _sync(dev)
+                    t = time.perf_counter()
+                    fn()
+                    _sync(dev)
+                    ts.append(time.perf_counter() - t)
+                times[label] = statistics.median(ts)
+            row.update(strict_us=round(times["strict"] * 1e6, 1), native_us=round(times["native"] * 1e6, 1),
+                       ratio_strict_over_native=round(times["strict"] / times["native"], 3))
+            out[f"{name}/{str(dtype).split('.')[-1]}/{list(shape)}"] = row
+            log(rank, "collective", name, dtype, row)
+    res["collectives"] = out
+
+
+def write_checkpoint(args, dev, path: Path):
+    """A random Qwen3-shaped HF checkpoint (config.json + model.safetensors), from the same weights the rollout uses."""
+    import torch
+    from safetensors.torch import save_file
+
+    import gpu_strict_parity as gsp
+
+    gsp.DEV = dev
+    if args.tiny:
+        gsp.QWEN3_8B = TINY
+    model = gsp.build_model(args.layers, seed=0)
+    dims = gsp.QWEN3_8B
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": args.layers, "hidden_size": dims["hidden_size"],
+           "intermediate_size": dims["intermediate_size"], "num_attention_heads": dims["num_heads"],
+           "num_key_value_heads": dims["num_kv_heads"], "head_dim": dims["head_dim"], "vocab_size": dims["vocab_size"],
+           "rope_theta": dims["rope_theta"], "rms_norm_eps": dims["rms_norm_eps"], "tie_word_embeddings": False,
+           "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    return model
+
+
+def _batches(seqs, plens, pack_tokens):
+    import torch
+
+    from vime.batch import TrainBatch
+
+    i = 0
+    while i < len(seqs):
+        j, n = i, 0
+        while j < len(seqs) and (j == i or n + len(seqs[j]) <= pack_tokens):
+            n += len(seqs[j])
+            j += 1
+        yield i, TrainBatch(sequences=seqs[i:j], prompt_lens=plens[i:j], loss_mask=[torch.ones(len(s) - p) for s, p in zip(seqs[i:j], plens[i:j])],
+                            temperature=1.0, weight_version=0)
+        i = j
+
+
+def trainer_scores(ckpt, tp, mode, dev, seqs, plens, pack_tokens):
+    import torch
+
+    from vime.trainer import MegatronTrainer, TrainerConfig
+
+    with MegatronTrainer(TrainerConfig(tp=tp, mode=mode, dtype="bfloat16", device=dev)) as trainer:
+        trainer.load_hf(ckpt)
+        out = {}
+        for first, batch in _batches(seqs, plens, pack_tokens):
+            for k, lp in enumerate(trainer.score(batch)):
+                out[first + k] = lp.to(torch.float32)
+        return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seqs", type=int, default=512)
+    ap.add_argument("--gen-min", type=int, default=1024)
+    ap.add_argument("--gen-max", type=int, default=3072)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--pack-tokens", type=int, default=32768)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--tiny", action="store_true", help="tiny dimensions (the CPU smoke run)")
+    ap.add_argument("--only", default="collectives,scoring,rollout")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
+    args = ap.parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device"}))
+        return 0
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world != 2:
+        raise SystemExit("run under torchrun --nproc_per_node=2")
+    if dev == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # one default process group for the whole run: each trainer below builds (and tears down) only Megatron's groups on it
+    dist.init_process_group("nccl" if dev == "cuda" else "gloo")
+    only = set(args.only.split(","))
+    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "world": world, "torch": torch.__version__,
+           "layers": args.layers, "dims": "tiny" if args.tiny else "qwen3-8b"}
+    if "collectives" in only:
+        collectives(args, res, rank, world, dev)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "0")
+    ckpt = Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / f"vime_tp_parity_{run_id}" / "ckpt"
+    import gpu_strict_parity as gsp
+
+    model = None
+    if rank == 0:
+        model = write_checkpoint(args, dev, ckpt)
+        (ckpt / "ready").write_text("1")
+    else:
+        gsp.DEV = dev
+        if args.tiny:
+            gsp.QWEN3_8B = TINY
+    vocab = gsp.QWEN3_8B["vocab_size"]
+    gen = (4, 24) if args.tiny else (args.gen_min, args.gen_max)
+    seqs, plens = gsp.make_seqs(args.seqs, vocab, (4, 32) if args.tiny else (16, 256), gen, seed=7)
+    while not (ckpt / "ready").exists():  # rank 0 writes the checkpoint both trainers load
+        time.sleep(0.5)
+    if "scoring" in only:
+        sub = max(8, args.seqs // 16)
+        s1 = trainer_scores(str(ckpt), 1, "strict", dev, seqs[:sub], plens[:sub], args.pack_tokens)
+        s2 = trainer_scores(str(ckpt), 2, "strict", dev, seqs[:sub], plens[:sub], args.pack_tokens)
+        n1 = trainer_scores(str(ckpt), 1, "native", dev, seqs[:sub], plens[:sub], args.pack_tokens)
+        n2 = trainer_scores(str(ckpt), 2, "native", dev, seqs[:sub], plens[:sub], args.pack_tokens)
+        res["scoring"] = {"strict_tp1_vs_tp2": gsp.compare(s1, s2), "native_tp1_vs_tp2": gsp.compare(n1, n2)}
+        log(rank, "scoring", res["scoring"])
+    if "rollout" in only:
+        ro = None
+        if rank == 0:
+            max_len = max(len(s) for s in seqs)
+            conc = min(args.concurrency, len(seqs))
+            cache = gsp.PagedCache(args.layers, conc * ((max_len + 15) // 16 + 1) + 64, 16, gsp.QWEN3_8B["num_kv_heads"],
+                                   gsp.QWEN3_8B["head_dim"], seed=3)
+            t = time.time()
+            with torch.no_grad():
+                ro, steps = gsp.rollout(model, seqs, plens, conc, cache, seed=11)
+            _sync(dev)
+            res["rollout_setup"] = {"sequences": len(seqs), "engine_steps": steps, "seconds": round(time.time() - t, 1),
+                                    "concurrency": conc, "page_size": 16}
+            log(rank, "rollout", res["rollout_setup"])
+            del cache
+        t = time.time()
+        tr = trainer_scores(str(ckpt), 2, "strict", dev, seqs, plens, args.pack_tokens)
+        if rank == 0:
+            res["rollout_tp1_vs_training_tp2"] = gsp.compare({s: ro[s].float().cpu() for s in ro}, {s: tr[s].cpu() for s in tr})
+            res["rollout_tp1_vs_training_tp2"]["training_seconds"] = round(time.time() - t, 1)
+            log(rank, "rollout vs training", res["rollout_tp1_vs_training_tp2"])
+    if rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        name = "h200x2_tp_parity.json" if dev == "cuda" and not args.tiny else "tp_parity_smoke.json"
+        (out / name).write_text(json.dumps(res, indent=1))
+        print(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
