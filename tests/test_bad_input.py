@@ -51,6 +51,7 @@ BAD = [  # (overrides, key the message must name, a phrase of the problem or fix
     (["reward.fn=no_such_module:f"], "reward.fn", "not importable"),
     (["reward.timeout_s=0"], "reward.timeout_s", "> 0"),
     (["trainer.tp=2", "run.executor=inprocess"], "trainer.tp", "need the Ray executor"),
+    (["trainer.cp=2", "run.executor=inprocess"], "trainer.cp", "need the Ray executor"),
     (["rollout.num_engines=2", "run.executor=inprocess"], "rollout.num_engines", "need the Ray executor"),
     (["resources.nodes=2"], "resources.nodes", "one node"),
     (["run.call_timeout_s=0"], "run.call_timeout_s", "> 0"),

@@ -18,7 +18,8 @@ it by itself. Either way the run equals the uninterrupted one (records, metrics,
 weights).
 Parallel: the trainer as two TP ranks (Ray actors, gloo) and two vLLM engines — mismatch 0 on
 every step, and the whole run (metrics, records, final weights) bitwise equal to the TP=1/one-engine run; the group's checkpoint resumes
-exactly (a checkpoint of two ranks is refused by one).
+exactly (a checkpoint of two ranks is refused by one). Context parallelism (trainer.cp=2): mismatch 0
+on every step, step 0 bitwise run A's.
 Native (stock vLLM in the rollout, weights synced in place; production ops in the trainer):
 mismatch_count > 0 on most steps, every step comparable and within 1e-3.
 In-process, with a reward function that raises or hangs on some prompts: those samples are
@@ -300,6 +301,23 @@ def test_trainer_tp2_and_two_engines(tmp, strict_run):
     assert clockless(rows_b) == clockless(rows)
     with pytest.raises(AssertionError, match="trainer rank"):  # a checkpoint of 2 ranks is not loaded into 1
         _train(tmp, b, *RESUMABLE, "rollout.num_engines=2", "run.resume=true", "trainer.total_steps=4")
+
+
+def test_trainer_cp2(tmp, strict_run):
+    """The trainer with context parallelism (two CP ranks, each a slice of the packed stream; keys/values gathered):
+    mismatch 0 on every step; step 0 (same weights) equal to run A — every record, loss and entropy — and later
+    steps equal to rounding (the CP backward sums ranks' gradients by the tree over ranks, not CP invariant)."""
+    a, rows_a, _ = strict_run
+    out = tmp / "cp2"
+    rows = _train(tmp, out, *RESUMABLE, "trainer.cp=2")
+    assert [m["step"] for m in rows] == [0, 1, 2]
+    for m in rows:
+        assert m["comparable"] and m["compared_tokens"] > 0 and m["mismatch_count"] == 0 and m["max_abs_diff"] == 0.0
+    assert json.loads((out / "provenance.json").read_text())["trainer"]["world_size"] == 2
+    assert _same_records(*(read_records(d / "records" / "step_000000.parquet") for d in (out, a)))
+    for k in ("loss", "entropy", "compared_tokens", "reward_mean"):
+        assert rows[0][k] == rows_a[0][k], k
+    assert abs(rows[0]["grad_norm"] - rows_a[0]["grad_norm"]) <= 1e-5 * rows_a[0]["grad_norm"]
 
 
 def _resume_in_process(tmp, out, *extra):

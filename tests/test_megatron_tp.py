@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -193,3 +194,46 @@ def test_two_gpu_script_runs_its_claims_on_cpu(tmp_path):
     assert res["scoring"]["native_tp1_vs_tp2"]["mismatch_count"] > 0  # the negative control
     r = res["rollout_tp1_vs_training_tp2"]
     assert r["compared_tokens"] > 0 and r["mismatch_count"] == 0
+
+
+def _cp_body(rank: int, checkpoint: str, tp: int, cp: int) -> dict:
+    out = {}
+    with MegatronTrainer(TrainerConfig(tp=tp, cp=cp, lr=LR)) as trainer:
+        trainer.load_hf(checkpoint)
+        scored = trainer.score_with_digest(_batch())
+        out["score"], out["digest"] = scored.logprobs, dataclasses.asdict(scored.digest)
+        out["updates"] = [trainer.update(_batch()), trainer.update(_batch())]
+        out["export"] = trainer.export_weights(2)
+        out["score_after"] = trainer.score(_batch())
+    return out
+
+
+@pytest.fixture(scope="module")
+def cp_runs(checkpoints, tmp_path_factory) -> dict:
+    ck = checkpoints["qwen3-tied"]
+    return {"cp1": _cp_body(0, ck, 1, 1),
+            "cp2": run_gloo_ranks(2, _cp_body, (ck, 1, 2), str(tmp_path_factory.mktemp("cp2"))),
+            "tp2cp2": run_gloo_ranks(4, _cp_body, (ck, 2, 2), str(tmp_path_factory.mktemp("tp2cp2")), timeout=400)}
+
+
+@pytest.mark.parametrize("layout", ["cp2", "tp2cp2"])
+def test_context_parallel_scores_like_cp1(checkpoints, cp_runs, layout):
+    """Context parallelism (the packed stream split across CP ranks; keys/values gathered, each rank's queries run as
+    chunked-prefill pieces of the attention contract): scores and their digest bitwise CP=1's on every rank, at CP=2
+    and TP=2 x CP=2; updates: loss and entropy bitwise, grad norm and weights equal to rounding (the backward sums the
+    ranks' key/value and weight gradients by the tree over ranks, not CP invariant); after two updates each rank's
+    own scores equal a StrictDecoder loaded with its exported weights (what a rollout engine would compute)."""
+    one = cp_runs["cp1"]
+    for rank, res in enumerate(cp_runs[layout]):
+        assert _same(res["score"], one["score"]) and res["digest"] == one["digest"], (layout, rank)
+        for u, u1 in zip(res["updates"], one["updates"]):
+            assert u["loss"] == u1["loss"] or abs(u["loss"] - u1["loss"]) <= 1e-6 * abs(u1["loss"])
+            assert abs(u["grad_norm"] - u1["grad_norm"]) <= 1e-5 * u1["grad_norm"]
+        assert res["updates"][0]["loss"] == one["updates"][0]["loss"] and res["updates"][0]["entropy"] == one["updates"][0]["entropy"]
+        assert max((res["export"][k] - one["export"][k]).abs().max().item() for k in one["export"]) <= 2e-2 * LR
+        dec = StrictDecoder.from_pretrained(checkpoints["qwen3-tied"])
+        dec.load_hf_weights(res["export"])
+        b = _batch()
+        with torch.no_grad():
+            want = [lp[p - 1:] for lp, p in zip(dec.score(b.sequences, b.temperature), b.prompt_lens)]
+        assert _same(res["score_after"], want), (layout, rank)

@@ -332,7 +332,7 @@ class VimeConfig:
             _require(r.max_model_len <= self.model.tiny.max_position_embeddings, "rollout.max_model_len",
                      f"{r.max_model_len} exceeds the tiny model's max_position_embeddings={self.model.tiny.max_position_embeddings}",
                      f"set rollout.max_model_len<={self.model.tiny.max_position_embeddings}")
-        for key, v in (("trainer.tp", t.tp), ("rollout.num_engines", r.num_engines)):
+        for key, v in (("trainer.tp", t.tp), ("trainer.cp", t.cp), ("rollout.num_engines", r.num_engines)):
             _require(v == 1 or self.run.executor == "ray", key, f"{v} processes need the Ray executor, got run.executor={self.run.executor}",
                      "set run.executor=ray")
         _require(not (self.rlkernel.rollout_engine() == "stock" and res.gpus == 0 and r.block_size % 32), "rollout.block_size",

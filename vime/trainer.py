@@ -62,7 +62,8 @@ _QK_NORMS = ("q_layernorm", "k_layernorm")
 class TrainerConfig:
     mode: str = "strict"  # rlkernel mode of every forward/backward: "strict" | "native"
     ops: tuple = ()  # per-op overrides ((op, "strict" | "native"), ...); a dict is accepted
-    tp: int = 1  # tensor-parallel size (world = tp * dp)
+    tp: int = 1  # tensor-parallel size (world = tp * cp * dp)
+    cp: int = 1  # context-parallel size: the packed token stream split across cp ranks (rlkernel.parallel.context_parallel)
     dtype: str = "float32"  # params and activations: "float32" | "bfloat16"
     device: str = "cpu"  # "cpu" (gloo, torch AdamW) or "cuda" (nccl, Megatron DDP + dist. optimizer)
     seed: int = 0  # torch / python RNG seed, the same on every rank
@@ -87,8 +88,10 @@ class TrainerConfig:
         ops = tuple(sorted(self.ops.items())) if isinstance(self.ops, Mapping) else tuple(tuple(o) for o in self.ops)
         object.__setattr__(self, "ops", ops)
         rk.ExecutionPolicy(mode=self.mode, ops=ops)  # validates op names
-        if self.tp < 1 or self.lr <= 0 or (self.threads is not None and self.threads < 1):
-            raise ValueError("tp >= 1, lr > 0 and threads >= 1 (or None) are required")
+        if self.tp < 1 or self.cp < 1 or self.lr <= 0 or (self.threads is not None and self.threads < 1):
+            raise ValueError("tp >= 1, cp >= 1, lr > 0 and threads >= 1 (or None) are required")
+        if self.cp > 1 and self.device != "cpu":
+            raise ValueError("context parallelism runs on the CPU path only so far (the CUDA path's DDP does not reduce over CP here)")
         if self.device not in ("cpu", "cuda") or self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"device must be cpu|cuda and dtype float32|bfloat16, got {self.device!r}, {self.dtype!r}")
         if self.grad_clip is not None and self.grad_clip <= 0:
@@ -155,8 +158,9 @@ class MegatronTrainer:
                 fd, self._store_file = tempfile.mkstemp(prefix="vime_pg_")
                 os.close(fd)
                 dist.init_process_group(backend, init_method=f"file://{self._store_file}", rank=0, world_size=1)
-        self._ps.initialize_model_parallel(tensor_model_parallel_size=c.tp)
+        self._ps.initialize_model_parallel(tensor_model_parallel_size=c.tp, context_parallel_size=c.cp)
         self.tp_group = self._ps.get_tensor_model_parallel_group()
+        self.cp_group = self._ps.get_context_parallel_group() if c.cp > 1 else None
         self.dp_group = self._ps.get_data_parallel_group()
 
     # ------------------------------------------------------------------ lifecycle
@@ -172,7 +176,7 @@ class MegatronTrainer:
         return {
             "python": platform.python_version(), "torch": torch.__version__, "megatron_core": megatron.core.__version__,
             "device": c.device, "backend": dist.get_backend(), "world_size": dist.get_world_size(),
-            "tp": self.tp_group.size(), "dp": self.dp_group.size(), "threads": torch.get_num_threads(),
+            "tp": self.tp_group.size(), "cp": c.cp, "dp": self.dp_group.size(), "threads": torch.get_num_threads(),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(), "seed": c.seed,
             "mode": c.mode, "ops": dict(c.ops), "dtype": c.dtype, "contracts": contracts,
             "cpu_kernels": _cpu_kernels_status(c.device),
@@ -272,19 +276,42 @@ class MegatronTrainer:
         """Per-sample logprobs of response tokens; with entropy=True also the flat [R] entropy
         of the policy at those positions (tp=1: the strict tile-by-tile linear_entropy)."""
         ids, cu, rows = packed if packed is not None else self._pack(batch)
-        hidden = model.hidden_states(ids, cu)
-        lp = list(model.logprobs(hidden[rows], ids[rows + 1], batch.temperature).float().split(batch.response_lens))
+        hidden, rows_l, gather = self._local_forward(model, ids, cu, rows)
+        lp = gather(model.logprobs(hidden[rows_l], ids[rows + 1][self._local_rows], batch.temperature).float())
+        lp = list(lp.split(batch.response_lens))
         if not entropy:
             return lp
         vocab, tp = self.spec.decoder.vocab_size, self.tp_group.size()
         if tp == 1:
-            return lp, rk.linear_entropy(hidden[rows], model.output_weight, batch.temperature, vocab_size=vocab)
+            return lp, gather(rk.linear_entropy(hidden[rows_l], model.output_weight, batch.temperature, vocab_size=vocab))
         if rk.current_policy().choice("linear_logprob") == "native":
             return lp, None  # no native vocab-parallel entropy: the metric is absent (null), never made up
         with torch.no_grad():  # a metric only at TP>1 (config refuses an entropy bonus there): bitwise the TP=1 value
-            ent = rk.vocab_parallel_entropy(hidden[rows].detach(), model.output_weight.detach(), vocab_start=self.tp_group.rank() * self.spec.padded_vocab // tp,
+            ent = rk.vocab_parallel_entropy(hidden[rows_l].detach(), model.output_weight.detach(), vocab_start=self.tp_group.rank() * self.spec.padded_vocab // tp,
                                             vocab_size=vocab, temperature=batch.temperature, group=self.tp_group)
-        return lp, ent
+        return lp, gather(ent)
+
+    def _local_forward(self, model, ids, cu, rows):
+        """(hidden states of this rank's tokens, the scored rows among them as local indices, a function joining
+        per-row results of every CP rank in global row order). CP=1: the whole stream. CP>1: the stream padded
+        to a multiple of cp (a padding sequence, never scored), rank r holding tokens [r*T_l, (r+1)*T_l)."""
+        cp = self.config.cp
+        if cp == 1:
+            self._local_rows = torch.ones_like(rows, dtype=torch.bool)
+            return model.hidden_states(ids, cu), rows, (lambda x: x)
+        from rlkernel.parallel.context_parallel import GatherRows
+
+        total = ids.shape[0]
+        per = -(-total // cp)
+        if per * cp > total:
+            ids = torch.cat([ids, torch.zeros(per * cp - total, dtype=ids.dtype, device=ids.device)])
+            cu = torch.cat([cu, cu.new_tensor([per * cp])])
+        rank = torch.distributed.get_rank(self.cp_group)
+        offset = rank * per
+        hidden = model.hidden_states(ids[offset:offset + per], cu, cp=(offset, self.cp_group))
+        counts = tuple(int(((rows >= r * per) & (rows < (r + 1) * per)).sum()) for r in range(cp))
+        self._local_rows = (rows >= offset) & (rows < offset + per)
+        return hidden, rows[self._local_rows] - offset, (lambda x: GatherRows.apply(x, counts, self.cp_group))
 
     def score(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Per sample, float32 log p(response token | prefix) at batch.temperature, under the current weights."""
@@ -395,6 +422,9 @@ class MegatronTrainer:
             for p in self._qk_norms:  # replicated, but each TP rank's grad covers only its own heads
                 if p.grad is not None:
                     p.grad = self._reduce(p.grad, self.tp_group)
+        if self.cp_group is not None:  # each CP rank's grads cover its own tokens (and, through the key/value gather, the
+            for p in params:           # others' queries): their sum over ranks, by the canonical tree on the strict path
+                p.grad = self._reduce(p.grad, self.cp_group)
         dp = self.dp_group.size()
         if dp > 1:
             for p in params:

@@ -40,6 +40,7 @@ converter (`megatron_convert`) see the layout. Process groups come from
 """
 from __future__ import annotations
 
+import contextvars
 import math
 from dataclasses import dataclass
 
@@ -65,7 +66,11 @@ import rlkernel as rk
 from rlkernel.models.decoder import DecoderConfig
 from rlkernel.ops.linear import canonical_segments, linear_segment_partials
 from rlkernel.parallel import vocab_parallel_logprob_fn
+from rlkernel.parallel.context_parallel import cp_attention
 from rlkernel.parallel.tp_backward import ColumnParallelLinearFn, SharedWeightFanout
+
+# (offset, CP group) while a context-parallel forward runs (StrictGPTModel.hidden_states sets it for StrictCoreAttention)
+_CP: contextvars.ContextVar = contextvars.ContextVar("rlkernel_megatron_cp", default=None)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -270,6 +275,13 @@ class StrictCoreAttention(torch.nn.Module):
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             raise ValueError("StrictCoreAttention: only packed sequences (PackedSeqParams qkv_format='thd') are supported")
         cu = packed_seq_params.cu_seqlens_q
+        cp = _CP.get()
+        if cp is not None:  # this CP rank holds tokens [offset, offset + T_local) of the stream cu describes
+            offset, group = cp
+            pos = positions_from_cu_seqlens(cu, query.device)[offset:offset + query.shape[0]]
+            q, k = rk.rope(query, pos, self.rope_theta), rk.rope(key, pos, self.rope_theta)
+            out = cp_attention(q, k, value, cu, offset, group, scale=self.softmax_scale)
+            return out.reshape(out.shape[0], -1)
         pos = positions_from_cu_seqlens(cu, query.device)
         q = rk.rope(query, pos, self.rope_theta)
         k = rk.rope(key, pos, self.rope_theta)
@@ -398,12 +410,19 @@ class StrictGPTModel(MegatronModule):
     def output_weight(self) -> torch.Tensor:
         return self.gpt.embedding.word_embeddings.weight if self.spec_config.decoder.tie_word_embeddings else self.output_layer.weight
 
-    def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden states [T, H] of packed whole sequences (flat ids [T], cu_seqlens [B+1])."""
+    def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cp: tuple | None = None) -> torch.Tensor:
+        """Final-normed hidden states [T, H] of packed whole sequences (flat ids [T], cu_seqlens [B+1]). Under context
+        parallelism `cp` = (offset, group): input_ids are this rank's tokens [offset, offset + len) of the stream
+        cu_seqlens describes, and the hidden states are theirs (rlkernel.parallel.context_parallel)."""
         cu = cu_seqlens.to(torch.int32)
         longest = int((cu[1:] - cu[:-1]).max())
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
-        h = self.gpt(input_ids[None], None, None, packed_seq_params=psp)  # [T, 1, H]
+        token = _CP.set(cp) if cp is not None else None
+        try:
+            h = self.gpt(input_ids[None], None, None, packed_seq_params=psp)  # [T, 1, H]
+        finally:
+            if token is not None:
+                _CP.reset(token)
         return self.final_layernorm(h[:, 0])
 
     def logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""Context parallelism on the strict path: the packed token stream split across CP ranks.
+
+What this module decides: how attention runs when each CP rank holds a contiguous slice of the
+packed stream. Every rank gathers the keys and values of the whole stream (all_gather, rank
+order; their gradients come back by the canonical tree, `tree_all_reduce`), then computes
+attention for its own queries only: each sequence's piece on the rank is a chunked-prefill
+query (positions [a, e) of the sequence, keys [0, e)) run by the attention contract's own
+composition (rlkernel.backends.reference.attention.attend: the key chunks in the contract's
+order, the same (m, l, o) chain per query row). So every query row gets the bits of CP=1
+— the chunked-prefill == packed-prefill invariance the attention tests prove — whatever the
+CP size. The backward is exact but not CP invariant: a key's gradient sums the rows of every
+rank's queries, merged by the tree over ranks (CP=1 sums them in one GEMM).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import dispatch
+from ..backends.reference.attention import attend, expand_kv, gather_padded, run_batched
+from ..backends.reference.primitives import tree_sum
+from .collectives import _gather, tree_all_reduce
+
+
+def pieces(cu_seqlens: torch.Tensor, offset: int, length: int) -> tuple[torch.Tensor, ...]:
+    """(q_starts, q_lens, first_pos, key_starts, key_lens) of every sequence overlapping tokens [offset, offset+length)."""
+    cu = cu_seqlens.long().cpu()
+    s, e = cu[:-1], cu[1:]
+    a, b = s.clamp(min=offset), e.clamp(max=offset + length)
+    keep = b > a
+    s, a, b = s[keep], a[keep], b[keep]
+    return a - offset, b - a, a - s, s, b - s
+
+
+class GatherTokens(torch.autograd.Function):
+    """[T_local, ...] per rank -> [world * T_local, ...] in rank order; backward: the canonical tree over ranks of the
+    full gradient, then this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.n = group, x.shape[0]
+        ctx.rank = torch.distributed.get_rank(group) if group is not None and group.size() > 1 else 0
+        return _gather(x, group).reshape(-1, *x.shape[1:])
+
+    @staticmethod
+    def backward(ctx, g):
+        full = tree_all_reduce([g.contiguous()], ctx.group)
+        return full[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
+
+
+class PieceAttention(torch.autograd.Function):
+    """Causal attention of local queries q [T_l, Hq, D] against the gathered k/v [T, Hkv, D], piece by piece."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, geometry, scale, prims):
+        qs, ql, fp, ks, kl = (t.to(q.device) for t in geometry)
+        width = int(kl.max()) if kl.numel() else 0
+        keys, values = gather_padded(k, ks, kl, width), gather_padded(v, ks, kl, width)
+        out, lse = run_batched(lambda *a: attend(*a, prims=prims, with_lse=True), q, qs, ql, fp, keys, values, kl, scale)
+        ctx.save_for_backward(q, k, v, out, lse, qs, ql, fp, ks, kl)
+        ctx.scale, ctx.prims = scale, prims
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, out, lse, qs, ql, fp, ks, kl = ctx.saved_tensors
+        prims, scale, mm = ctx.prims, ctx.scale, ctx.prims.matmul
+        b, hq, hkv, d = ql.shape[0], q.shape[1], k.shape[1], q.shape[2]
+        groups, nq, nk = hq // hkv, int(ql.max()), int(kl.max())
+        jq, jk = torch.arange(nq, device=q.device), torch.arange(nk, device=q.device)
+        real_q, real_k = jq[None, :] < ql[:, None], jk[None, :] < kl[:, None]
+
+        def heads(x, starts, lens, n):  # [rows, H, ...] -> [B*H, n, ...]
+            p = gather_padded(x.float(), starts, lens, n)
+            return p.transpose(1, 2).reshape(b * x.shape[1], n, *x.shape[2:])
+
+        qh, oh, gh = heads(q, qs, ql, nq), heads(out, qs, ql, nq), heads(g, qs, ql, nq)
+        lse_h = heads(lse[..., None], qs, ql, nq)[..., 0]
+        kx = expand_kv(gather_padded(k.float(), ks, kl, nk), groups).reshape(b * hq, nk, d)
+        vx = expand_kv(gather_padded(v.float(), ks, kl, nk), groups).reshape(b * hq, nk, d)
+        qpos = fp[:, None] + jq[None, :]
+        allowed = (jk[None, None, :] <= qpos[:, :, None]) & real_q[:, :, None] & real_k[:, None, :]
+        allowed = allowed[:, None].expand(b, hq, nq, nk).reshape(b * hq, nq, nk)
+        s = (mm(qh, kx.transpose(1, 2)) * scale).masked_fill(~allowed, -math.inf)
+        p = prims.exp(s - lse_h[..., None]).masked_fill(~allowed, 0.0)
+        dv = mm(p.transpose(1, 2), gh)
+        dp = mm(gh, vx.transpose(1, 2))
+        ds = p * (dp - tree_sum(gh * oh, dim=-1)[..., None])
+        dq = mm(ds, kx) * scale
+        dk = mm(ds.transpose(1, 2), qh) * scale
+        dq = dq.reshape(b, hq, nq, d).transpose(1, 2)[real_q]
+        dk = tree_sum(dk.reshape(b, hkv, groups, nk, d), dim=2).transpose(1, 2)[real_k]  # [rows, Hkv, D]
+        dv = tree_sum(dv.reshape(b, hkv, groups, nk, d), dim=2).transpose(1, 2)[real_k]
+        idx = (ks[:, None] + jk[None, :])[real_k]  # each sequence has one piece here: no key twice
+        dk_full, dv_full = torch.zeros(k.shape, device=q.device), torch.zeros(v.shape, device=q.device)
+        dk_full[idx], dv_full[idx] = dk, dv
+        return dq.to(q.dtype), dk_full.to(k.dtype), dv_full.to(v.dtype), None, None, None
+
+
+def cp_attention(q, k_local, v_local, cu_seqlens, offset: int, group, scale: float | None = None) -> torch.Tensor:
+    """Strict causal attention of this CP rank's queries (tokens [offset, offset + T_l) of the packed stream described by
+    cu_seqlens) against every earlier key of their sequences; k/v of the whole stream are gathered from the group."""
+    impl = dispatch.resolve("attention", q.device, "strict")
+    dispatch.note_call("attention", impl, (q, k_local, v_local))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    k, v = GatherTokens.apply(k_local, group), GatherTokens.apply(v_local, group)
+    return PieceAttention.apply(q, k, v, pieces(cu_seqlens, offset, q.shape[0]), scale, impl.prims)
+
+
+class GatherRows(torch.autograd.Function):
+    """Rows of a per-token result ([n_r, ...] on rank r, n_r = counts[r]) concatenated in rank order on every rank, for a
+    loss every rank then computes identically; backward: this rank's slice of the (identical) gradient, no sum."""
+
+    @staticmethod
+    def forward(ctx, x, counts: tuple, group):
+        rank = torch.distributed.get_rank(group) if group is not None and group.size() > 1 else 0
+        ctx.start, ctx.n = sum(counts[:rank]), counts[rank]
+        width = max(counts)
+        pad = torch.zeros((width - x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        every = _gather(torch.cat([x, pad]), group)  # [world, width, ...]
+        return torch.cat([every[r, :c] for r, c in enumerate(counts)])
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.start:ctx.start + ctx.n], None, None
