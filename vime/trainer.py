@@ -211,7 +211,8 @@ class MegatronTrainer:
         dec = DecoderConfig.from_hf(json.loads((root / "config.json").read_text()))
         if c.row_segments is not None:
             dec = dataclasses.replace(dec, row_segments=c.row_segments)
-        self.spec = MegatronSpecConfig(decoder=dec, tp=c.tp, dtype=c.dtype)
+        summed = rk.ExecutionPolicy(mode=c.mode, ops=dict(c.ops)).choice("rms_norm") != "native"  # StrictHeadRMSNorm sums them
+        self.spec = MegatronSpecConfig(decoder=dec, tp=c.tp, dtype=c.dtype, qk_norm_grads_summed=summed)
         files = sorted(root.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors under {root}")

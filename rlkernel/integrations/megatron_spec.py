@@ -81,6 +81,9 @@ class MegatronSpecConfig:
     tp: int = 1  # tensor-parallel size; must equal parallel_state's
     dtype: str = "float32"  # params and activations: "float32" or "bfloat16"
     max_sequence_length: int = 4096  # Megatron bookkeeping only (no position table is built)
+    # whether the q/k-norm weight gradients leave their layer summed over TP already (StrictHeadRMSNorm under a strict
+    # rms_norm policy): then Megatron's finalize_model_grads must not sum them again (its qk_layernorm flag is off)
+    qk_norm_grads_summed: bool = True
 
     def __post_init__(self):
         d = self.decoder
@@ -127,7 +130,7 @@ class MegatronSpecConfig:
             num_layers=d.num_layers, hidden_size=d.hidden_size, num_attention_heads=d.num_heads,
             num_query_groups=d.num_kv_heads, kv_channels=d.head_dim, ffn_hidden_size=d.intermediate_size,
             gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=d.rms_norm_eps,
-            qk_layernorm=d.qk_norm, add_bias_linear=False, add_qkv_bias=d.attention_bias,
+            qk_layernorm=d.qk_norm and not self.qk_norm_grads_summed, add_bias_linear=False, add_qkv_bias=d.attention_bias,
             hidden_dropout=0.0, attention_dropout=0.0,  # Megatron defaults to 0.1
             bias_dropout_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
             persist_layer_norm=False, gradient_accumulation_fusion=False,
