@@ -88,6 +88,15 @@ def test_train_stops_before_any_model_is_built(tmp_path):
     assert not any(tmp_path.iterdir()) and time.monotonic() - t0 < 60  # no model, no data, no run directory
 
 
+def test_unshardable_tp_checked_before_loading(tmp_path):
+    """trainer.tp=4 on the tiny model (2 KV heads): refused at preflight, naming the field and the reason."""
+    cfg, _ = load_config("grpo_tiny", [f"model.path={tmp_path / 'model'}", f"data.path={tmp_path / 'd.parquet'}", "trainer.tp=4"])
+    with pytest.raises(PreflightError, match=r"trainer\.tp=4 cannot shard this model: .*kv heads 2"):
+        check_resources(cfg)
+    cfg, _ = load_config("grpo_tiny", [f"model.path={tmp_path / 'model'}", f"data.path={tmp_path / 'd.parquet'}", "trainer.tp=2"])
+    check_resources(cfg)  # TP=2 shards it
+
+
 def test_model_length_checked_before_loading(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
     cfg, _ = load_config("grpo_tiny", [f"model.path={tmp_path}", "model.init=existing", "data.generate=addition"])

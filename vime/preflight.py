@@ -34,7 +34,26 @@ def check_resources(cfg) -> None:
         if limit is not None and cfg.rollout.max_model_len > limit:
             problems.append(f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's max_position_embeddings={limit} "
                             f"({hf}); set rollout.max_model_len<={limit}")
+    if cfg.trainer.tp > 1:  # the model's canonical segments must split evenly over the TP ranks (checked before any load)
+        problems += _tp_layout_problems(cfg, hf)
     if not cfg.data.generate and not Path(cfg.data.path).exists():
         problems.append(f"data.path {cfg.data.path!r} does not exist")
     if problems:
         raise PreflightError("vime: cannot run this recipe here:\n  - " + "\n  - ".join(problems))
+
+
+def _tp_layout_problems(cfg, hf: Path) -> list[str]:
+    """Why the trainer cannot shard this model at trainer.tp (heads, KV heads, the canonical segments), from config.json
+    or the tiny model the recipe builds; [] when it can, or when the model is not known yet."""
+    from rlkernel.integrations.megatron_spec import MegatronSpecConfig
+
+    from .doctor import decoder_config
+
+    if not hf.exists() and cfg.model.init != "tiny_sft":
+        return []
+    dec = decoder_config(cfg)
+    try:
+        MegatronSpecConfig(decoder=dec, tp=cfg.trainer.tp)
+    except ValueError as e:
+        return [f"trainer.tp={cfg.trainer.tp} cannot shard this model: {e}; choose a trainer.tp that divides it"]
+    return []
