@@ -299,8 +299,13 @@ def test_trainer_tp2_and_two_engines(tmp, strict_run):
     assert "ranks" in json.dumps(state)  # one optimizer state per rank
     rows_b = _train(tmp, b, *RESUMABLE, *PARALLEL, "run.resume=true")
     assert clockless(rows_b) == clockless(rows)
-    with pytest.raises(AssertionError, match="trainer rank"):  # a checkpoint of 2 ranks is not loaded into 1
-        _train(tmp, b, *RESUMABLE, "rollout.num_engines=2", "run.resume=true", "trainer.total_steps=4")
+    # a checkpoint of 2 ranks is refused by a run of 1, before any role starts, and the run directory is untouched
+    from vime.checkpoint import CheckpointError
+
+    before = _snapshot(b)
+    with pytest.raises(CheckpointError, match=r"trainer state of 2 trainer rank\(s\); this run has trainer.tp\*trainer.cp=1"):
+        _resume_in_process(tmp, b, "trainer.total_steps=4")
+    assert _snapshot(b) == before
 
 
 def test_trainer_cp2(tmp, strict_run):

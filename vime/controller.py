@@ -233,6 +233,11 @@ def _resume_point(cfg: VimeConfig, run_dir: Path, identity: dict, config_dict: d
             raise FileExistsError(f"{run_dir} already holds a run; pass run.resume=true to continue it or choose another run.output_dir")
         return None
     resume = checkpoint.resume_point(run_dir, identity, config_dict)
+    ranks = len(resume.trainer_state["ranks"]) if "ranks" in resume.trainer_state else 1
+    if ranks != cfg.trainer.tp * cfg.trainer.cp:  # each rank's optimizer state is its own shard's: refused before any role starts
+        raise checkpoint.CheckpointError(
+            f"checkpoint {resume.path} holds the trainer state of {ranks} trainer rank(s); this run has trainer.tp*trainer.cp="
+            f"{cfg.trainer.tp * cfg.trainer.cp} — resume with the layout it was written with")
     if resume.config_changes:
         print(f"vime: resuming {resume.path} with a changed config (not an exact continuation): {'; '.join(resume.config_changes)}",
               file=sys.stderr)
