@@ -213,11 +213,23 @@ def test_vocab_parallel_entropy_equals_single_process(runs, case):
         for rank, res in enumerate(runs[world]):
             assert torch.equal(res[f"vpe_{name}"], single), (world, rank)
     # record, not an assertion (it can differ or not on another CPU): the native formula over full logits
-    logits = hidden.float() @ weight[:VOCAB].float().t() / temperature
-    native = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    native = _torch_entropy(hidden, weight, temperature)
     print(f"native entropy differs from the contract's in {int((native != single).sum())}/{single.numel()} rows; "
           f"max |diff| {float((native - single).abs().max()):.3g}")
-    assert torch.allclose(native, single, rtol=1e-4, atol=1e-4)  # the same quantity (not a bitwise claim)
+
+
+def _torch_entropy(hidden, weight, temperature):
+    logits = hidden.float() @ weight[:VOCAB].float().t() / temperature
+    return -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+
+
+@pytest.mark.parametrize("case", LOGPROB_CASES, ids=[c[0] for c in LOGPROB_CASES])
+def test_linear_entropy_is_the_entropy(case):
+    """Correctness against torch's softmax formula (a tolerance: another reduction order, not a bitwise claim)."""
+    _, dtype, temperature = case
+    hidden, weight, _ = _logprob_inputs(dtype)
+    single = rlkernel.linear_entropy(hidden, weight, temperature, vocab_size=VOCAB)
+    assert torch.allclose(_torch_entropy(hidden, weight, temperature), single, rtol=1e-4, atol=1e-4)
 
 
 def test_misaligned_shard_raises_on_every_rank(runs):
