@@ -117,11 +117,8 @@ def unpack_state(obj, tensors: dict):
 
 # ---------------------------------------------------------------------------- files
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _fsync(path: Path) -> None:

@@ -277,8 +277,8 @@ class MegatronTrainer:
         """Per-sample logprobs of response tokens; with entropy=True also the flat [R] entropy
         of the policy at those positions (tp=1: the strict tile-by-tile linear_entropy)."""
         ids, cu, rows = packed if packed is not None else self._pack(batch)
-        hidden, rows_l, gather = self._local_forward(model, ids, cu, rows)
-        lp = gather(model.logprobs(hidden[rows_l], ids[rows + 1][self._local_rows], batch.temperature).float())
+        hidden, rows_l, local, gather = self._local_forward(model, ids, cu, rows)
+        lp = gather(model.logprobs(hidden[rows_l], ids[rows + 1][local], batch.temperature).float())
         lp = list(lp.split(batch.response_lens))
         if not entropy:
             return lp
@@ -293,13 +293,13 @@ class MegatronTrainer:
         return lp, gather(ent)
 
     def _local_forward(self, model, ids, cu, rows):
-        """(hidden states of this rank's tokens, the scored rows among them as local indices, a function joining
+        """(hidden states of this rank's tokens, the scored rows among them as local indices, the mask of those rows
+        among all scored rows, a function joining
         per-row results of every CP rank in global row order). CP=1: the whole stream. CP>1: the stream padded
         to a multiple of cp (a padding sequence, never scored), rank r holding tokens [r*T_l, (r+1)*T_l)."""
         cp = self.config.cp
         if cp == 1:
-            self._local_rows = torch.ones_like(rows, dtype=torch.bool)
-            return model.hidden_states(ids, cu), rows, (lambda x: x)
+            return model.hidden_states(ids, cu), rows, torch.ones_like(rows, dtype=torch.bool), (lambda x: x)
         from rlkernel.parallel.context_parallel import GatherRows
 
         total = ids.shape[0]
@@ -311,8 +311,8 @@ class MegatronTrainer:
         offset = rank * per
         hidden = model.hidden_states(ids[offset:offset + per], cu, cp=(offset, self.cp_group))
         counts = tuple(int(((rows >= r * per) & (rows < (r + 1) * per)).sum()) for r in range(cp))
-        self._local_rows = (rows >= offset) & (rows < offset + per)
-        return hidden, rows[self._local_rows] - offset, (lambda x: GatherRows.apply(x, counts, self.cp_group))
+        local = (rows >= offset) & (rows < offset + per)
+        return hidden, rows[local] - offset, local, (lambda x: GatherRows.apply(x, counts, self.cp_group))
 
     def score(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Per sample, float32 log p(response token | prefix) at batch.temperature, under the current weights."""

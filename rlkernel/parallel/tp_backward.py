@@ -66,7 +66,6 @@ class SharedWeightFanout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        grads = [g if g is not None else None for g in grads]
         if any(g is None for g in grads):
             like = next(g for g in grads if g is not None)
             grads = [torch.zeros_like(like) if g is None else g for g in grads]

@@ -78,11 +78,8 @@ _UNHASHED = (MANIFEST, "lock")  # the manifest itself; torch's build baton (remo
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _hashes(d: Path) -> dict[str, str]:
