@@ -8,6 +8,7 @@ Two processes, one GPU each (NCCL; leave NVLink multicast off), random weights a
 dimensions (no hub here), the Megatron-core trainer of this repo (vime.trainer.MegatronTrainer,
 rlkernel's layer spec, Triton kernels under the GPU contracts):
 
+  head         the lm_head split over the ranks: rk.vocab_parallel_logprob / _entropy == the one-device ops
   collectives  rk.tree_all_reduce of canonical segments: identical bits on both ranks and equal to the
                one-process canonical tree; latency vs a plain all_reduce at decode and prefill sizes
   scoring      MegatronTrainer.score at TP=1 (each rank alone) and TP=2 (one group): bitwise equal;
@@ -99,6 +100,41 @@ def collectives(args, res, rank, world, dev):
     res["collectives"] = out
 
 
+def head(args, res, rank, world, dev):
+    """The lm_head alone at the model's vocab, split over the ranks as the trainer splits it (whole VOCAB_TILEs per
+    rank): rk.vocab_parallel_logprob / _entropy equal the one-device rk.linear_logprob / _entropy on every rank, in
+    bf16 and fp32; the native control (float32 logits + log_softmax, cuBLAS) is compared with the same reference."""
+    import torch
+
+    import rlkernel as rk
+
+    dims = TINY if args.tiny else {"hidden_size": 4096, "vocab_size": 151936}
+    H, V, T = dims["hidden_size"], dims["vocab_size"], 64 if args.tiny else 4096
+    tiles = -(-V // rk.VOCAB_TILE)
+    shard = -(-tiles // world) * rk.VOCAB_TILE
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        g = torch.Generator(device="cpu").manual_seed(9)
+        h = (torch.randn(T, H, generator=g) * 2).to(dtype).to(dev)
+        w = (torch.randn(shard * world, H, generator=g) * 0.02).to(dtype).to(dev)
+        tg = torch.randint(0, V, (T,), generator=g).to(dev)
+        want = rk.linear_logprob(h, w, tg, 0.9, vocab_size=V)
+        want_ent = rk.linear_entropy(h, w, 0.9, vocab_size=V)
+        mine = w[rank * shard:(rank + 1) * shard]
+        got = rk.vocab_parallel_logprob(h, mine, tg, vocab_start=rank * shard, vocab_size=V, temperature=0.9)
+        got_ent = rk.vocab_parallel_entropy(h, mine, vocab_start=rank * shard, vocab_size=V, temperature=0.9)
+        native = torch.log_softmax(torch.nn.functional.linear(h, w[:V]).float() / 0.9, -1).gather(1, tg[:, None])[:, 0]
+        row = {"logprob_equal": bool(torch.equal(got, want)), "entropy_equal": bool(torch.equal(got_ent, want_ent)),
+               "native_mismatch": int((native != want).sum()), "tokens": T,
+               "max_abs_diff_logprob": float((got - want).abs().max()), "max_abs_diff_entropy": float((got_ent - want_ent).abs().max())}
+        flags = [None] * world
+        torch.distributed.all_gather_object(flags, (row["logprob_equal"], row["entropy_equal"]))
+        row["every_rank_equal"] = all(a and b for a, b in flags)
+        out[str(dtype).split(".")[-1]] = row
+        log(rank, "head", dtype, row)
+    res["head"] = out
+
+
 def write_checkpoint(args, dev, path: Path):
     """A random Qwen3-shaped HF checkpoint (config.json + model.safetensors), from the same weights the rollout uses."""
     import torch
@@ -138,13 +174,31 @@ def _batches(seqs, plens, pack_tokens):
         i = j
 
 
-def trainer_scores(ckpt, tp, mode, dev, seqs, plens, pack_tokens):
+def _probe(model, store: dict, rows: int = 256):
+    """Forward hooks that keep the first `rows` output rows of every decoder layer and of the final norm, from the
+    first batch only: where TP=1 and TP=2 part ways when their logprobs differ."""
+    model = getattr(model, "module", model)
+    sites = [(f"layer{i}", layer) for i, layer in enumerate(model.gpt.decoder.layers)] + [("final_norm", model.final_layernorm)]
+
+    def hook(name):
+        def fn(_mod, _inp, out):
+            if name not in store:
+                t = out[0] if isinstance(out, tuple) else out
+                store[name] = t.reshape(-1, t.shape[-1])[:rows].detach().float().cpu()
+        return fn
+
+    return [m.register_forward_hook(hook(n)) for n, m in sites]
+
+
+def trainer_scores(ckpt, tp, mode, dev, seqs, plens, pack_tokens, probe: dict | None = None):
     import torch
 
     from vime.trainer import MegatronTrainer, TrainerConfig
 
     with MegatronTrainer(TrainerConfig(tp=tp, mode=mode, dtype="bfloat16", device=dev)) as trainer:
         trainer.load_hf(ckpt)
+        if probe is not None:
+            _probe(trainer.model, probe)
         out = {}
         for first, batch in _batches(seqs, plens, pack_tokens):
             for k, lp in enumerate(trainer.score(batch)):
@@ -163,7 +217,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="tiny dimensions (the CPU smoke run)")
-    ap.add_argument("--only", default="collectives,scoring,rollout")
+    ap.add_argument("--only", default="collectives,head,scoring,rollout")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
     args = ap.parse_args(argv)
     import torch
@@ -185,6 +239,8 @@ def main(argv=None):
            "layers": args.layers, "dims": "tiny" if args.tiny else "qwen3-8b"}
     if "collectives" in only:
         collectives(args, res, rank, world, dev)
+    if "head" in only:
+        head(args, res, rank, world, dev)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "0")
     ckpt = Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / f"vime_tp_parity_{run_id}" / "ckpt"
     import gpu_strict_parity as gsp
@@ -204,11 +260,14 @@ def main(argv=None):
         time.sleep(0.5)
     if "scoring" in only:
         sub = max(8, args.seqs // 16)
-        s1 = trainer_scores(str(ckpt), 1, "strict", dev, seqs[:sub], plens[:sub], args.pack_tokens)
-        s2 = trainer_scores(str(ckpt), 2, "strict", dev, seqs[:sub], plens[:sub], args.pack_tokens)
+        p1, p2 = {}, {}
+        s1 = trainer_scores(str(ckpt), 1, "strict", dev, seqs[:sub], plens[:sub], args.pack_tokens, p1)
+        s2 = trainer_scores(str(ckpt), 2, "strict", dev, seqs[:sub], plens[:sub], args.pack_tokens, p2)
         n1 = trainer_scores(str(ckpt), 1, "native", dev, seqs[:sub], plens[:sub], args.pack_tokens)
         n2 = trainer_scores(str(ckpt), 2, "native", dev, seqs[:sub], plens[:sub], args.pack_tokens)
-        res["scoring"] = {"strict_tp1_vs_tp2": gsp.compare(s1, s2), "native_tp1_vs_tp2": gsp.compare(n1, n2)}
+        res["scoring"] = {"strict_tp1_vs_tp2": gsp.compare(s1, s2), "native_tp1_vs_tp2": gsp.compare(n1, n2),
+                          # the first batch's first rows at every layer's output: equal bits, or where they part
+                          "strict_sites_equal": {k: bool(torch.equal(p1[k], p2[k])) for k in p1}}
         log(rank, "scoring", res["scoring"])
     if "rollout" in only:
         ro = None

@@ -190,6 +190,8 @@ def test_two_gpu_script_runs_its_claims_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads((tmp_path / "tp_parity_smoke.json").read_text())
     assert res["collectives"] and all(r["equal_to_canonical"] and r["ranks_identical"] for r in res["collectives"].values())
+    assert set(res["head"]) == {"bfloat16", "float32"} and all(r["every_rank_equal"] for r in res["head"].values())
+    assert res["scoring"]["strict_sites_equal"] and all(res["scoring"]["strict_sites_equal"].values())
     assert res["scoring"]["strict_tp1_vs_tp2"]["mismatch_count"] == 0 and res["scoring"]["strict_tp1_vs_tp2"]["compared_tokens"] > 0
     assert res["scoring"]["native_tp1_vs_tp2"]["mismatch_count"] > 0  # the negative control
     r = res["rollout_tp1_vs_training_tp2"]

@@ -200,6 +200,23 @@ _WRAPPERS = textwrap.dedent('''
     close(ent, entr, 1e-3)
     for a, r in zip(torch.autograd.grad(ent.sum(), (h, W)), torch.autograd.grad(entr.sum(), (h, W))):
         close(a, r, 1e-3)
+    # the vocab split over ranks (rk.vocab_parallel_logprob / _entropy on the GPU): each shard's first-stage tiles,
+    # gathered (here in another order than the vocab's), merged by the kernel's tree == the one-call kernel, bitwise
+    from rlkernel.backends.triton import logprob as TL
+    from rlkernel.parallel import collectives as PC
+    V2, hd, Wd = 1250, h.detach(), torch.randn(1300, 32)
+    tg2 = torch.randint(0, V2, (6,))
+    meta = [[1024, 1250, 6, V2], [0, 512, 6, V2], [512, 1024, 6, V2]]  # rank r's true-vocab [lo, hi), T, V
+    counts = PC._triton_tiles(torch.float32, meta)
+    assert sum(counts) == -(-V2 // TL.tile_rows(torch.float32)), counts
+    width = max(counts)
+    stages = torch.stack([PC._triton_stage(hd, Wd[lo:lo + 512], tg2 - lo, 0.7, hi - lo, width) for lo, hi, *_ in meta])
+    lp2, lse2 = PC._triton_merge(stages, meta, counts, width)
+    want_lp, want_lse = TL.linear_logprob(hd, Wd, tg2, 0.7, vocab_size=V2, return_lse=True)
+    assert torch.equal(lp2, want_lp) and torch.equal(lse2, want_lse)
+    parts = torch.cat([O.entropy_tile_sums(hd, Wd[lo:lo + 512], want_lse, 0.7, 0, hi - lo) for lo, hi in ((0, 512), (512, 1024), (1024, 1250))], 1)
+    assert torch.equal(parts, O.entropy_tile_sums(hd, Wd, want_lse, 0.7, 0, V2))
+    assert torch.equal(want_lse - rk.tree_sum(parts, -1), O.linear_logprob("entropy", hd, Wd, None, 0.7, V2))
     # rms_norm and swiglu through the shared explicit backwards
     xn = torch.randn(5, 64, requires_grad=True); wn = torch.rand(64, requires_grad=True)
     yn, ynr = O.rms_norm(xn, wn, 1e-6), F.rms_norm(xn, (64,), wn, 1e-6)

@@ -183,11 +183,14 @@ LOGPROB = Contract(
     precision=(("hidden,weight", "bf16 (or fp32)"), ("logits", "float32"), ("m,l", "float32"), ("output", "float32")),
     rounding=("z = acc / temperature (IEEE div)", "merge l = l1 * e1 + l2 * e2, e = 1 exactly when m_i == m",
               "lp = (z_target - m) - log(l)",
+              "entropy = lse - mean_z, mean_z a balanced tree over VOCAB_TILE tiles of each tile's balanced tree "
+              "of p * z (zero-padded to the tile)",
               "backward (training only): vocab chunks in order, g = (onehot - p) * dlp / T in fp32 cast to the "
               "weight dtype, dh summed over chunks in fp32 in order"),
     primitives=(("exp2", "ex2.approx.f32"), ("log", "tl.log (lg2.approx * ln 2)"), ("fp_contraction", "off")),
-    invariant=("batch", "row position", "run to run"),
-    version=1,
+    invariant=("batch", "row position", "run to run",
+               "vocab split over ranks at VOCAB_TILE boundaries (forward: rk.vocab_parallel_logprob / _entropy)"),
+    version=2,
 )
 
 # RoPE on the GPU is the strict contract itself: a table of correctly rounded cos/sin (built on

@@ -55,11 +55,66 @@ __all__ = [
     "vocab_parallel_entropy",
 ]
 
-def strict_prims(device: torch.device):
-    """The primitives of the strict implementation that serves linear-logprob on `device` now."""
+def _strict_logprob_impl(device: torch.device):
+    """The strict implementation that serves linear-logprob on `device` now (its call noted in the provenance)."""
     impl = dispatch.resolve("linear_logprob", device, "strict")
     dispatch.note_call("linear_logprob", impl, (torch.empty(0, device=device),))
-    return impl.prims
+    return impl
+
+
+def strict_prims(device: torch.device):
+    """The primitives of the strict implementation that serves linear-logprob on `device` now."""
+    return _strict_logprob_impl(device).prims
+
+
+# ---- the Triton implementation's vocab tiles (GPU contract): its fused kernel's tiles and tree, split over ranks ----
+# The GPU linear-logprob tiles the vocab by the kernel's block_n (not VOCAB_TILE) and merges the tiles' (m, l) in its
+# own tree kernel; the shards (VOCAB_TILE multiples) hold whole kernel tiles, so every rank runs the kernel's first
+# stage on its shard, the stages are gathered, and every rank runs the kernel's tree over the global tile list: the
+# bits of the one-GPU `rk.linear_logprob` / `rk.linear_entropy`.
+
+def _triton_tiles(dtype: torch.dtype, meta) -> list[int]:
+    from ..backends.triton import logprob as tlp
+
+    bn = tlp.tile_rows(dtype)
+    if VOCAB_TILE % bn:
+        raise ValueError(f"vocab_parallel: the kernel's vocab tile ({bn}) does not divide VOCAB_TILE={VOCAB_TILE}")
+    return [-(-(end - start) // bn) for start, end, *_ in meta]
+
+
+def _triton_stage(hidden, weight_shard, local_targets, temperature, n_rows, width):
+    """[T, 2 * width + 2]: this rank's tiles' (m, l) (padded to `width` tiles), the owned target logit, ownership."""
+    from ..backends.triton import logprob as tlp
+
+    ml, zt = tlp.tile_stats(hidden, weight_shard, local_targets, temperature, n_rows)
+    T = hidden.shape[0]
+    buf = torch.zeros(T, 2 * width + 2, device=hidden.device)
+    buf[:, : 2 * ml.shape[1]] = ml.reshape(T, -1)
+    buf[:, 2 * width] = zt
+    buf[:, 2 * width + 1] = ((local_targets >= 0) & (local_targets < n_rows)).float()
+    return buf
+
+
+def _triton_merge(gathered: torch.Tensor, meta, counts: list[int], width: int):
+    """(log p [T], lse [T]) from every rank's stage [world, T, 2 * width + 2]: the kernel's tile tree in vocab order."""
+    from ..backends.triton import logprob as tlp
+
+    T = gathered.shape[1]
+    order = sorted(range(len(meta)), key=lambda r: meta[r][0])
+    ml = torch.cat([gathered[r][:, : 2 * counts[r]] for r in order], dim=1).reshape(T, -1, 2)
+    zt = torch.zeros(T, device=gathered.device)
+    for g in gathered:  # exactly one rank owns each target: a select, not a sum
+        zt = torch.where(g[:, 2 * width + 1] > 0, g[:, 2 * width], zt)
+    out, stats = tlp.merge_tiles(ml, zt)
+    return out, stats[:, 0] + stats[:, 1]
+
+
+def _triton_vocab_parallel(hidden, weight_shard, targets, vocab_start, lo, hi, meta, temperature, group):
+    counts = _triton_tiles(hidden.dtype, meta)
+    width = max(counts)
+    h = hidden.contiguous()
+    buf = _triton_stage(h, weight_shard, targets - vocab_start, temperature, hi - lo, width)
+    return _triton_merge(_gather(buf, group), meta, counts, width)
 
 
 def _world(group) -> tuple[int, int]:
@@ -199,6 +254,17 @@ def vocab_parallel_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, *, 
     rank then sums p*z inside its tiles, the per-tile sums are gathered and summed by the tree of
     `rlkernel.linear_entropy` over the global tile list — bitwise equal to it on every rank."""
     (lo, hi), meta, n_tiles = _vocab_shards("vocab_parallel_entropy", hidden, weight_shard, vocab_start, vocab_size, temperature, group)
+    if _strict_logprob_impl(hidden.device).name == "triton":
+        from ..backends.triton import ops as tops
+
+        no_target = torch.full(hidden.shape[:1], -1, dtype=torch.long, device=hidden.device)
+        _, lse = _triton_vocab_parallel(hidden, weight_shard, no_target + vocab_start, vocab_start, lo, hi, meta, temperature, group)
+        parts = tops.entropy_tile_sums(hidden.contiguous(), weight_shard, lse, temperature, 0, hi - lo)  # [T, this rank's tiles]
+        buf = torch.zeros(hidden.shape[0], max(n_tiles), device=hidden.device)
+        buf[:, : parts.shape[1]] = parts
+        gathered = _gather(buf, group)
+        order = sorted(range(len(meta)), key=lambda r: meta[r][0])
+        return lse - tree_sum(torch.cat([gathered[r][:, : n_tiles[r]] for r in order], dim=1), dim=-1)
     prims, width, h32 = strict_prims(hidden.device), max(n_tiles), hidden.float()
     zs = [_lp.tile_logits(h32, weight_shard, a - vocab_start, min(a + VOCAB_TILE, vocab_size) - vocab_start, temperature, prims)
           for a in range(lo, hi, VOCAB_TILE)]
@@ -217,7 +283,8 @@ def vocab_parallel_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, *, 
 
 
 @torch.no_grad()
-def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, vocab_size: int, temperature: float = 1.0, group=None) -> torch.Tensor:
+def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, vocab_size: int, temperature: float = 1.0, group=None,
+                           return_lse: bool = False):
     """float32 log p(targets) with the lm_head split over ranks by vocab rows; forward only (no autograd).
 
     hidden [T, H] and targets [T] are the same on every rank; weight_shard holds
@@ -227,7 +294,9 @@ def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
     owned target logits; these are gathered and every rank merges the global
     tile list in tile order — the tree of `rlkernel.linear_logprob`, so the result
     is bitwise equal to it on every rank. Shard boundaries that are not tile
-    multiples raise ValueError on every rank.
+    multiples raise ValueError on every rank. On the GPU (the Triton implementation)
+    the tiles and the tree are its fused kernel's, so the result equals the one-GPU
+    `rlkernel.linear_logprob` bit for bit likewise. return_lse: also the log-sum-exp [T].
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"vocab_parallel_logprob: want hidden [T, H], targets [T]; got {tuple(hidden.shape)}, {tuple(targets.shape)}")
@@ -235,8 +304,12 @@ def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
         raise ValueError(f"vocab_parallel_logprob: targets outside [0, {vocab_size})")
     (lo, hi), meta, n_tiles = _vocab_shards("vocab_parallel_logprob", hidden, weight_shard, vocab_start, vocab_size, temperature, group)
+    impl = _strict_logprob_impl(hidden.device)
+    if impl.name == "triton":
+        lp, lse = _triton_vocab_parallel(hidden, weight_shard, targets, vocab_start, lo, hi, meta, temperature, group)
+        return (lp, lse) if return_lse else lp
     tile = VOCAB_TILE
-    prims = strict_prims(hidden.device)
+    prims = impl.prims
     width = max(n_tiles)  # ranks own different tile counts: pad every rank's stats to the widest
     h32, local_t = hidden.float(), targets - vocab_start
     ms, ls = [], []
@@ -260,4 +333,6 @@ def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
     for g in gathered:  # exactly one rank owns each target: a select, not a sum
         zt = torch.where(g[2 * width + 1] > 0, g[2 * width], zt)
     m, l = _lp.tree_merge_ml(_in_vocab_order(gathered, meta, n_tiles), _in_vocab_order(gathered, meta, n_tiles, width), prims)
-    return (zt - m) - prims.log(l)
+    log_l = prims.log(l)
+    lp = (zt - m) - log_l
+    return (lp, m + log_l) if return_lse else lp

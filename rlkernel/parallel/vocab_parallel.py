@@ -1,8 +1,8 @@
 """Differentiable vocab-parallel logprob for tensor-parallel training.
 
 What this module decides: the backward of `vocab_parallel_logprob` under the linear-logprob
-contract. The global log-sum-exp comes from the ranks' per-tile (m, l) merged by the
-canonical tile tree; the backward recomputes each local tile in fixed order with the strict
+contract. The global log-sum-exp is the forward's (the ranks' per-tile (m, l) merged by the
+contract's tile tree); the backward recomputes each local tile in fixed order with the strict
 implementation's GEMM and exp, and tree-reduces dL/dhidden over ranks.
 """
 from __future__ import annotations
@@ -11,32 +11,22 @@ import torch
 
 from ..backends.reference import logprob as _lp
 from ..contracts.logprob import VOCAB_TILE
-from .collectives import all_gather, strict_prims, tree_all_reduce, vocab_parallel_logprob
+from .collectives import strict_prims, tree_all_reduce, vocab_parallel_logprob
 
 
 class VocabParallelLogprob(torch.autograd.Function):
-    """Differentiable vocab-parallel logprob (TP>1 training). Forward: rk.vocab_parallel_logprob;
-    the global log-sum-exp for the backward comes from the ranks' per-tile (m, l) merged by the
-    canonical tile tree; the backward recomputes each local tile and tree-reduces dL/dhidden."""
+    """Differentiable vocab-parallel logprob (TP>1 training). Forward: rk.vocab_parallel_logprob and its
+    global log-sum-exp; the backward recomputes each local tile and tree-reduces dL/dhidden."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, start, vocab_size, temperature, group, segment_rows=None):
-        lp = vocab_parallel_logprob(hidden, weight, targets, vocab_start=start, vocab_size=vocab_size, temperature=temperature, group=group)
-        h32, prims = hidden.float(), strict_prims(hidden.device)
-        shard, world = weight.shape[0], group.size()
-        spans = [(min(r * shard, vocab_size), min((r + 1) * shard, vocab_size)) for r in range(world)]
-        counts = [-(-(hi - lo) // VOCAB_TILE) for lo, hi in spans]
-        width, (lo, hi) = max(counts), spans[group.rank()]
-        buf = torch.zeros(2, max(width, 1), hidden.shape[0], device=hidden.device)
-        for i, a in enumerate(range(lo, hi, VOCAB_TILE)):
-            b = min(a + VOCAB_TILE, vocab_size)
-            buf[0, i], buf[1, i], _, _ = _lp.tile_stats(h32, weight, targets, a - start, b - start, temperature, prims)
-        every = all_gather(buf.unsqueeze(0), group, dim=0)  # [world, 2, width, T]
-        ms = [every[r, 0, i] for r in range(world) for i in range(counts[r])]
-        ls = [every[r, 1, i] for r in range(world) for i in range(counts[r])]
-        m, l = _lp.tree_merge_ml(ms, ls, prims)
-        ctx.save_for_backward(hidden, weight, targets, m + prims.log(l))
-        ctx.span, ctx.start, ctx.temperature, ctx.group, ctx.prims = (lo, hi), start, temperature, group, prims
+        lp, lse = vocab_parallel_logprob(hidden, weight, targets, vocab_start=start, vocab_size=vocab_size, temperature=temperature,
+                                         group=group, return_lse=True)
+        prims, shard = strict_prims(hidden.device), weight.shape[0]
+        lo, hi = min(group.rank() * shard, vocab_size), min((group.rank() + 1) * shard, vocab_size)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.span = (lo, hi)
+        ctx.start, ctx.temperature, ctx.group, ctx.prims = start, temperature, group, prims
         # canonical vocab segments of the backward's dL/dhidden (TP_BACKWARD_REFERENCE): this rank's share of the S_v
         # segments of `segment_rows` rows; None: one segment per rank (the sum then depends on the TP size)
         ctx.segments = None if segment_rows is None else [(start + j * segment_rows, start + (j + 1) * segment_rows)

@@ -143,6 +143,51 @@ def _tile_tree_kernel(ml_ptr, zt_ptr, out_ptr, stats_ptr, M, n_vt, BLOCK_R: tl.c
     tl.store(stats_ptr + rows * 2 + 1, log_l, mask=rows < M)
 
 
+def tile_rows(dtype: torch.dtype) -> int:
+    """Vocab rows per tile of the fused kernel for `dtype` (its block_n): the unit of the (m, l) tree."""
+    return C.logprob_config(str(dtype).replace("torch.", ""), 0, 0).block_n
+
+
+def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, n_rows: int, *,
+               config: C.TileConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel's per-tile partials over weight rows [0, n_rows): ml [T, n_vt, 2] float32, the (m, l) of
+    each tile of block_n rows, and zt [T] float32, the target's logit where 0 <= target < n_rows, else 0.0.
+    Over a vocab shard starting at a tile boundary these are exactly the tiles `linear_logprob` computes there."""
+    T, H = hidden.shape
+    cfg = config or C.logprob_config(str(hidden.dtype).replace("torch.", ""), n_rows, H)
+    n_vt = triton.cdiv(n_rows, cfg.block_n)
+    ml = torch.empty((T, n_vt, 2), device=hidden.device, dtype=torch.float32)
+    zt = torch.zeros(T, device=hidden.device, dtype=torch.float32)
+    if T == 0 or n_vt == 0:
+        return ml, zt
+    progs = min(_num_sms(hidden.device), triton.cdiv(T, cfg.block_m) * n_vt)
+    tma = _tma_ok(cfg, hidden, weight)
+    if tma:
+        _ensure_allocator()
+    _logits_stats_kernel[(progs,)](
+        hidden, weight, targets.to(torch.int32).contiguous(), ml, zt, T, weight.shape[0], H, n_rows, hidden.stride(0),
+        hidden.stride(1), weight.stride(0), weight.stride(1), 0.0, float(temperature), n_vt,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=progs,
+        TMA=tma, IEEE=hidden.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=False)
+    return ml, zt
+
+
+def merge_tiles(ml: torch.Tensor, zt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p [T], stats [T, 2] = (m, log l)) from every vocab tile's (m, l) in vocab order, merged by the
+    kernel's one balanced tree over tile index: `linear_logprob`'s second kernel."""
+    T, n_vt = ml.shape[0], ml.shape[1]
+    out = torch.empty(T, device=ml.device, dtype=torch.float32)
+    stats = torch.empty((T, 2), device=ml.device, dtype=torch.float32)
+    if T == 0:
+        return out, stats
+    nt = triton.next_power_of_2(n_vt)
+    block_r = max(1, min(16, 8192 // nt))
+    _tile_tree_kernel[(triton.cdiv(T, block_r),)](ml.contiguous(), zt.contiguous(), out, stats, T, n_vt, BLOCK_R=block_r,
+                                                  NT=nt, LEVELS=nt.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
+    return out, stats
+
+
 def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
                    vocab_size: int | None = None, config: C.TileConfig | None = None, return_lse: bool = False,
                    return_stats: bool = False):
@@ -156,35 +201,8 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         raise ValueError(f"linear_logprob: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, V={V}")
     if not temperature > 0:
         raise ValueError("linear_logprob: temperature must be > 0")
-    cfg = config or C.logprob_config(str(hidden.dtype).replace("torch.", ""), V, H)
-    n_vt = triton.cdiv(V, cfg.block_n)
-    out = torch.empty(T, device=hidden.device, dtype=torch.float32)
-    stats = torch.empty((T, 2), device=hidden.device, dtype=torch.float32)
-
-    def result():
-        m, log_l = stats[:, 0], stats[:, 1]
-        if return_stats:
-            return out, m + log_l, m, log_l
-        return (out, m + log_l) if return_lse else out
-
-    if T == 0:
-        return result()
-    ml = torch.empty((T, n_vt, 2), device=hidden.device, dtype=torch.float32)
-    zt = torch.empty(T, device=hidden.device, dtype=torch.float32)
-    tgt = targets.to(torch.int32).contiguous()
-    tiles = triton.cdiv(T, cfg.block_m) * n_vt
-    progs = min(_num_sms(hidden.device), tiles)
-    tma = _tma_ok(cfg, hidden, weight)
-    if tma:
-        _ensure_allocator()
-    _logits_stats_kernel[(progs,)](
-        hidden, weight, tgt, ml, zt, T, weight.shape[0], H, V, hidden.stride(0), hidden.stride(1),
-        weight.stride(0), weight.stride(1), 0.0, float(temperature), n_vt,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=progs,
-        TMA=tma, IEEE=hidden.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        enable_fp_fusion=False)
-    nt = triton.next_power_of_2(n_vt)
-    block_r = max(1, min(16, 8192 // nt))
-    _tile_tree_kernel[(triton.cdiv(T, block_r),)](ml, zt, out, stats, T, n_vt, BLOCK_R=block_r, NT=nt,
-                                                  LEVELS=nt.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
-    return result()
+    out, stats = merge_tiles(*tile_stats(hidden, weight, targets, temperature, V, config=config))
+    m, log_l = stats[:, 0], stats[:, 1]
+    if return_stats:
+        return out, m + log_l, m, log_l
+    return (out, m + log_l) if return_lse else out

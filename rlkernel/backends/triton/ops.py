@@ -24,12 +24,13 @@ import torch
 
 from ... import dispatch
 from ...contracts import gpu as G
+from ...contracts.logprob import VOCAB_TILE
 from ..reference import norm as _ref_norm
 from ..reference import swiglu as _ref_swiglu
 from ..reference.linear import wants_grad
 from ..reference.primitives import Prims, tree_sum
 
-VOCAB_CHUNK = 8192  # backward/entropy vocab chunk (a multiple of every logprob tile's block_n)
+VOCAB_CHUNK = 8192  # backward/entropy vocab chunk (a multiple of VOCAB_TILE and of every logprob tile's block_n)
 
 
 @functools.cache
@@ -208,6 +209,22 @@ def _chunks(vocab_size):
     return [(lo, min(lo + VOCAB_CHUNK, vocab_size)) for lo in range(0, vocab_size, VOCAB_CHUNK)]
 
 
+def entropy_tile_sums(h, weight, lse, temperature, lo, hi):
+    """[T, tiles] float32: for each VOCAB_TILE tile of weight rows [lo, hi) (lo a tile multiple), the balanced tree
+    over the tile's columns (zero-padded to the tile) of p * z, p = exp(z - lse). A tile's sum depends only on its
+    own logits, so a vocab shard's tiles are exactly those of the whole vocab there (the vocab-parallel entropy)."""
+    T, parts = h.shape[0], []
+    step = max(VOCAB_TILE, VOCAB_CHUNK - VOCAB_CHUNK % VOCAB_TILE)  # whole tiles per chunk
+    for a in range(lo, hi, step):
+        b = min(a + step, hi)
+        z = _logits(h, weight, a, b, temperature)
+        pz = torch.exp(z - lse[:, None]) * z
+        n = -(-(b - a) // VOCAB_TILE)
+        pz = torch.nn.functional.pad(pz, (0, n * VOCAB_TILE - (b - a)))
+        parts.append(tree_sum(pz.view(T, n, VOCAB_TILE), dim=-1))
+    return torch.cat(parts, dim=1) if parts else torch.zeros(T, 0, device=h.device)
+
+
 def _vocab_backward(hidden, weight, temperature, vocab_size, grad_z, needs, fused_gz=None):
     """fused_gz(h, lo, hi) -> dz chunk in the weight dtype (a kernel), else grad_z on fp32 logits."""
     gemm = _k()[0]
@@ -255,18 +272,14 @@ class _LogprobFn(torch.autograd.Function):
 
 
 class _EntropyFn(torch.autograd.Function):
-    """H = lse - sum_j p_j z_j (chunks merged left to right, each by a balanced tree);
-    dH/dz_j = p_j (sum_i p_i z_i - z_j)."""
+    """H = lse - sum_j p_j z_j (a balanced tree inside each VOCAB_TILE tile, then one over the tiles: the same
+    tiles at every vocab split, see `entropy_tile_sums`); dH/dz_j = p_j (sum_i p_i z_i - z_j)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, temperature, vocab_size):
         h = hidden.contiguous()
         lse = _stats(h, weight, temperature, vocab_size)[0]
-        mean_z = None
-        for lo, hi in _chunks(vocab_size):
-            z = _logits(h, weight, lo, hi, temperature)
-            part = tree_sum(torch.exp(z - lse[:, None]) * z, dim=-1)
-            mean_z = part if mean_z is None else mean_z + part
+        mean_z = tree_sum(entropy_tile_sums(h, weight, lse, temperature, 0, vocab_size), dim=-1)
         ctx.save_for_backward(h, weight, lse, mean_z)
         ctx.temperature, ctx.vocab_size = temperature, vocab_size
         return lse - mean_z
