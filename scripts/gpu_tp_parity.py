@@ -13,6 +13,10 @@ rlkernel's layer spec, Triton kernels under the GPU contracts):
                one-process canonical tree; latency vs a plain all_reduce at decode and prefill sizes
   scoring      MegatronTrainer.score at TP=1 (each rank alone) and TP=2 (one group): bitwise equal;
                the native path (cuBLAS + NCCL all-reduce) as the negative control
+  grads        (diagnosis, not in the default list) per-parameter gradient sums of squares, TP=1 vs TP=2 (with and
+               without Megatron DDP on the GPU)
+  update       two GRPO updates at TP=1 and at TP=2: the same losses, grad norms and exported weights (the
+               TP-invariant backward); native as the negative control
   rollout      rank 0 decodes every sequence like a rollout engine (StrictDecoder, paged KV cache,
                requests joining and leaving, TP=1); the TP=2 trainer re-scores them packed:
                mismatch_count over every generated token (the claim: 0 over >= 1,000,000 tokens)
@@ -190,6 +194,84 @@ def _probe(model, store: dict, rows: int = 256):
     return [m.register_forward_hook(hook(n)) for n, m in sites]
 
 
+def trainer_updates(ckpt, tp, mode, dev, seqs, plens):
+    """Two GRPO updates on one packed batch at this TP size: (metrics, exported HF weights, scores after)."""
+    import dataclasses
+
+    import torch
+
+    from vime.trainer import MegatronTrainer, TrainerConfig
+
+    _, batch = next(_batches(seqs, plens, 1 << 30))
+    batch = dataclasses.replace(batch, advantages=torch.linspace(-1.0, 1.0, len(batch.sequences)))
+    with MegatronTrainer(TrainerConfig(tp=tp, mode=mode, dtype="bfloat16", device=dev, lr=1e-4)) as trainer:
+        trainer.load_hf(ckpt)
+        metrics = [trainer.update(batch) for _ in range(2)]
+        weights = trainer.export_weights(trainer.weight_version)
+        after = [lp.cpu() for lp in trainer.score(batch)]
+    return metrics, weights, after
+
+
+def grad_stats(ckpt, tp, mode, dev, seqs, plens, ddp: bool = True) -> dict:
+    """Per parameter, the sum of squares of its gradient just before the optimizer step (the DDP main_grad on the
+    GPU, .grad on the CPU), over the whole parameter (TP shards summed; replicated ones from TP rank 0): where TP=1
+    and TP=2 training part ways."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from vime.trainer import MegatronTrainer, TrainerConfig
+
+    _, batch = next(_batches(seqs, plens, 1 << 30))
+    batch = dataclasses.replace(batch, advantages=torch.linspace(-1.0, 1.0, len(batch.sequences)))
+    stats = {}
+    ddp = ddp and dev == "cuda"
+    with MegatronTrainer(TrainerConfig(tp=tp, mode=mode, dtype="bfloat16", device=dev, lr=1e-4, megatron_ddp=ddp)) as trainer:
+        trainer.load_hf(ckpt)
+        step_name = "_cuda_step" if ddp else "_cpu_step"
+        real = getattr(trainer, step_name)
+
+        def recording_step():
+            if ddp:
+                from megatron.core.distributed import finalize_model_grads
+                finalize_model_grads([trainer._ddp])
+            for name, p in trainer.model.named_parameters():
+                g = getattr(p, "main_grad", None) if ddp else p.grad
+                if g is not None:
+                    stats[name] = (float(g.double().square().sum()), bool(getattr(p, "tensor_model_parallel", False)))
+            if ddp:  # finalize ran above; the optimizer alone now
+                _, norm, _ = trainer.optimizer.step()
+                return float(norm or 0.0)
+            return real()
+
+        setattr(trainer, step_name, recording_step)
+        metrics = trainer.update(batch)
+        group = trainer.tp_group
+    every = [None] * tp
+    if tp > 1:
+        dist.all_gather_object(every, stats, group=group)
+    else:
+        every = [stats]
+    total = {}
+    for name, (sq, sharded) in every[0].items():
+        total[name] = sum(e[name][0] for e in every) if sharded else sq
+    return {"grad_sq": total, "grad_norm": metrics["grad_norm"]}
+
+
+def _update_report(a, b) -> dict:
+    import torch
+
+    (ma, wa, sa), (mb, wb, sb) = a, b
+    keys = ("loss", "grad_norm")
+    return {"metrics_equal": all(x[k] == y[k] for x, y in zip(ma, mb) for k in keys),
+            "losses": [[x["loss"], y["loss"]] for x, y in zip(ma, mb)],
+            "grad_norms": [[x["grad_norm"], y["grad_norm"]] for x, y in zip(ma, mb)],
+            "weights_equal": sorted(wa) == sorted(wb) and all(torch.equal(wa[k], wb[k]) for k in wa),
+            "weights_differing": sum(not torch.equal(wa[k], wb[k]) for k in wa if k in wb),
+            "scores_after_equal": all(torch.equal(x, y) for x, y in zip(sa, sb))}
+
+
 def trainer_scores(ckpt, tp, mode, dev, seqs, plens, pack_tokens, probe: dict | None = None):
     import torch
 
@@ -217,7 +299,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="tiny dimensions (the CPU smoke run)")
-    ap.add_argument("--only", default="collectives,head,scoring,rollout")
+    ap.add_argument("--only", default="collectives,head,scoring,update,rollout")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
     args = ap.parse_args(argv)
     import torch
@@ -269,6 +351,31 @@ def main(argv=None):
                           # the first batch's first rows at every layer's output: equal bits, or where they part
                           "strict_sites_equal": {k: bool(torch.equal(p1[k], p2[k])) for k in p1}}
         log(rank, "scoring", res["scoring"])
+    if "grads" in only:  # per-parameter gradient sums of squares at TP=1 vs TP=2, strict (diagnosis)
+        # TP=1 under Megatron DDP is the reference (its grad norms equal the CPU's); TP=2 with and without DDP (the
+        # explicit step) separates DDP from the autograd graph
+        one = grad_stats(str(ckpt), 1, "strict", dev, seqs[:8], plens[:8])
+        res["grads"] = {}
+        for label, ddp in (("ddp", True), ("explicit_step", False)):
+            if label == "explicit_step" and dev != "cuda":
+                continue
+            two = grad_stats(str(ckpt), 2, "strict", dev, seqs[:8], plens[:8], ddp=ddp)
+            diff = {k: [one["grad_sq"][k], two["grad_sq"].get(k)] for k in one["grad_sq"]
+                    if two["grad_sq"].get(k) is None or abs(one["grad_sq"][k] - two["grad_sq"][k]) > 1e-6 * max(one["grad_sq"][k], 1e-30)}
+            res["grads"][f"tp1_vs_tp2_{label}"] = {"grad_norm": [one["grad_norm"], two["grad_norm"]], "params": len(one["grad_sq"]),
+                                                   "differing": diff, "sum_sq": [sum(one["grad_sq"].values()), sum(two["grad_sq"].values())]}
+        log(rank, "grads", res["grads"])
+    if "update" in only:  # the backward: two updates at TP=1 and TP=2 give the same metrics and weights
+        sub = 4 if args.tiny else 8
+        t = time.time()
+        rep = {}
+        for mode in ("strict", "native"):
+            one = trainer_updates(str(ckpt), 1, mode, dev, seqs[:sub], plens[:sub])
+            two = trainer_updates(str(ckpt), 2, mode, dev, seqs[:sub], plens[:sub])
+            rep[f"{mode}_tp1_vs_tp2"] = _update_report(one, two)
+        rep["tokens"], rep["seconds"] = sum(len(x) for x in seqs[:sub]), round(time.time() - t, 1)
+        res["update"] = rep
+        log(rank, "update", rep)
     if "rollout" in only:
         ro = None
         if rank == 0:

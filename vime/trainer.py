@@ -66,6 +66,7 @@ class TrainerConfig:
     cp: int = 1  # context-parallel size: the packed token stream split across cp ranks (rlkernel.parallel.context_parallel)
     dtype: str = "float32"  # params and activations: "float32" | "bfloat16"
     device: str = "cpu"  # "cpu" (gloo, torch AdamW) or "cuda" (nccl, Megatron DDP + dist. optimizer)
+    megatron_ddp: bool = True  # cuda: Megatron DDP + distributed optimizer; False: the CPU path's explicit step there too
     seed: int = 0  # torch / python RNG seed, the same on every rank
     threads: int | None = None  # torch intra-op threads; None keeps the process setting
     deterministic: bool = True  # torch.use_deterministic_algorithms while the engine lives
@@ -259,7 +260,7 @@ class MegatronTrainer:
         self._need_model()
         if version != self.weight_version:
             raise ValueError(f"export_weights: asked for version {version}, the model is at {self.weight_version}")
-        local = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        local = {k: v.detach() for k, v in self.model.state_dict().items()}  # gather_shards returns CPU tensors
         return megatron_to_hf(gather_shards(local, dict(self.model.named_parameters()), self.tp_group), self.spec)
 
     # ------------------------------------------------------------------ scoring
@@ -384,7 +385,7 @@ class MegatronTrainer:
 
     def _make_optimizer(self) -> None:
         c = self.config
-        if c.device == "cuda":  # Megatron DDP + distributed optimizer (run on one H200 before later rlkernel changes: benchmarks/history/; to re-run)
+        if c.device == "cuda" and c.megatron_ddp:  # Megatron DDP + distributed optimizer (run on one H200 before later rlkernel changes: benchmarks/history/; to re-run)
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

@@ -140,16 +140,18 @@ def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], cfg: MegatronSp
 
 
 def gather_shards(local: Mapping[str, torch.Tensor], params: Mapping[str, torch.nn.Parameter], group) -> list[dict[str, torch.Tensor]]:
-    """Every TP rank's state dict, on every rank: TP-sharded params all-gathered (rank order), replicated ones local."""
+    """Every TP rank's state dict, on every rank, on the CPU: TP-sharded params all-gathered (rank order) on the
+    param's own device (NCCL has no CPU tensors), replicated ones local."""
     from rlkernel import all_gather
 
     world = group.size()
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
     for name, t in local.items():
         if world > 1 and getattr(params.get(name), "tensor_model_parallel", False):
-            parts = all_gather(t.detach().unsqueeze(0), group, dim=0).unbind(0)
+            on = params[name].device
+            parts = [p.cpu() for p in all_gather(t.detach().to(on).unsqueeze(0), group, dim=0).unbind(0)]
         else:
-            parts = [t.detach()] * world
+            parts = [t.detach().cpu()] * world
         for r in range(world):
             shards[r][name] = parts[r]
     return shards
