@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The Megatron-core engine on a CUDA device (Megatron DDP + distributed optimizer path):
+"""The Megatron-core engine on a CUDA device (Megatron DDP + Megatron's mixed-precision optimizer):
 strict scoring equals rlkernel's standalone scorer bitwise, GRPO updates run and are
 run-to-run deterministic, exported weights restore scorer parity. Prints one JSON line."""
 from __future__ import annotations

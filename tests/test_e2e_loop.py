@@ -12,10 +12,10 @@ fields (controller.WALL_CLOCK_FIELDS), every record file, every step's provenanc
 weights and the optimizer/RNG state — and the weights really changed on every step. A
 checkpoint of another model is refused naming both; a corrupt checkpoint file is named; after
 either refusal the run directory is byte for byte as it was.
-Faults: the rollout actor SIGKILLed mid-generate is restarted at the current weight version and
-the step regenerated; the trainer actor SIGKILLed after checkpoint 1 makes the run resume from
-it by itself. Either way the run equals the uninterrupted one (records, metrics, provenance,
-weights).
+Faults, in one run: the rollout actor SIGKILLed mid-generate is restarted at the current weight
+version and the step regenerated; later the trainer actor SIGKILLed after checkpoint 2 makes the
+run resume from it by itself. The run equals the uninterrupted one (records, metrics,
+provenance, weights).
 Parallel: the trainer as two TP ranks (Ray actors, gloo) and two vLLM engines — mismatch 0 on
 every step, and the whole run (metrics, records, final weights) bitwise equal to the TP=1/one-engine run; the group's checkpoint resumes
 exactly (a checkpoint of two ranks is refused by one). Context parallelism (trainer.cp=2): mismatch 0
@@ -176,69 +176,49 @@ def test_exact_resume_after_kill(tmp, strict_run):
     assert len(set(weights)) == 4
 
 
-def test_killed_rollout_engine_is_restarted(tmp, strict_run):
-    """Fault: the rollout actor (and the in-process vLLM engine inside it) SIGKILLed while it generates step 1. The
-    controller restarts it, loads the current weight version from the trainer and regenerates the step: the run
-    finishes, and equals run A — every metric line but wall clock and the restart count, every record file
-    (no record lost or duplicated) and every step's provenance."""
+def test_killed_engine_and_killed_trainer_in_one_run(tmp, strict_run):
+    """Faults, one run: (1) the rollout actor (and the in-process vLLM engine inside it) SIGKILLed while it generates
+    step 1 — the controller restarts it, loads the current weight version from the trainer and regenerates the step;
+    (2) later the trainer actor SIGKILLed once checkpoint 2 is written — every role stops and the run resumes from the
+    last checkpoint by itself (run.max_restarts). The run finishes equal to run A: every metric line but wall clock
+    and the restart count, every record file (no record lost or duplicated) and step provenance, the final weights
+    and trainer state."""
     from vime.controller import WALL_CLOCK_FIELDS
 
     a, rows_a, _ = strict_run
-    out = tmp / "rollout_killed"
-    killed = []
-    with open(tmp / "rollout_killed.log", "w") as log:
+    out = tmp / "faults"
+    killed = {}
+    with open(tmp / "faults.log", "w") as log:
         proc = subprocess.Popen(_cli(tmp, out, *RESUMABLE), cwd=ROOT, env=_env(), stdout=log, stderr=log)
-        deadline, actor = time.monotonic() + 900, None
-        while proc.poll() is None and time.monotonic() < deadline and not killed:
-            if actor is None:
-                actor = next((p for p in _tree(proc.pid) if _title(p).startswith("ray::RolloutRole")), None)
-            elif (out / "records" / "step_000000.parquet").exists() and "RolloutRole.generate" in _title(actor):
-                actor.kill()
-                killed.append(actor.pid)
-            time.sleep(0.002)
-    assert proc.wait(timeout=900) == 0, (tmp / "rollout_killed.log").read_text()[-4000:]
-    assert killed, "the rollout actor was never caught generating"
-    rows = _rows(out)
-    assert [m["rollout_restarts"] for m in rows] == [0, 1, 0]  # killed in step 1, restarted once
-    assert "died" in (tmp / "rollout_killed.log").read_text() and "restarting it at weight version" in (tmp / "rollout_killed.log").read_text()
-    skip = set(WALL_CLOCK_FIELDS) | {"rollout_restarts"}
-    assert [{k: v for k, v in m.items() if k not in skip} for m in rows] == [{k: v for k, v in m.items() if k not in skip} for m in rows_a]
-    for s in range(3):
-        for rel in (f"records/step_{s:06d}.parquet", f"provenance/step_{s:06d}.json"):
-            assert _digest(out / rel) == _digest(a / rel), rel
-        recs = read_records(out / "records" / f"step_{s:06d}.parquet")
-        assert len({r.record_id for r in recs}) == len(recs) == 16
-
-
-def test_killed_trainer_resumes_from_its_checkpoint(tmp, strict_run):
-    """Fault: the trainer actor SIGKILLed once checkpoint 1 is written. Every role stops, the run resumes from the
-    last checkpoint by itself (run.max_restarts) and finishes equal to run A: every metric line but wall clock,
-    every record file and step provenance, the final weights and trainer state."""
-    from vime.controller import WALL_CLOCK_FIELDS
-
-    a, rows_a, _ = strict_run
-    out = tmp / "trainer_killed"
-    killed = []
-    with open(tmp / "trainer_killed.log", "w") as log:
-        proc = subprocess.Popen(_cli(tmp, out, *RESUMABLE), cwd=ROOT, env=_env(), stdout=log, stderr=log)
-        latest, deadline = out / "checkpoints" / "latest", time.monotonic() + 900
-        while proc.poll() is None and time.monotonic() < deadline and not killed:
-            if latest.exists() and latest.read_text() == "step_000001":
+        latest, deadline, actor = out / "checkpoints" / "latest", time.monotonic() + 900, None
+        while proc.poll() is None and time.monotonic() < deadline and len(killed) < 2:
+            if "rollout" not in killed:
+                if actor is None:
+                    actor = next((p for p in _tree(proc.pid) if _title(p).startswith("ray::RolloutRole")), None)
+                elif (out / "records" / "step_000000.parquet").exists() and "RolloutRole.generate" in _title(actor):
+                    actor.kill()
+                    killed["rollout"] = actor.pid
+            elif latest.exists() and latest.read_text() == "step_000002":
                 for p in _tree(proc.pid):
                     if _title(p).startswith("ray::TrainerRole"):
                         p.kill()
-                        killed.append(p.pid)
-            time.sleep(0.005)
-    assert proc.wait(timeout=900) == 0, (tmp / "trainer_killed.log").read_text()[-4000:]
-    assert killed, "the trainer was never killed"
-    text = (tmp / "trainer_killed.log").read_text()
+                        killed["trainer"] = p.pid
+            time.sleep(0.002)
+    assert proc.wait(timeout=900) == 0, (tmp / "faults.log").read_text()[-4000:]
+    assert set(killed) == {"rollout", "trainer"}, f"killed only {sorted(killed)}"
+    text = (tmp / "faults.log").read_text()
+    assert "died" in text and "restarting it at weight version" in text  # the engine, restarted in place
     assert "trainer[rank 0] died" in text and "resuming from the last checkpoint (restart 1 of run.max_restarts=2)" in text
     rows = _rows(out)
-    clockless = lambda rs: [{k: v for k, v in m.items() if k not in WALL_CLOCK_FIELDS} for m in rs]  # noqa: E731
-    assert clockless(rows) == clockless(rows_a)
+    assert [m["rollout_restarts"] for m in rows] == [0, 1, 0]  # killed in step 1, restarted once; step 2 after the resume
+    skip = set(WALL_CLOCK_FIELDS) | {"rollout_restarts"}
+    assert [{k: v for k, v in m.items() if k not in skip} for m in rows] == [{k: v for k, v in m.items() if k not in skip} for m in rows_a]
     for rel in [f"{d}/step_{s:06d}.{ext}" for s in range(3) for d, ext in (("records", "parquet"), ("provenance", "json"))] + \
             [f"checkpoints/step_000003/{f}" for f in ("model.safetensors", "trainer_state.safetensors", "trainer_state.json")]:
         assert _digest(out / rel) == _digest(a / rel), rel
+    for s in range(3):
+        recs = read_records(out / "records" / f"step_{s:06d}.parquet")
+        assert len({r.record_id for r in recs}) == len(recs) == 16
 
 
 def _title(p) -> str:
@@ -268,15 +248,18 @@ def _plain(o):
 
 def test_trainer_tp2_and_two_engines(tmp, strict_run):
     """The loop with the trainer as two gloo ranks (TP=2, Ray actors) and the rollout on two vLLM engines (prompts
-    split between them; rollout TP=1 != trainer TP=2): mismatch 0 on every step, and the whole run equal to run A
-    (TP=1, one engine) bit for bit — every metric line but wall clock, every record but its engine id, the final
-    weights (the forward and the backward are TP invariant); a resume of the
-    group's checkpoint (each rank's optimizer state) continues it exactly."""
+    split between them; rollout TP=1 != trainer TP=2), run for 2 steps and resumed from the group's checkpoint (each
+    rank's optimizer state) to 3: mismatch 0 on every step, and the whole run equal to run A (TP=1, one engine,
+    uninterrupted) bit for bit — every metric line but wall clock, every record but its engine id, the final weights
+    (the forward and the backward are TP invariant, and the group's resume is exact)."""
     from vime.controller import WALL_CLOCK_FIELDS
 
     a, rows_a, _ = strict_run
     out = tmp / "tp2"
-    rows = _train(tmp, out, *RESUMABLE, *PARALLEL)
+    _train(tmp, out, *RESUMABLE, *PARALLEL, "trainer.total_steps=2")
+    state = json.loads((out / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert "ranks" in json.dumps(state)  # one optimizer state per rank
+    rows = _train(tmp, out, *RESUMABLE, *PARALLEL, "run.resume=true")
     assert [m["step"] for m in rows] == [0, 1, 2]
     for m in rows:
         assert m["comparable"] and m["compared_tokens"] > 0 and m["mismatch_count"] == 0 and m["max_abs_diff"] == 0.0
@@ -292,20 +275,13 @@ def test_trainer_tp2_and_two_engines(tmp, strict_run):
         assert _same_records(_without_engine(recs), _without_engine(recs_a)), step
         assert [r.record_id for r in recs] == [r.record_id for r in recs_a] and len({r.record_id for r in recs}) == len(recs)
     assert _digest(out / "checkpoints/step_000003/model.safetensors") == _digest(a / "checkpoints/step_000003/model.safetensors")
-    # the group's checkpoint: run 2 steps, resume to 3 — the same lines as the uninterrupted TP=2 run
-    b = tmp / "tp2_resumed"
-    _train(tmp, b, *RESUMABLE, *PARALLEL, "trainer.total_steps=2")
-    state = json.loads((b / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
-    assert "ranks" in json.dumps(state)  # one optimizer state per rank
-    rows_b = _train(tmp, b, *RESUMABLE, *PARALLEL, "run.resume=true")
-    assert clockless(rows_b) == clockless(rows)
     # a checkpoint of 2 ranks is refused by a run of 1, before any role starts, and the run directory is untouched
     from vime.checkpoint import CheckpointError
 
-    before = _snapshot(b)
+    before = _snapshot(out)
     with pytest.raises(CheckpointError, match=r"trainer state of 2 trainer rank\(s\); this run has trainer.tp\*trainer.cp=1"):
-        _resume_in_process(tmp, b, "trainer.total_steps=4")
-    assert _snapshot(b) == before
+        _resume_in_process(tmp, out, "trainer.total_steps=4")
+    assert _snapshot(out) == before
 
 
 def test_trainer_cp2(tmp, strict_run):

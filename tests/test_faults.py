@@ -3,7 +3,7 @@ A call that outlives `call_timeout_s` raises RoleTimeoutError naming the role, t
 the config key; an actor SIGKILLed mid-call raises RoleDiedError naming the role; `restart`
 brings up a fresh actor with the same arguments in the same placement bundle, which then
 serves calls. (The loop's use of this — a killed rollout engine restarted and its step
-regenerated bit for bit — is tests/test_e2e_loop.py::test_killed_rollout_engine_is_restarted.)"""
+regenerated bit for bit — is tests/test_e2e_loop.py::test_killed_engine_and_killed_trainer_in_one_run.)"""
 import subprocess
 import sys
 import textwrap

@@ -142,11 +142,16 @@ from vime.records import SamplingSpec
 from vime.rollout import RolloutConfig, VLLMRollout
 start, target, reload = sys.argv[1], sys.argv[2], sys.argv[3] == "reload"
 eng = VLLMRollout(RolloutConfig(model=start if reload else target, engine="stock", mode="native", block_size=32, max_model_len=128))
-if reload:
-    eng.update_weights(load_file(target + "/model.safetensors"), 1)  # HF tensors as the trainer exports them (no tied head)
 specs = [SamplingSpec(temperature=1.0, top_p=1.0, max_tokens=8, seed=40 + i) for i in range(6)]
-out = eng.generate([[5 + i, 6, 7, 8 + i] for i in range(6)], specs)
-print(json.dumps([[c.response_ids, c.logprobs.tobytes().hex()] for c in out]))
+def run():
+    out = eng.generate([[5 + i, 6, 7, 8 + i] for i in range(6)], specs)
+    return [[c.response_ids, c.logprobs.tobytes().hex()] for c in out]
+if reload:
+    before = run()  # the start weights, from the engine that then reloads (as the loop does: generate, sync, generate)
+    eng.update_weights(load_file(target + "/model.safetensors"), 1)  # HF tensors as the trainer exports them (no tied head)
+    print(json.dumps([before, run()]))
+else:
+    print(json.dumps(run()))
 '''
 
 
@@ -157,8 +162,7 @@ def test_stock_engine_reloads_in_place_like_a_fresh_engine(tmp_path, arch, tied)
     The new weights differ enough to move every token's logprob (checked), so an update that did not land fails."""
     a = make_tiny_checkpoint(tmp_path / "a", arch=arch, tie_word_embeddings=tied, head_dim=32, init_std=0.08, seed=11)
     b = make_tiny_checkpoint(tmp_path / "b", arch=arch, tie_word_embeddings=tied, head_dim=32, init_std=0.08, seed=12)
-    reloaded = _run([sys.executable, "-c", _STOCK_RELOAD, str(a), str(b), "reload"], timeout=600)
+    before, reloaded = _run([sys.executable, "-c", _STOCK_RELOAD, str(a), str(b), "reload"], timeout=600)
     fresh = _run([sys.executable, "-c", _STOCK_RELOAD, str(a), str(b), "fresh"], timeout=600)
-    before = _run([sys.executable, "-c", _STOCK_RELOAD, str(b), str(a), "fresh"], timeout=600)  # the start weights
     assert reloaded == fresh
     assert all(x[1] != y[1] for x, y in zip(fresh, before))  # not vacuous: the weights changed every sequence's bits

@@ -24,9 +24,9 @@ def check_resources(cfg) -> None:
         problems.append(f"trainer.cp={cfg.trainer.cp}: context parallelism runs on the CPU trainer only so far (the CUDA path's DDP "
                         "does not reduce over CP here); set trainer.cp=1")
     if cfg.trainer.tp > 1 and cfg.resources.gpus:
-        problems.append(f"trainer.tp={cfg.trainer.tp}: tensor-parallel training on GPUs is not yet correct (two H200s: the scores "
-                        "equal TP=1 bit for bit, but under Megatron DDP the gradients upstream of the MLP come out doubled; "
-                        "benchmarks/h200x2_tp_grads.json); set trainer.tp=1 on GPUs (trainer.tp>1 runs on the CPU trainer)")
+        problems.append(f"trainer.tp={cfg.trainer.tp}: tensor-parallel training on GPUs is not proven yet (two H200s: the scores "
+                        "equal TP=1 bit for bit; the updates are not yet shown equal, benchmarks/H200_NOTES.md); set trainer.tp=1 "
+                        "on GPUs (trainer.tp>1 runs on the CPU trainer)")
     if cfg.rollout.tp > 1:
         problems.append(f"rollout.tp={cfg.rollout.tp}: the strict vLLM model (rlkernel's plugin) has no tensor-parallel layers yet; "
                         "set rollout.tp=1 and scale the rollout with rollout.num_engines (trainer.tp may differ from it)")

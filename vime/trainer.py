@@ -18,8 +18,10 @@ Why this shape:
   sees only its heads), grads averaged over DP, a TP-aware global grad norm (sharded
   params summed over TP, replicated ones counted once). In strict mode these reductions
   use rlkernel's canonical tree, so they are bitwise run to run.
-* CUDA: Megatron's DDP + distributed optimizer (`finalize_model_grads` does the same
-  sync). That path is present and import-safe but UNTESTED here (no GPU in CI).
+* CUDA: Megatron's DDP (all-reduce) + Megatron's mixed-precision optimizer (fp32 master
+  weights); `finalize_model_grads` does the same sync; strict: rlkernel's TP-invariant norm and
+  clipping over the DDP main grads. Run on H200s by scripts/gpu_trainer_check.py and
+  scripts/gpu_tp_parity.py; no GPU in CI.
 * Determinism (seed, torch threads, `torch.use_deterministic_algorithms`) is set by the
   engine, restored by `close()`, and recorded in `self.provenance`.
 * bf16 on CPU updates bf16 params in place (no fp32 master copy); train in float32 here.
@@ -65,8 +67,8 @@ class TrainerConfig:
     tp: int = 1  # tensor-parallel size (world = tp * cp * dp)
     cp: int = 1  # context-parallel size: the packed token stream split across cp ranks (rlkernel.parallel.context_parallel)
     dtype: str = "float32"  # params and activations: "float32" | "bfloat16"
-    device: str = "cpu"  # "cpu" (gloo, torch AdamW) or "cuda" (nccl, Megatron DDP + dist. optimizer)
-    megatron_ddp: bool = True  # cuda: Megatron DDP + distributed optimizer; False: the CPU path's explicit step there too
+    device: str = "cpu"  # "cpu" (gloo, torch AdamW) or "cuda" (nccl, Megatron DDP + Megatron's optimizer)
+    megatron_ddp: bool = True  # cuda: Megatron DDP + Megatron's optimizer; False: the CPU path's explicit step there too
     seed: int = 0  # torch / python RNG seed, the same on every rank
     threads: int | None = None  # torch intra-op threads; None keeps the process setting
     deterministic: bool = True  # torch.use_deterministic_algorithms while the engine lives
@@ -385,26 +387,48 @@ class MegatronTrainer:
 
     def _make_optimizer(self) -> None:
         c = self.config
-        if c.device == "cuda" and c.megatron_ddp:  # Megatron DDP + distributed optimizer (run on one H200 before later rlkernel changes: benchmarks/history/; to re-run)
+        if c.device == "cuda" and c.megatron_ddp:  # Megatron DDP + Megatron's optimizer (scripts/gpu_trainer_check.py)
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-            # check_for_nan_in_grad: Megatron raises on a NaN/inf grad before its optimizer steps
-            ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True, check_for_nan_in_grad=True)
+            # check_for_nan_in_grad: Megatron raises on a NaN/inf grad before its optimizer steps. DDP all-reduces the
+            # grads and Megatron's (non-distributed) optimizer keeps fp32 master weights: the two must agree on
+            # use_distributed_optimizer (a reduce-scattering DDP under a non-distributed optimizer steps every DP rank
+            # on partly unreduced grads: found on two H200s, benchmarks/H200_NOTES.md). Strict: the global norm and the
+            # clipping are ours (TP invariant, `_cuda_step`), so Megatron's clipping is off.
+            ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=False, grad_reduce_in_fp32=True, check_for_nan_in_grad=True)
             self._ddp = DistributedDataParallel(config=self.model.config, module=self.model, ddp_config=ddp_cfg)
+            clip = 0.0 if c.mode == "strict" else (c.grad_clip or 0.0)
             opt_cfg = OptimizerConfig(optimizer="adam", lr=c.lr, weight_decay=c.weight_decay, adam_beta1=c.betas[0], adam_beta2=c.betas[1],
-                                      adam_eps=c.adam_eps, clip_grad=c.grad_clip or 0.0, bf16=c.dtype == "bfloat16")
+                                      adam_eps=c.adam_eps, clip_grad=clip, bf16=c.dtype == "bfloat16", use_distributed_optimizer=False)
             self.optimizer = get_megatron_optimizer(opt_cfg, [self._ddp])
             return
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=tuple(c.betas), eps=c.adam_eps,
                                            weight_decay=c.weight_decay, foreach=False)
 
     def _cuda_step(self) -> float:
+        """Megatron's finalize_model_grads, then its optimizer. Strict: the global grad norm is rlkernel's
+        canonical_grad_norm over the DDP main grads and the clipping is applied here (Megatron's own norm sums the
+        ranks' shards in an order that depends on the TP size), so a TP=2 step can equal a TP=1 step bit for bit."""
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self._ddp])
-        _, grad_norm, _ = self.optimizer.step()
-        return float(grad_norm or 0.0)
+        if self.config.mode != "strict":
+            _, grad_norm, _ = self.optimizer.step()
+            return float(grad_norm or 0.0)
+        from rlkernel.parallel.tp_backward import canonical_grad_norm
+
+        norm = canonical_grad_norm(self.model.named_parameters(), self.tp_group, grad=lambda p: getattr(p, "main_grad", None))
+        if not torch.isfinite(norm):
+            return norm.item()  # update() raises before anything is stepped
+        if self.config.grad_clip is not None:
+            coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
+            for p in self.model.parameters():
+                g = getattr(p, "main_grad", None)
+                if g is not None:
+                    g.mul_(coef.to(g.dtype))
+        self.optimizer.step()
+        return norm.item()
 
     def _reduce(self, t: torch.Tensor, group) -> torch.Tensor:
         if group.size() == 1:

@@ -85,19 +85,21 @@ def _segment_values(grad: torch.Tensor, spec) -> list[torch.Tensor]:
     raise ValueError(f"unknown segment spec {spec!r}")
 
 
-def canonical_grad_norm(named_params, group) -> torch.Tensor:
+def canonical_grad_norm(named_params, group, grad=None) -> torch.Tensor:
     """sqrt of the sum of squares of every gradient, TP invariant: a parameter tagged `rk_segments` (sharded) contributes
     the tree over all ranks' canonical segments (gathered in rank order), any other (replicated) its own tree sum; then
-    one tree over the parameters in named order."""
+    one tree over the parameters in named order. `grad(p)`: where a parameter's gradient lives (default p.grad; Megatron
+    DDP keeps it in p.main_grad)."""
     values = []
     for _, p in named_params:
-        if p.grad is None:
+        g = p.grad if grad is None else grad(p)
+        if g is None:
             continue
         spec = getattr(p, "rk_segments", None)
         if spec is None:
-            values.append(tree_sum(p.grad.float().square().reshape(-1), dim=0))
+            values.append(tree_sum(g.float().square().reshape(-1), dim=0))
             continue
-        local = torch.stack(_segment_values(p.grad, spec))
+        local = torch.stack(_segment_values(g, spec))
         every = _gather(local, group).reshape(-1) if group is not None and group.size() > 1 else local
         values.append(tree_sum(every, dim=0))
     if not values:
