@@ -38,17 +38,17 @@ def _prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list[int]]
 class _ReferenceScorer:
     """rlkernel's standalone packed scorer (StrictDecoder)."""
 
-    def __init__(self, model_dir: str, dtype: torch.dtype, mode: str):
+    def __init__(self, model_dir: str, dtype: torch.dtype, mode: str, device: str):
         from rlkernel.models import StrictDecoder
 
-        self.model, self.mode = StrictDecoder.from_pretrained(model_dir, dtype=dtype), mode
+        self.model, self.mode = StrictDecoder.from_pretrained(model_dir, dtype=dtype, device=device), mode
 
     def response_logprobs(self, comps, temperature):
         import rlkernel as rk
 
         with torch.no_grad(), rk.mode(self.mode):
             full = self.model.score([c.prompt_ids + c.response_ids for c in comps], temperature)
-        return [lp[len(c.prompt_ids) - 1:] for lp, c in zip(full, comps)]
+        return [lp[len(c.prompt_ids) - 1:].cpu() for lp, c in zip(full, comps)]
 
     def weights(self) -> dict:
         return dict(self.model.state_dict())
@@ -60,10 +60,10 @@ class _ReferenceScorer:
 class _MegatronScorer:
     """The Megatron-core training engine's `score`."""
 
-    def __init__(self, model_dir: str, dtype: torch.dtype, mode: str):
+    def __init__(self, model_dir: str, dtype: torch.dtype, mode: str, device: str):
         from .trainer import MegatronTrainer, TrainerConfig
 
-        self.trainer = MegatronTrainer(TrainerConfig(mode=mode, dtype=str(dtype).removeprefix("torch.")))
+        self.trainer = MegatronTrainer(TrainerConfig(mode=mode, dtype=str(dtype).removeprefix("torch."), device=device))
         self.trainer.load_hf(model_dir)
 
     def response_logprobs(self, comps, temperature):
@@ -83,7 +83,8 @@ class _MegatronScorer:
 
 def _perturb(tensors: dict, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {k: (v.float() + 0.05 * v.float().std().clamp_min(1e-3) * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in tensors.items()}
+    return {k: (v.float() + 0.05 * v.float().std().clamp_min(1e-3) * torch.randn(v.shape, generator=g).to(v.device)).to(v.dtype)
+            for k, v in tensors.items()}
 
 
 def run(args) -> dict:
@@ -100,7 +101,8 @@ def run(args) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, seed=args.seed,
         max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True,
     ))
-    scorer = (_ReferenceScorer if args.scorer == "reference" else _MegatronScorer)(args.model, dtype, args.mode)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    scorer = (_ReferenceScorer if args.scorer == "reference" else _MegatronScorer)(args.model, dtype, args.mode, device)
     from pathlib import Path
 
     vocab = DecoderConfig.from_hf(json.loads(Path(args.model, "config.json").read_text())).vocab_size
@@ -124,7 +126,7 @@ def run(args) -> dict:
                      versions_ok=all(c.weight_version == version for c in comps))
         phases[f"v{version}"] = stats
     last = phases[f"v{versions[-1]}"]
-    report = dict(mode=args.mode, engine=engine.config.engine, scorer=args.scorer, model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
+    report = dict(mode=args.mode, engine=engine.config.engine, scorer=args.scorer, scorer_device=device, model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
                   temperature=args.temperature, engine_start_seconds=round(engine.provenance.start_seconds, 2),
                   total_seconds=round(time.perf_counter() - t0, 2), phases=phases,
                   mismatch_count=sum(p["mismatch_count"] for p in phases.values()),
@@ -139,6 +141,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["rlkernel", "stock"], default=None,
                    help="vLLM with the rlkernel plugin, or stock vLLM (default: rlkernel for strict, stock for native)")
     p.add_argument("--scorer", choices=["reference", "megatron"], default="reference")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="the scorer's device (auto: cuda where there is one, as vLLM does); both sides must share a contract family")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--min-prompt-len", type=int, default=8)
     p.add_argument("--max-prompt-len", type=int, default=64)

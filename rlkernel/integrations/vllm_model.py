@@ -28,7 +28,7 @@ from vllm.model_executor.layers.attention import Attention
 from ..dispatch import ExecutionPolicy, ProvenanceCounter, mode
 from ..models.decoder import DecoderConfig, StrictDecoder
 from ..ops.logprob import linear_logprobs_full
-from .vllm_attention import strict_backend
+from .vllm_compat import strict_attention_backend
 
 
 def plugin_settings(vllm_config) -> dict:
@@ -51,7 +51,7 @@ class StrictForCausalLM(StrictDecoder):
         self.policy = ExecutionPolicy(mode=settings.get("mode", "strict"), ops=tuple(sorted(dict(settings.get("ops", {})).items())))
         self.weight_version = int(settings.get("weight_version", 0))
         self.provenance = ProvenanceCounter()  # per-op contract ids and call counts, taken per step
-        backend = strict_backend()
+        backend = strict_attention_backend()
         self.attn = nn.ModuleList(
             Attention(config.num_heads, config.head_dim, config.head_dim**-0.5, num_kv_heads=config.num_kv_heads,
                       cache_config=vllm_config.cache_config, prefix=f"{prefix}rlkernel.layers.{i}.attn", attn_backend=backend)
