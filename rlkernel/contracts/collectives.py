@@ -15,9 +15,10 @@ ALL_REDUCE_REFERENCE = Contract(
     op="all_reduce",
     backend="strict",
     domain="ranks, as S canonical segments",
-    partition=(("segments", "S = world_size * k, fixed by the caller"), ("ownership", "rank r owns segments [r*k, r*k + k)"), ("transport", "all_gather, rank order")),
+    partition=(("segments", "S = world_size * k, fixed by the caller"), ("ownership", "rank r owns segments [r*k, r*k + k)"), ("transport", "all_gather, rank order: where k is a power of two >= 2 the rank's float32 subtree sum (its block "
+                                                 "is a subtree of the canonical tree: the same adds), else its k segments")),
     merge="balanced binary tree over canonical segment index (zero-padded to a power of two), run identically on every rank",
-    precision=(("payload", "segment dtype, sent unchanged"), ("accumulate", "float32 (float64 stays float64)"), ("output", "payload dtype")),
+    precision=(("payload", "segment dtype, sent unchanged (or the float32 subtree sum)"), ("accumulate", "float32 (float64 stays float64)"), ("output", "payload dtype")),
     rounding=("one cast of the tree sum to the payload dtype",),
     primitives=(("add", "IEEE element-wise"),),
     invariant=("world size", "rank", "run to run"),

@@ -14,8 +14,10 @@ contiguous block r*k .. r*k+k-1. Segments travel unchanged in their own dtype
 with one balanced binary tree over segment index, accumulating in float32 and
 rounding once. The result is a function of the segments alone: identical on
 every rank, for any world size dividing S, and equal to `canonical_tree_sum` in
-one process. The price: every rank receives all S segments (S payloads, where an
-all-reduce moves about 2); it is the reference path, correctness first. Tensors
+one process. The price: every rank receives every rank's share (an all-reduce moves
+about 2 payloads); where a rank's k segments are a power of two, their block is a
+subtree of the canonical tree, so each rank sums its subtree first and only the
+world float32 partials travel; otherwise all S segments do. Tensors
 never leave their device (signatures included), so the same code runs on gloo
 (CPU) and NCCL (CUDA).
 
@@ -180,6 +182,14 @@ def tree_all_reduce(local_segments: Sequence[torch.Tensor], group=None) -> torch
     sigs = _gather_ints([len(local_segments), _signature(s0.shape, s0.dtype)], s0.device, group)
     if any(s != sigs[0] for s in sigs):
         raise ValueError(f"tree_all_reduce: ranks disagree on segment count/shape/dtype: per-rank (k, signature) {sigs}; this rank has k={len(local_segments)} of {tuple(s0.shape)} {s0.dtype}")
+    k = len(local_segments)
+    if k >= 2 and k & (k - 1) == 0 and _world(group)[0] > 1:
+        # k a power of two: this rank's block is an aligned subtree of the canonical tree (zero padding lies beyond
+        # every block), so the tree over the ranks' subtree sums *is* the canonical tree: reduce locally first and
+        # move one float32 partial per rank instead of k segments (the adds are the same adds on the same values)
+        acc = torch.promote_types(s0.dtype, torch.float32) if s0.dtype.is_floating_point else s0.dtype
+        partial = tree_sum(torch.stack(list(local_segments)).to(acc), dim=0)
+        return tree_sum(_gather(partial, group), dim=0).to(s0.dtype)
     gathered = _gather(torch.stack(list(local_segments)), group)  # [world, k, *shape], rank-major = segment order
     return _tree_reduce(gathered.reshape(-1, *s0.shape))
 
