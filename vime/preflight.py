@@ -27,9 +27,10 @@ def check_resources(cfg) -> None:
         problems.append(f"trainer.tp={cfg.trainer.tp}: tensor-parallel training on GPUs is not proven yet (two H200s: the scores "
                         "equal TP=1 bit for bit; the updates are not yet shown equal, benchmarks/H200_NOTES.md); set trainer.tp=1 "
                         "on GPUs (trainer.tp>1 runs on the CPU trainer)")
-    if cfg.rollout.tp > 1:
-        problems.append(f"rollout.tp={cfg.rollout.tp}: the strict vLLM model (rlkernel's plugin) has no tensor-parallel layers yet; "
-                        "set rollout.tp=1 and scale the rollout with rollout.num_engines (trainer.tp may differ from it)")
+    if cfg.rollout.tp > 1 and cfg.rlkernel.rollout_engine() != "stock":
+        problems.append(f"rollout.tp={cfg.rollout.tp}: the strict vLLM model (rlkernel's plugin) has no tensor-parallel layers yet "
+                        "(vLLM's own tensor parallelism runs in the native arm's stock engine); set rollout.tp=1 and scale the "
+                        "rollout with rollout.num_engines (trainer.tp may differ from it)")
     hf = Path(cfg.model.path) / "config.json"
     if cfg.model.init == "existing" and not hf.exists():
         problems.append(f"model.path {cfg.model.path!r} is not an HF checkpoint directory (no config.json)")

@@ -37,7 +37,7 @@ class RolloutRole:
             dtype=cfg.model.dtype, temperature=r.temperature, max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens, block_size=r.block_size,
             enable_prefix_caching=r.enable_prefix_caching, kv_cache_gb=r.kv_cache_gb, seed=cfg.run.seed, engine_id=engine_id,
-            max_model_len=r.max_model_len,
+            max_model_len=r.max_model_len, tp=r.tp,
         ))
         self.tokenizer = self.engine.tokenizer
         self.rewards = RewardWorker(cfg.reward.fn, cfg.reward.timeout_s, memory_mb=cfg.reward.memory_mb)

