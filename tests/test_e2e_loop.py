@@ -18,8 +18,8 @@ run resume from it by itself. The run equals the uninterrupted one (records, met
 provenance, weights).
 Parallel: the trainer as two TP ranks (Ray actors, gloo) and two vLLM engines — mismatch 0 on
 every step, and the whole run (metrics, records, final weights) bitwise equal to the TP=1/one-engine run; the group's checkpoint resumes
-exactly (a checkpoint of two ranks is refused by one). Context parallelism (trainer.cp=2): mismatch 0
-on every step, step 0 bitwise run A's.
+exactly (a checkpoint of two ranks is refused by one). Context parallelism (trainer.cp=2) against a
+strict rollout at vLLM's TP=2: mismatch 0 on every step, step 0 bitwise run A's.
 Native (stock vLLM in the rollout at vLLM's own TP=2, weights synced in place; production ops in the
 trainer): mismatch_count > 0 on most steps, every step comparable and within 1e-3.
 In-process, with a reward function that raises or hangs on some prompts: those samples are
@@ -284,17 +284,21 @@ def test_trainer_tp2_and_two_engines(tmp, strict_run):
     assert _snapshot(out) == before
 
 
-def test_trainer_cp2(tmp, strict_run):
-    """The trainer with context parallelism (two CP ranks, each a slice of the packed stream; keys/values gathered):
-    mismatch 0 on every step; step 0 (same weights) equal to run A — every record, loss and entropy — and later
-    steps equal to rounding (the CP backward sums ranks' gradients by the tree over ranks, not CP invariant)."""
+def test_trainer_cp2_rollout_tp2(tmp, strict_run):
+    """The trainer with context parallelism (two CP ranks, each a slice of the packed stream; keys/values gathered)
+    against a strict rollout at vLLM's TP=2 (two workers, heads and MLP rows split, the strict model's row-parallel
+    linears merged by the canonical tree): mismatch 0 on every step; step 0 (same weights) equal to run A (TP=1
+    engine, CP=1 trainer) — every record (tokens and rollout logprobs), loss and entropy — and later steps equal to
+    rounding (the CP backward sums ranks' gradients by the tree over ranks, not CP invariant)."""
     a, rows_a, _ = strict_run
     out = tmp / "cp2"
-    rows = _train(tmp, out, *RESUMABLE, "trainer.cp=2")
+    rows = _train(tmp, out, *RESUMABLE, "trainer.cp=2", "rollout.tp=2")
     assert [m["step"] for m in rows] == [0, 1, 2]
     for m in rows:
         assert m["comparable"] and m["compared_tokens"] > 0 and m["mismatch_count"] == 0 and m["max_abs_diff"] == 0.0
-    assert json.loads((out / "provenance.json").read_text())["trainer"]["world_size"] == 2
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["trainer"]["world_size"] == 2 and prov["rollout"]["engine_args"]["tensor_parallel_size"] == 2
+    assert prov["rollout"]["engine_args"]["worker"]["tp_ranks"] == [[0, 2], [1, 2]]
     assert _same_records(*(read_records(d / "records" / "step_000000.parquet") for d in (out, a)))
     for k in ("loss", "entropy", "compared_tokens", "reward_mean"):
         assert rows[0][k] == rows_a[0][k], k

@@ -64,6 +64,15 @@ def test_strict_rollout_matches_scorer_odd_models(models, name, dtype):
     _assert_strict(r, 64 * 4)
 
 
+def test_strict_rollout_at_tp2_matches_the_tp1_scorer(models):
+    """vLLM's tensor parallelism with the strict model (rollout TP=2: two worker processes, heads and MLP rows split,
+    the row-parallel linears merged by the canonical segment tree over vLLM's TP group) against the TP=1 scorer, on
+    odd dimensions in bf16, before and after a weight update pushed to both workers: 0 mismatches."""
+    report = _parity(models["qwen3-untied-odd"], "--tp", "2", "--dtype", "bfloat16", "--update-weights")
+    assert report["engine_tp"] == 2 and report["engine_tp_ranks"] == [[0, 2], [1, 2]]  # the strict model, sharded, in both workers
+    _assert_strict(report, 100)
+
+
 def test_negative_control_stock_vllm_mismatches(models):
     r = _parity(models["qwen3-tied"], "--mode", "native", "--num-prompts", "16", "--max-tokens", "16", "--block-size", "32")
     assert r["compared_tokens"] > 0 and r["mismatch_count"] > 0

@@ -98,7 +98,7 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     engine = VLLMRollout(RolloutConfig(
         model=args.model, engine=args.engine or ("rlkernel" if args.mode == "strict" else "stock"), mode=args.mode, dtype=args.dtype, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, seed=args.seed,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, seed=args.seed, tp=args.tp,
         max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True,
     ))
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -126,7 +126,7 @@ def run(args) -> dict:
                      versions_ok=all(c.weight_version == version for c in comps))
         phases[f"v{version}"] = stats
     last = phases[f"v{versions[-1]}"]
-    report = dict(mode=args.mode, engine=engine.config.engine, scorer=args.scorer, scorer_device=device, model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
+    report = dict(mode=args.mode, engine=engine.config.engine, scorer=args.scorer, scorer_device=device, engine_tp=args.tp, engine_workers=engine.provenance.engine_args.get("worker", {}).get("workers"), engine_tp_ranks=engine.provenance.engine_args.get("worker", {}).get("tp_ranks"), model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
                   temperature=args.temperature, engine_start_seconds=round(engine.provenance.start_seconds, 2),
                   total_seconds=round(time.perf_counter() - t0, 2), phases=phases,
                   mismatch_count=sum(p["mismatch_count"] for p in phases.values()),
@@ -141,6 +141,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["rlkernel", "stock"], default=None,
                    help="vLLM with the rlkernel plugin, or stock vLLM (default: rlkernel for strict, stock for native)")
     p.add_argument("--scorer", choices=["reference", "megatron"], default="reference")
+    p.add_argument("--tp", type=int, default=1, help="the engine's tensor parallelism (the scorer stays at TP=1)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="the scorer's device (auto: cuda where there is one, as vLLM does); both sides must share a contract family")
     p.add_argument("--num-prompts", type=int, default=16)

@@ -27,10 +27,6 @@ def check_resources(cfg) -> None:
         problems.append(f"trainer.tp={cfg.trainer.tp}: tensor-parallel training on GPUs is not proven yet (two H200s: the scores "
                         "equal TP=1 bit for bit; the updates are not yet shown equal, benchmarks/H200_NOTES.md); set trainer.tp=1 "
                         "on GPUs (trainer.tp>1 runs on the CPU trainer)")
-    if cfg.rollout.tp > 1 and cfg.rlkernel.rollout_engine() != "stock":
-        problems.append(f"rollout.tp={cfg.rollout.tp}: the strict vLLM model (rlkernel's plugin) has no tensor-parallel layers yet "
-                        "(vLLM's own tensor parallelism runs in the native arm's stock engine); set rollout.tp=1 and scale the "
-                        "rollout with rollout.num_engines (trainer.tp may differ from it)")
     hf = Path(cfg.model.path) / "config.json"
     if cfg.model.init == "existing" and not hf.exists():
         problems.append(f"model.path {cfg.model.path!r} is not an HF checkpoint directory (no config.json)")
@@ -41,15 +37,17 @@ def check_resources(cfg) -> None:
                             f"({hf}); set rollout.max_model_len<={limit}")
     if cfg.trainer.tp > 1:  # the model's canonical segments must split evenly over the TP ranks (checked before any load)
         problems += _tp_layout_problems(cfg, hf)
+    if cfg.rollout.tp > 1 and cfg.rlkernel.rollout_engine() != "stock":  # the strict vLLM model shards like the trainer
+        problems += _tp_layout_problems(cfg, hf, "rollout.tp", cfg.rollout.tp)
     if not cfg.data.generate and not Path(cfg.data.path).exists():
         problems.append(f"data.path {cfg.data.path!r} does not exist")
     if problems:
         raise PreflightError("vime: cannot run this recipe here:\n  - " + "\n  - ".join(problems))
 
 
-def _tp_layout_problems(cfg, hf: Path) -> list[str]:
-    """Why the trainer cannot shard this model at trainer.tp (heads, KV heads, the canonical segments), from config.json
-    or the tiny model the recipe builds; [] when it can, or when the model is not known yet."""
+def _tp_layout_problems(cfg, hf: Path, key: str = "trainer.tp", tp: int | None = None) -> list[str]:
+    """Why the trainer (or the strict rollout model) cannot shard this model at `key` (heads, KV heads, the canonical
+    segments), from config.json or the tiny model the recipe builds; [] when it can, or when the model is not known yet."""
     from rlkernel.integrations.megatron_spec import MegatronSpecConfig
 
     from .doctor import decoder_config
@@ -57,8 +55,9 @@ def _tp_layout_problems(cfg, hf: Path) -> list[str]:
     if not hf.exists() and cfg.model.init != "tiny_sft":
         return []
     dec = decoder_config(cfg)
+    tp = cfg.trainer.tp if tp is None else tp
     try:
-        MegatronSpecConfig(decoder=dec, tp=cfg.trainer.tp)
+        MegatronSpecConfig(decoder=dec, tp=tp)
     except ValueError as e:
-        return [f"trainer.tp={cfg.trainer.tp} cannot shard this model: {e}; choose a trainer.tp that divides it"]
+        return [f"{key}={tp} cannot shard this model: {e}; choose a {key} that divides it"]
     return []

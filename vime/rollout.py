@@ -56,7 +56,7 @@ class RolloutConfig:
     seed: int = 0
     in_process: bool = True  # engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     engine_id: str = "vllm-0"
-    tp: int = 1  # vLLM's own tensor parallelism (worker processes); the stock engine only (the strict model has no TP layers)
+    tp: int = 1  # vLLM's tensor parallelism (worker processes): stock layers, or the strict model's own TP layers
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -71,9 +71,6 @@ class RolloutConfig:
             raise ValueError("temperature must be > 0")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
-        if self.tp > 1 and self.engine != "stock":
-            raise ValueError(f"tp={self.tp}: the strict vLLM model (rlkernel's plugin) has no tensor-parallel layers yet; "
-                             "vLLM's own tensor parallelism runs with the stock engine (the native arm)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -161,10 +158,11 @@ class VLLMRollout:
         self.weight_version = 0
         self.tokenizer = self.llm.get_tokenizer()
         if c.engine == "rlkernel":
-            info = self.llm.collective_rpc("rlkernel_info")[0]
-            if info["model_class"] not in ("StrictQwen3ForCausalLM", "StrictLlamaForCausalLM") or info["attention_impl"] != "StrictAttentionImpl":
-                raise RuntimeError(f"rlkernel plugin is not active in the engine: {info}")
-            self.provenance.engine_args["worker"] = info
+            infos = self.llm.collective_rpc("rlkernel_info")  # one per worker (vLLM's TP ranks)
+            for info in infos:
+                if info["model_class"] not in ("StrictQwen3ForCausalLM", "StrictLlamaForCausalLM") or info["attention_impl"] != "StrictAttentionImpl":
+                    raise RuntimeError(f"rlkernel plugin is not active in the engine: {info}")
+            self.provenance.engine_args["worker"] = infos[0] | {"workers": len(infos), "tp_ranks": sorted(tuple(i["tp"]) for i in infos)}
 
     def _params(self, spec: SamplingSpec, greedy: bool):
         from vllm import SamplingParams

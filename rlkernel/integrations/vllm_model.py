@@ -26,7 +26,7 @@ from torch import nn
 from vllm.model_executor.layers.attention import Attention
 
 from ..dispatch import ExecutionPolicy, ProvenanceCounter, mode
-from ..models.decoder import DecoderConfig, StrictDecoder
+from ..models.decoder import DecoderConfig, StrictDecoder, TensorParallel
 from ..ops.logprob import linear_logprobs_full
 from .vllm_compat import strict_attention_backend
 
@@ -42,7 +42,7 @@ class StrictForCausalLM(StrictDecoder):
     def __init__(self, *, vllm_config, prefix: str = ""):
         hf = vllm_config.model_config.hf_config
         config = DecoderConfig.from_hf(hf.to_dict())
-        super().__init__(config, dtype=vllm_config.model_config.dtype, device=vllm_config.device_config.device)
+        super().__init__(config, dtype=vllm_config.model_config.dtype, device=vllm_config.device_config.device, tp=_vllm_tp())
         self.set_max_positions(vllm_config.model_config.max_model_len)  # RoPE without reading positions back
         settings = plugin_settings(vllm_config)
         self.rollout_temperature = float(settings.get("temperature", 1.0))
@@ -52,8 +52,9 @@ class StrictForCausalLM(StrictDecoder):
         self.weight_version = int(settings.get("weight_version", 0))
         self.provenance = ProvenanceCounter()  # per-op contract ids and call counts, taken per step
         backend = strict_attention_backend()
+        world = 1 if self.tp is None else self.tp.world  # this rank's heads (vLLM's TP)
         self.attn = nn.ModuleList(
-            Attention(config.num_heads, config.head_dim, config.head_dim**-0.5, num_kv_heads=config.num_kv_heads,
+            Attention(config.num_heads // world, config.head_dim, config.head_dim**-0.5, num_kv_heads=config.num_kv_heads // world,
                       cache_config=vllm_config.cache_config, prefix=f"{prefix}rlkernel.layers.{i}.attn", attn_backend=backend)
             for i in range(config.num_layers)
         )
@@ -84,6 +85,17 @@ class StrictForCausalLM(StrictDecoder):
         tensors = dict(weights)
         self.load_hf_weights(tensors)
         return {name for name, _ in self.named_parameters()}
+
+
+def _vllm_tp():
+    """vLLM's tensor-parallel group as rlkernel's TensorParallel (None at TP=1)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    world = get_tensor_model_parallel_world_size()
+    if world == 1:
+        return None
+    group = get_tp_group()
+    return TensorParallel(rank=group.rank_in_group, world=world, group=group.device_group)
 
 
 class StrictQwen3ForCausalLM(StrictForCausalLM):

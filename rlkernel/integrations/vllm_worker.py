@@ -39,4 +39,5 @@ class StrictWorkerExtension:
             "temperature": getattr(model, "rollout_temperature", None),
             "policy": repr(getattr(model, "policy", None)),
             "weight_version": self.rlkernel_weight_version(),
+            "tp": [model.tp.rank, model.tp.world] if getattr(model, "tp", None) is not None else [0, 1],  # [rank, world]
         }

@@ -11,6 +11,9 @@ fused engine layout gives the same bits).
 
 The attention callable `attend(layer, q, k, v) -> out` receives roped
 q [T, Hq, D] and k/v [T, Hkv, D] and owns the KV cache if there is one.
+Under tensor parallelism (`TensorParallel`: vLLM's TP group in a rollout engine) each rank holds
+its heads and MLP rows and merges the row-parallel partials by the canonical segment tree, so
+every rank's output is the unsplit model's, bit for bit.
 """
 from __future__ import annotations
 
@@ -22,13 +25,32 @@ from torch import nn
 
 from .. import ops  # noqa: F401  (registers backends)
 from ..ops.attention import attention_varlen
-from ..ops.linear import canonical_segments, linear
+from ..ops.linear import canonical_segments, linear, linear_segment_partials
 from ..ops.logprob import linear_logprob
 from ..ops.norm import rms_norm
 from ..ops.rope import rope
 from ..ops.swiglu import swiglu
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group (vLLM's TP group inside a rollout engine): attention heads and
+    MLP rows are split over the ranks, the row-parallel linears (o, down) merge every rank's canonical K-segment
+    partials with `rlkernel.tree_all_reduce`, so each rank's output equals the unsplit model's bit for bit; the
+    embedding, the norms and the lm_head are replicated."""
+    rank: int
+    world: int
+    group: object  # a torch.distributed process group
+
+
+def _split(n: int, tp: TensorParallel | None, what: str) -> int:
+    if tp is None:
+        return n
+    if n % tp.world:
+        raise ValueError(f"tensor parallel size {tp.world} does not divide {what}={n}")
+    return n // tp.world
 _ARCHS = {"qwen3": True, "llama": False}  # arch -> has q/k norm
 
 
@@ -108,6 +130,33 @@ class _Linear(nn.Module):
         return linear(x, self.weight, self.bias, k_segments=self.k_segments)
 
 
+class _RowParallelLinear(_Linear):
+    """A row-parallel linear (input split over the TP ranks): this rank's K-columns, merged over the group by the
+    canonical segment tree (strict) or an all-reduce (native)."""
+
+    def __init__(self, n_in_local, n_out, dtype, device, k_segments_local, tp: TensorParallel):
+        super().__init__(n_in_local, n_out, False, dtype, device, k_segments_local)
+        self.tp = tp
+
+    def forward(self, x):
+        from ..dispatch import current_policy
+        from ..parallel.collectives import native_all_reduce, tree_all_reduce
+
+        if current_policy().choice("linear") == "native":
+            return native_all_reduce([linear(x, self.weight)], self.tp.group)
+        return tree_all_reduce(linear_segment_partials(x, self.weight, self.k_segments), self.tp.group).to(x.dtype)
+
+
+def _row_linear(n_in, n_out, dtype, device, row_segments, tp: TensorParallel | None):
+    s = canonical_segments(n_in, row_segments)
+    if tp is None:
+        return _Linear(n_in, n_out, False, dtype, device, s)
+    if s % tp.world:
+        raise ValueError(f"tensor parallel size {tp.world} does not divide the {s} canonical K-segments of a row-parallel "
+                         f"linear (K={n_in}, row_segments={row_segments})")
+    return _RowParallelLinear(n_in // tp.world, n_out, dtype, device, s // tp.world, tp)
+
+
 class _Norm(nn.Module):
     def __init__(self, n, eps, dtype, device):
         super().__init__()
@@ -119,14 +168,15 @@ class _Norm(nn.Module):
 
 
 class _Attention(nn.Module):
-    def __init__(self, c: DecoderConfig, dtype, device):
+    def __init__(self, c: DecoderConfig, dtype, device, tp: TensorParallel | None = None):
         super().__init__()
         self.c = c
         h, d = c.hidden_size, c.head_dim
-        self.q_proj = _Linear(h, c.num_heads * d, c.attention_bias, dtype, device)
-        self.k_proj = _Linear(h, c.num_kv_heads * d, c.attention_bias, dtype, device)
-        self.v_proj = _Linear(h, c.num_kv_heads * d, c.attention_bias, dtype, device)
-        self.o_proj = _Linear(c.num_heads * d, h, False, dtype, device, canonical_segments(c.num_heads * d, c.row_segments))
+        self.heads, self.kv_heads = _split(c.num_heads, tp, "num_heads"), _split(c.num_kv_heads, tp, "num_kv_heads")
+        self.q_proj = _Linear(h, self.heads * d, c.attention_bias, dtype, device)
+        self.k_proj = _Linear(h, self.kv_heads * d, c.attention_bias, dtype, device)
+        self.v_proj = _Linear(h, self.kv_heads * d, c.attention_bias, dtype, device)
+        self.o_proj = _row_linear(c.num_heads * d, h, dtype, device, c.row_segments, tp)
         self.rope_positions: int | None = None  # a bound on positions (set_max_positions): no device read-back
         if c.qk_norm:
             self.q_norm = _Norm(d, c.rms_norm_eps, dtype, device)
@@ -134,36 +184,36 @@ class _Attention(nn.Module):
 
     def forward(self, x, positions, attend: Attend, layer: int):
         c, t = self.c, x.shape[0]
-        q = self.q_proj(x).reshape(t, c.num_heads, c.head_dim)
-        k = self.k_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
+        q = self.q_proj(x).reshape(t, self.heads, c.head_dim)
+        k = self.k_proj(x).reshape(t, self.kv_heads, c.head_dim)
+        v = self.v_proj(x).reshape(t, self.kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         bound = self.rope_positions
         q, k = rope(q, positions, c.rope_theta, max_position=bound), rope(k, positions, c.rope_theta, max_position=bound)
         out = attend(layer, q, k, v)
-        return self.o_proj(out.reshape(t, c.num_heads * c.head_dim))
+        return self.o_proj(out.reshape(t, self.heads * c.head_dim))
 
 
 class _MLP(nn.Module):
-    def __init__(self, c: DecoderConfig, dtype, device):
+    def __init__(self, c: DecoderConfig, dtype, device, tp: TensorParallel | None = None):
         super().__init__()
-        self.gate_proj = _Linear(c.hidden_size, c.intermediate_size, False, dtype, device)
-        self.up_proj = _Linear(c.hidden_size, c.intermediate_size, False, dtype, device)
-        self.down_proj = _Linear(c.intermediate_size, c.hidden_size, False, dtype, device,
-                                 canonical_segments(c.intermediate_size, c.row_segments))
+        inter = _split(c.intermediate_size, tp, "intermediate_size")
+        self.gate_proj = _Linear(c.hidden_size, inter, False, dtype, device)
+        self.up_proj = _Linear(c.hidden_size, inter, False, dtype, device)
+        self.down_proj = _row_linear(c.intermediate_size, c.hidden_size, dtype, device, c.row_segments, tp)
 
     def forward(self, x):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class _Layer(nn.Module):
-    def __init__(self, c: DecoderConfig, dtype, device):
+    def __init__(self, c: DecoderConfig, dtype, device, tp: TensorParallel | None = None):
         super().__init__()
         self.input_layernorm = _Norm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.self_attn = _Attention(c, dtype, device)
+        self.self_attn = _Attention(c, dtype, device, tp)
         self.post_attention_layernorm = _Norm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.mlp = _MLP(c, dtype, device)
+        self.mlp = _MLP(c, dtype, device, tp)
 
     def forward(self, x, positions, attend, layer):
         # HF order: residual adds in the activation dtype, each norm reads the sum.
@@ -174,12 +224,13 @@ class _Layer(nn.Module):
 class StrictDecoder(nn.Module):
     """The decoder; parameters named as in HF `Qwen3ForCausalLM` / `LlamaForCausalLM`."""
 
-    def __init__(self, config: DecoderConfig, *, dtype=torch.float32, device="cpu"):
+    def __init__(self, config: DecoderConfig, *, dtype=torch.float32, device="cpu", tp: TensorParallel | None = None):
         super().__init__()
         self.config = c = config
+        self.tp = tp if tp is not None and tp.world > 1 else None
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
-        self.model.layers = nn.ModuleList(_Layer(c, dtype, device) for _ in range(c.num_layers))
+        self.model.layers = nn.ModuleList(_Layer(c, dtype, device, self.tp) for _ in range(c.num_layers))
         self.model.norm = _Norm(c.hidden_size, c.rms_norm_eps, dtype, device)
         if not c.tie_word_embeddings:
             self.lm_head = _Linear(c.hidden_size, c.vocab_size, False, dtype, device)
@@ -234,9 +285,23 @@ class StrictDecoder(nn.Module):
             raise KeyError(f"weights do not match the model: unknown {unknown[:5]}, missing {missing[:5]}")
         for name, value in tensors.items():
             if name in own:
+                value = self._shard(name, value, own[name].shape)
                 if own[name].shape != value.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(own[name].shape)}")
                 own[name].copy_(value)
+
+    _SHARD_DIMS = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "o_proj": 1, "down_proj": 1}
+
+    def _shard(self, name: str, value: torch.Tensor, local_shape) -> torch.Tensor:
+        """Under tensor parallelism, this rank's contiguous slice of a full HF tensor (heads / MLP rows, or the
+        row-parallel linears' K-columns); anything else unchanged."""
+        if self.tp is None or value.shape == local_shape:
+            return value
+        dim = next((d for key, d in self._SHARD_DIMS.items() if f".{key}." in name), None)
+        if dim is None or value.dim() <= dim or value.shape[dim] != local_shape[dim] * self.tp.world:
+            return value  # the shape check then names the mismatch
+        n = local_shape[dim]
+        return value.narrow(dim, self.tp.rank * n, n)
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype=torch.float32, device="cpu") -> "StrictDecoder":
