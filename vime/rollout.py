@@ -91,6 +91,20 @@ class _Provenance:
     start_seconds: float = 0.0
 
 
+def _waves(lengths: list[int], budget: int, max_seqs: int) -> list[range]:
+    """Contiguous runs of requests whose prompt tokens fit one scheduler step (<= budget) and whose count fits the
+    engine (<= max_seqs): each run prefills whole, in its first step."""
+    waves, start, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and (used + n > budget or i - start >= max_seqs):
+            waves.append(range(start, i))
+            start, used = i, 0
+        used += n
+    if lengths:
+        waves.append(range(start, len(lengths)))
+    return waves
+
+
 def _cpu_tp_env(tp: int) -> dict:
     """vLLM-CPU's tensor-parallel workers bind their OpenMP threads per NUMA node and refuse when there are fewer nodes
     than workers; with one node, the allowed cores are split into `tp` contiguous groups, one per worker
@@ -195,8 +209,16 @@ class VLLMRollout:
                              f"{budget}; vLLM-CPU cannot split a seeded prompt's prefill. Fix: set "
                              f"rollout.max_num_batched_tokens >= {longest} (or shorter prompts)")
         version = self.weight_version
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                 [self._params(s, greedy) for s in specs], use_tqdm=use_tqdm)
+        # The same crash hits a prompt that fits the budget but shares a step with others (the scheduler splits the
+        # prompt that overflows the step). On the CPU, seeded requests therefore go in waves that each prefill whole in
+        # one step (prompt tokens <= the budget, at most max_num_seqs); the strict engine's bits do not depend on the
+        # batch, so the waves change no record, only how many sequences decode together.
+        seeded_cpu = not torch.cuda.is_available() and any(s.seed is not None for s in specs)
+        waves = _waves([len(p) for p in prompts], budget, self.config.max_num_seqs) if seeded_cpu else [range(len(prompts))]
+        outs = []
+        for wave in waves:
+            outs += self.llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i in wave],
+                                      [self._params(specs[i], greedy) for i in wave], use_tqdm=use_tqdm)
         result = []
         for prompt, o in zip(prompts, outs):
             out = o.outputs[0]
