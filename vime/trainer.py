@@ -419,14 +419,17 @@ class MegatronTrainer:
         from rlkernel.parallel.tp_backward import canonical_grad_norm
 
         norm = canonical_grad_norm(self.model.named_parameters(), self.tp_group, grad=lambda p: getattr(p, "main_grad", None))
+        grads = [p.main_grad for p in self.model.parameters() if getattr(p, "main_grad", None) is not None]
+        return self._clip_and_step(norm, grads)
+
+    def _clip_and_step(self, norm: torch.Tensor, grads: list[torch.Tensor]) -> float:
+        """Scale `grads` to the global norm limit (grad_clip) and step the optimizer; a non-finite norm steps nothing."""
         if not torch.isfinite(norm):
             return norm.item()  # update() raises before anything is stepped
         if self.config.grad_clip is not None:
             coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
-            for p in self.model.parameters():
-                g = getattr(p, "main_grad", None)
-                if g is not None:
-                    g.mul_(coef.to(g.dtype))
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
         self.optimizer.step()
         return norm.item()
 
@@ -466,11 +469,4 @@ class MegatronTrainer:
                 return tree_sum(torch.stack(parts), dim=0) if parts else torch.zeros((), device=self.config.device)
 
             norm = torch.sqrt(self._reduce(sq(sharded).reshape(1), self.tp_group)[0] + sq(replicated))
-        if not torch.isfinite(norm):
-            return norm.item()  # update() raises before anything is stepped
-        if self.config.grad_clip is not None:
-            coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
-            for p in params:
-                p.grad.mul_(coef.to(p.grad.dtype))
-        self.optimizer.step()
-        return norm.item()
+        return self._clip_and_step(norm, [p.grad for p in params])

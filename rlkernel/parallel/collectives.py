@@ -85,38 +85,27 @@ def _triton_tiles(dtype: torch.dtype, meta) -> list[int]:
 
 
 def _triton_stage(hidden, weight_shard, local_targets, temperature, n_rows, width):
-    """[T, 2 * width + 2]: this rank's tiles' (m, l) (padded to `width` tiles), the owned target logit, ownership."""
+    """This rank's packed kernel tiles (the first stage of the fused kernel) over its n_rows rows."""
     from ..backends.triton import logprob as tlp
 
-    ml, zt = tlp.tile_stats(hidden, weight_shard, local_targets, temperature, n_rows)
-    T = hidden.shape[0]
-    buf = torch.zeros(T, 2 * width + 2, device=hidden.device)
-    buf[:, : 2 * ml.shape[1]] = ml.reshape(T, -1)
-    buf[:, 2 * width] = zt
-    buf[:, 2 * width + 1] = ((local_targets >= 0) & (local_targets < n_rows)).float()
-    return buf
+    ml, zt = tlp.tile_stats(hidden.contiguous(), weight_shard, local_targets, temperature, n_rows)
+    own = (local_targets >= 0) & (local_targets < n_rows)
+    return _pack_tile_stats(ml[..., 0].t(), ml[..., 1].t(), zt, own, width)
 
 
-def _triton_merge(gathered: torch.Tensor, meta, counts: list[int], width: int):
-    """(log p [T], lse [T]) from every rank's stage [world, T, 2 * width + 2]: the kernel's tile tree in vocab order."""
+def _triton_merge(gathered, meta, counts, width):
+    """(log p [T], lse [T]) from every rank's stage: the kernel's own tree over the global tile list."""
     from ..backends.triton import logprob as tlp
 
-    T = gathered.shape[1]
-    order = sorted(range(len(meta)), key=lambda r: meta[r][0])
-    ml = torch.cat([gathered[r][:, : 2 * counts[r]] for r in order], dim=1).reshape(T, -1, 2)
-    zt = torch.zeros(T, device=gathered.device)
-    for g in gathered:  # exactly one rank owns each target: a select, not a sum
-        zt = torch.where(g[:, 2 * width + 1] > 0, g[:, 2 * width], zt)
-    out, stats = tlp.merge_tiles(ml, zt)
+    ms, ls, zt = _unpack_tile_stats(gathered, meta, counts, width)
+    out, stats = tlp.merge_tiles(torch.stack([torch.stack(ms, dim=1), torch.stack(ls, dim=1)], dim=-1), zt)
     return out, stats[:, 0] + stats[:, 1]
 
 
-def _triton_vocab_parallel(hidden, weight_shard, targets, vocab_start, lo, hi, meta, temperature, group):
+def _triton_vocab_parallel(hidden, weight_shard, local_targets, n_rows, meta, temperature, group):
     counts = _triton_tiles(hidden.dtype, meta)
-    width = max(counts)
-    h = hidden.contiguous()
-    buf = _triton_stage(h, weight_shard, targets - vocab_start, temperature, hi - lo, width)
-    return _triton_merge(_gather(buf, group), meta, counts, width)
+    stage = _triton_stage(hidden, weight_shard, local_targets, temperature, n_rows, max(counts))
+    return _triton_merge(_gather(stage, group), meta, counts, max(counts))
 
 
 def _world(group) -> tuple[int, int]:
@@ -256,6 +245,36 @@ def _in_vocab_order(gathered: torch.Tensor, meta, n_tiles, offset: int = 0) -> l
     return out
 
 
+def _pack_tile_stats(ms, ls, zt, own, width):
+    """[2 * width + 2, T]: a rank's per-tile m and l ([its tiles, T] each, padded to `width` tiles: ranks own different
+    tile counts), its target logits and where it owns the target."""
+    buf = torch.zeros(2 * width + 2, zt.shape[0], device=zt.device)
+    buf[: ms.shape[0]], buf[width : width + ls.shape[0]] = ms, ls
+    buf[2 * width], buf[2 * width + 1] = zt, own.float()
+    return buf
+
+
+def _unpack_tile_stats(gathered, meta, counts, width):
+    """Every rank's packed stats [world, 2 * width + 2, T] -> (m of every tile in vocab order, l likewise, each row's
+    target logit from the rank that owns it)."""
+    zt = torch.zeros_like(gathered[0][0])
+    for g in gathered:  # exactly one rank owns each target: a select, not a sum
+        zt = torch.where(g[2 * width + 1] > 0, g[2 * width], zt)
+    return _in_vocab_order(gathered, meta, counts), _in_vocab_order(gathered, meta, counts, width), zt
+
+
+def _gather_tile_stats(ms, ls, zt, own, counts, meta, group):
+    width = max(counts)
+    return _unpack_tile_stats(_gather(_pack_tile_stats(ms, ls, zt, own, width), group), meta, counts, width)
+
+
+def _sum_tiles_over_ranks(parts, counts, meta, group):
+    """Every rank's per-tile values ([its tiles, T]) summed by one balanced tree over the global tile list."""
+    buf = torch.zeros(max(counts), parts.shape[1], device=parts.device)
+    buf[: parts.shape[0]] = parts
+    return tree_sum(torch.stack(_in_vocab_order(_gather(buf, group), meta, counts), dim=-1), dim=-1)
+
+
 @torch.no_grad()
 def vocab_parallel_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, *, vocab_start: int, vocab_size: int, temperature: float = 1.0,
                            group=None) -> torch.Tensor:
@@ -264,32 +283,25 @@ def vocab_parallel_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, *, 
     rank then sums p*z inside its tiles, the per-tile sums are gathered and summed by the tree of
     `rlkernel.linear_entropy` over the global tile list — bitwise equal to it on every rank."""
     (lo, hi), meta, n_tiles = _vocab_shards("vocab_parallel_entropy", hidden, weight_shard, vocab_start, vocab_size, temperature, group)
-    if _strict_logprob_impl(hidden.device).name == "triton":
+    impl = _strict_logprob_impl(hidden.device)
+    if impl.name == "triton":
         from ..backends.triton import ops as tops
 
         no_target = torch.full(hidden.shape[:1], -1, dtype=torch.long, device=hidden.device)
-        _, lse = _triton_vocab_parallel(hidden, weight_shard, no_target + vocab_start, vocab_start, lo, hi, meta, temperature, group)
-        parts = tops.entropy_tile_sums(hidden.contiguous(), weight_shard, lse, temperature, 0, hi - lo)  # [T, this rank's tiles]
-        buf = torch.zeros(hidden.shape[0], max(n_tiles), device=hidden.device)
-        buf[:, : parts.shape[1]] = parts
-        gathered = _gather(buf, group)
-        order = sorted(range(len(meta)), key=lambda r: meta[r][0])
-        return lse - tree_sum(torch.cat([gathered[r][:, : n_tiles[r]] for r in order], dim=1), dim=-1)
-    prims, width, h32 = strict_prims(hidden.device), max(n_tiles), hidden.float()
+        _, lse = _triton_vocab_parallel(hidden, weight_shard, no_target, hi - lo, meta, temperature, group)
+        parts = tops.entropy_tile_sums(hidden.contiguous(), weight_shard, lse, temperature, 0, hi - lo).t()  # [tiles, T]
+        return lse - _sum_tiles_over_ranks(parts, n_tiles, meta, group)
+    prims, h32, T = impl.prims, hidden.float(), hidden.shape[0]
     zs = [_lp.tile_logits(h32, weight_shard, a - vocab_start, min(a + VOCAB_TILE, vocab_size) - vocab_start, temperature, prims)
           for a in range(lo, hi, VOCAB_TILE)]
-    buf = torch.zeros(2 * width, hidden.shape[0], device=hidden.device)
-    for i, z in enumerate(zs):
-        buf[i] = z.amax(dim=-1)
-        buf[width + i] = tree_sum(prims.exp(z - buf[i][:, None]), dim=-1)
-    gathered = _gather(buf, group)
-    m, l = _lp.tree_merge_ml(_in_vocab_order(gathered, meta, n_tiles), _in_vocab_order(gathered, meta, n_tiles, width), prims)
+    ms = torch.stack([z.amax(dim=-1) for z in zs]) if zs else torch.zeros(0, T, device=hidden.device)
+    ls = torch.stack([tree_sum(prims.exp(z - m[:, None]), dim=-1) for z, m in zip(zs, ms)]) if zs else ms
+    none = torch.zeros(T, device=hidden.device)
+    ms, ls, _ = _gather_tile_stats(ms, ls, none, none.bool(), n_tiles, meta, group)
+    m, l = _lp.tree_merge_ml(ms, ls, prims)
     lse = m + prims.log(l)
-    parts = torch.zeros(width, hidden.shape[0], device=hidden.device)
-    for i, z in enumerate(zs):
-        parts[i] = tree_sum(prims.exp(z - lse[:, None]) * z, dim=-1)
-    mean_z = tree_sum(torch.stack(_in_vocab_order(_gather(parts, group), meta, n_tiles), dim=-1), dim=-1)
-    return lse - mean_z
+    parts = torch.stack([tree_sum(prims.exp(z - lse[:, None]) * z, dim=-1) for z in zs]) if zs else torch.zeros(0, T, device=hidden.device)
+    return lse - _sum_tiles_over_ranks(parts, n_tiles, meta, group)
 
 
 @torch.no_grad()
@@ -315,34 +327,24 @@ def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
         raise ValueError(f"vocab_parallel_logprob: targets outside [0, {vocab_size})")
     (lo, hi), meta, n_tiles = _vocab_shards("vocab_parallel_logprob", hidden, weight_shard, vocab_start, vocab_size, temperature, group)
     impl = _strict_logprob_impl(hidden.device)
+    local_t = targets - vocab_start
     if impl.name == "triton":
-        lp, lse = _triton_vocab_parallel(hidden, weight_shard, targets, vocab_start, lo, hi, meta, temperature, group)
+        lp, lse = _triton_vocab_parallel(hidden, weight_shard, local_t, hi - lo, meta, temperature, group)
         return (lp, lse) if return_lse else lp
-    tile = VOCAB_TILE
-    prims = impl.prims
-    width = max(n_tiles)  # ranks own different tile counts: pad every rank's stats to the widest
-    h32, local_t = hidden.float(), targets - vocab_start
+    prims, h32, T = impl.prims, hidden.float(), hidden.shape[0]
     ms, ls = [], []
-    zt = torch.zeros(hidden.shape[0], device=hidden.device)
-    own_any = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-    for a in range(lo, hi, tile):
-        b = min(a + tile, vocab_size)
+    zt = torch.zeros(T, device=hidden.device)
+    own_any = torch.zeros(T, dtype=torch.bool, device=hidden.device)
+    for a in range(lo, hi, VOCAB_TILE):
+        b = min(a + VOCAB_TILE, vocab_size)
         # Offsets relative to the shard select exactly the rows tile [a, b) has in the full lm_head.
         m, l, z, own = _lp.tile_stats(h32, weight_shard, local_t, a - vocab_start, b - vocab_start, temperature, prims)
         ms.append(m)
         ls.append(l)
         zt, own_any = torch.where(own, z, zt), own_any | own
-    buf = torch.zeros(2 * width + 2, hidden.shape[0], device=hidden.device)
-    if ms:
-        buf[: len(ms)] = torch.stack(ms)
-        buf[width : width + len(ls)] = torch.stack(ls)
-    buf[2 * width], buf[2 * width + 1] = zt, own_any.float()
-    gathered = _gather(buf, group)  # [world, 2 * width + 2, T]
-
-    zt = torch.zeros(hidden.shape[0], device=hidden.device)
-    for g in gathered:  # exactly one rank owns each target: a select, not a sum
-        zt = torch.where(g[2 * width + 1] > 0, g[2 * width], zt)
-    m, l = _lp.tree_merge_ml(_in_vocab_order(gathered, meta, n_tiles), _in_vocab_order(gathered, meta, n_tiles, width), prims)
+    empty = torch.zeros(0, T, device=hidden.device)
+    ms, ls, zt = _gather_tile_stats(torch.stack(ms) if ms else empty, torch.stack(ls) if ls else empty, zt, own_any, n_tiles, meta, group)
+    m, l = _lp.tree_merge_ml(ms, ls, prims)
     log_l = prims.log(l)
     lp = (zt - m) - log_l
     return (lp, m + log_l) if return_lse else lp
