@@ -148,8 +148,13 @@ class RolloutSection:
     kv_cache_gb: int = 1
     num_engines: int = 1
     tp: int = 1
+    # GPUs (resources.gpus > 0): the fraction of each engine GPU's memory vLLM takes (weights + KV cache); 0: 0.45 when the
+    # trainer shares the GPU (resources.colocate), else 0.85. Ignored on the CPU (kv_cache_gb sizes the cache there).
+    gpu_memory_utilization: float = 0.0
 
     def __post_init__(self):
+        _require(0 <= self.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization",
+                 f"must be in [0, 1) (0: automatic), got {self.gpu_memory_utilization}", "set rollout.gpu_memory_utilization=0.45")
         for k in ("max_tokens", "max_model_len", "temperature", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_gb",
                   "num_engines", "tp"):
             _positive(f"rollout.{k}", getattr(self, k))

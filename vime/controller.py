@@ -88,10 +88,7 @@ def _train(cfg: VimeConfig, config_dict: dict) -> Path:
             t3 = time.perf_counter()
             version = upd["weight_version"]
             sinks.phase("sync")
-            weights = trainer.call("export_weights", version)
-            rollout.call("update_weights", weights, version)                          # sync: version v+1
-            if cfg.run.save_weights:
-                keep_version(run_dir, model_path, version, weights)
+            sync_weights(cfg, trainer, rollout, version, run_dir, model_path)            # sync: version v+1
             t4 = time.perf_counter()
             ops = _archive_provenance(run_dir, step, rollout, trainer, cfg)
             # the step's line before its checkpoint: a crash between them recomputes the step, never loses its line
@@ -153,6 +150,24 @@ def _step_metrics(step, records, stats, cmp, upd, version, t) -> dict:
     }
 
 
+def sync_weights(cfg: VimeConfig, trainer, rollout, version: int, run_dir: Path, model_path: Path) -> None:
+    """The trainer's weights of `version` into every engine: CUDA IPC handles where the trainer and one strict engine share
+    a GPU (roles.ipc_weight_sync: a device-to-device copy), else HF tensors through host memory; kept on disk too with
+    run.save_weights."""
+    from .roles import ipc_weight_sync
+
+    if ipc_weight_sync(cfg):
+        rollout.call("update_weights_ipc", trainer.call("export_weights_ipc", version), version)
+        trainer.call("release_ipc")
+        if cfg.run.save_weights:
+            keep_version(run_dir, model_path, version, trainer.call("export_weights", version))
+        return
+    weights = trainer.call("export_weights", version)
+    rollout.call("update_weights", weights, version)
+    if cfg.run.save_weights:
+        keep_version(run_dir, model_path, version, weights)
+
+
 def rng_batch(prompts, step: int, k: int, seed: int):
     """The prompts of `step`: a deterministic function of (seed, step), so a resume continues the same stream."""
     return random.Random(seed * 1_000_003 + step).sample(prompts, k) if k <= len(prompts) else random.Random(seed + step).choices(prompts, k=k)
@@ -172,7 +187,8 @@ def prepare(cfg: VimeConfig, run_dir: Path):
     if cfg.model.init == "tiny_sft":
         from .warmstart import build_tiny_policy
 
-        build_tiny_policy(model, cfg.model.tiny, seed=cfg.run.seed, progress=cfg.logging.progress)
+        build_tiny_policy(model, cfg.model.tiny, seed=cfg.run.seed, progress=cfg.logging.progress,
+                          device="cuda" if cfg.resources.gpus else "cpu")  # a GPU-sized body (grpo_qwen3_gpu) warm-starts there
     elif cfg.model.init == "smollm2":
         from .smollm2 import import_smollm2
 
@@ -201,10 +217,14 @@ def _roles(cfg: VimeConfig, model_path: Path, resume: checkpoint.ResumePoint | N
     from .roles import RolloutEngines, TrainerGroup
 
     roles = cfg.trainer.tp * cfg.trainer.cp + cfg.rollout.num_engines
-    executor = (RayExecutor(num_roles=roles, colocate=cfg.resources.colocate, call_timeout_s=cfg.run.call_timeout_s)
+    # the object store carries each step's weights from the trainer to the engines (GPU models: a few GiB)
+    store = (8 if cfg.resources.gpus else 0.5) * 1024 ** 3
+    executor = (RayExecutor(num_roles=roles, colocate=cfg.resources.colocate, call_timeout_s=cfg.run.call_timeout_s, object_store_bytes=int(store))
                 if cfg.run.executor == "ray" else InProcessExecutor())
     weights = None if resume is None else str(resume.weights)
     trainer = TrainerGroup(executor, cfg, str(model_path), weights)
+    if cfg.resources.gpus:  # vLLM sizes its KV cache from the memory it finds free: the colocated trainer is loaded first
+        trainer.call("vocab_size")
     rollout = RolloutEngines(executor, cfg, str(model_path if resume is None else checkpoint.hf_dir(resume.path, model_path)),
                              weights_for=lambda v: trainer.call("export_weights", v))
     tv, rv = trainer.call("vocab_size"), rollout.call("vocab_size")

@@ -102,7 +102,9 @@ class InProcessExecutor:
         for k, v in role_env().items():
             os.environ.setdefault(k, v)
 
-    def spawn(self, cls, *args, name: str | None = None, **kwargs) -> _Local:
+    def spawn(self, cls, *args, name: str | None = None, env: dict | None = None, **kwargs) -> _Local:
+        """`env` (a role's own variables, e.g. its CUDA_VISIBLE_DEVICES) cannot apply to this shared process: ignored here;
+        in-process GPU runs put every role on the process's first GPU."""
         return _Local(cls(*args, **kwargs), name or cls.__name__)
 
     def group_store(self) -> str:
@@ -154,8 +156,10 @@ class _Actor:
 class RayExecutor:
     name = "ray"
 
-    def __init__(self, num_roles: int = 2, cpus_per_role: float = 1.0, colocate: bool = True, call_timeout_s: float | None = None):
+    def __init__(self, num_roles: int = 2, cpus_per_role: float = 1.0, colocate: bool = True, call_timeout_s: float | None = None,
+                 object_store_bytes: int = 512 * 1024 * 1024):
         started = "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+        self.job_env = {"PYTHONUNBUFFERED": "1", **role_env(), **RAY_LOCAL_ONLY}
         if started:
             os.environ.update(RAY_LOCAL_ONLY)  # before `import ray`: its constants read it once
         import ray
@@ -163,8 +167,8 @@ class RayExecutor:
 
         if started:
             ray.init(include_dashboard=False, num_cpus=max(int(num_roles * cpus_per_role), os.cpu_count() or 1),
-                     object_store_memory=512 * 1024 * 1024, log_to_driver=True, configure_logging=False,
-                     runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", **role_env(), **RAY_LOCAL_ONLY}}, _node_ip_address="127.0.0.1")
+                     object_store_memory=object_store_bytes, log_to_driver=True, configure_logging=False,
+                     runtime_env={"env_vars": self.job_env}, _node_ip_address="127.0.0.1")
             addresses = ray_addresses()
             exposed = {k: v for k, v in addresses.items()
                        if (bool(v) if k == "dashboard_url" else not all(map(is_loopback, v.split(","))))}  # any dashboard is too much
@@ -179,7 +183,9 @@ class RayExecutor:
         self._next, self._stores = 0, []
         self.cpus, self.num_roles, self.call_timeout_s = cpus_per_role, num_roles, call_timeout_s
 
-    def spawn(self, cls, *args, name: str | None = None, **kwargs) -> _Actor:
+    def spawn(self, cls, *args, name: str | None = None, env: dict | None = None, **kwargs) -> _Actor:
+        """`env`: variables of this actor's process only (its GPUs: CUDA_VISIBLE_DEVICES, set by vime's placement —
+        Ray 2.60 leaves that variable alone for actors that ask Ray for no GPUs)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -187,7 +193,10 @@ class RayExecutor:
             raise ValueError(f"RayExecutor: all {self.num_roles} bundles are taken (spawn {cls.__name__})")
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=self._next)
         self._next += 1
-        remote = ray.remote(num_cpus=self.cpus)(cls).options(scheduling_strategy=strategy)
+        options = {"scheduling_strategy": strategy}
+        if env:
+            options["runtime_env"] = {"env_vars": {**self.job_env, **env}}
+        remote = ray.remote(num_cpus=self.cpus)(cls).options(**options)
         return _Actor(remote.remote(*args, **kwargs), name or cls.__name__, self.call_timeout_s, respawn=lambda: remote.remote(*args, **kwargs))
 
     def group_store(self) -> str:

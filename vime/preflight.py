@@ -23,10 +23,6 @@ def check_resources(cfg) -> None:
     if cfg.trainer.cp > 1 and cfg.resources.gpus:
         problems.append(f"trainer.cp={cfg.trainer.cp}: context parallelism runs on the CPU trainer only so far (the CUDA path's DDP "
                         "does not reduce over CP here); set trainer.cp=1")
-    if cfg.trainer.tp > 1 and cfg.resources.gpus:
-        problems.append(f"trainer.tp={cfg.trainer.tp}: tensor-parallel training on GPUs is not proven yet (two H200s: the scores "
-                        "equal TP=1 bit for bit; the updates are not yet shown equal, benchmarks/H200_NOTES.md); set trainer.tp=1 "
-                        "on GPUs (trainer.tp>1 runs on the CPU trainer)")
     hf = Path(cfg.model.path) / "config.json"
     if cfg.model.init == "existing" and not hf.exists():
         problems.append(f"model.path {cfg.model.path!r} is not an HF checkpoint directory (no config.json)")

@@ -23,6 +23,43 @@ def _strict_model_vocab(worker) -> int:
     return int(worker.model_runner.model.config.vocab_size)
 
 
+def gpu_placement(cfg: VimeConfig, visible: str | None = None) -> dict[str, list[str]]:
+    """On GPUs (resources.gpus > 0): the CUDA_VISIBLE_DEVICES of each trainer rank (one GPU each) and of each vLLM engine
+    (rollout.tp GPUs each). Colocated (resources.colocate): the engines start again at the first GPU, sharing the trainer's
+    devices (vLLM takes rollout.gpu_memory_utilization of each); else they take the GPUs after the trainer's. `visible`:
+    the driver's own CUDA_VISIBLE_DEVICES (default: the environment's), whose entries are the devices handed out.
+    {} on the CPU."""
+    import os
+
+    res = cfg.resources
+    if not res.gpus:
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(res.gpus)]
+    world, tp, engines = cfg.trainer.tp * cfg.trainer.cp * cfg.trainer.pp, cfg.rollout.tp, cfg.rollout.num_engines
+    first = 0 if res.colocate else world
+    need = max(world, engines * tp) if res.colocate else world + engines * tp
+    if need > len(ids):
+        raise ValueError(f"the layout needs {need} GPUs but {len(ids)} are visible ({visible or 'resources.gpus'}); "
+                         f"set CUDA_VISIBLE_DEVICES or shrink the layout")
+    return {"trainer": [ids[r] for r in range(world)],
+            "engines": [",".join(ids[first + e * tp + i] for i in range(tp)) for e in range(engines)]}
+
+
+def gpu_memory_utilization(cfg: VimeConfig) -> float | None:
+    """vLLM's share of each engine GPU's memory (None on the CPU)."""
+    if not cfg.resources.gpus:
+        return None
+    return cfg.rollout.gpu_memory_utilization or (0.45 if cfg.resources.colocate else 0.85)
+
+
+def ipc_weight_sync(cfg: VimeConfig) -> bool:
+    """Whether the trainer hands its weights to the engine as CUDA IPC handles (no copy through host memory or a file):
+    one trainer process and one strict engine at TP=1, on the same GPU (colocated), in separate processes (Ray)."""
+    return bool(cfg.resources.gpus and cfg.resources.colocate and cfg.run.executor == "ray" and cfg.rollout.num_engines == 1
+                and cfg.rollout.tp == 1 and cfg.trainer.tp * cfg.trainer.cp == 1 and cfg.rlkernel.rollout_engine() == "rlkernel")
+
+
 class RolloutRole:
     def __init__(self, cfg: VimeConfig, model_path: str, engine_id: str = "vllm-0"):
         from rlkernel.runtime import tune_cpu_allocator
@@ -37,7 +74,7 @@ class RolloutRole:
             dtype=cfg.model.dtype, temperature=r.temperature, max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens, block_size=r.block_size,
             enable_prefix_caching=r.enable_prefix_caching, kv_cache_gb=r.kv_cache_gb, seed=cfg.run.seed, engine_id=engine_id,
-            max_model_len=r.max_model_len, tp=r.tp,
+            max_model_len=r.max_model_len, tp=r.tp, gpu_memory_utilization=gpu_memory_utilization(cfg),
         ))
         self.tokenizer = self.engine.tokenizer
         self.rewards = RewardWorker(cfg.reward.fn, cfg.reward.timeout_s, memory_mb=cfg.reward.memory_mb)
@@ -86,6 +123,11 @@ class RolloutRole:
         self.engine.update_weights(tensors, version)
         return self.engine.weight_version
 
+    def update_weights_ipc(self, handles: dict, version: int) -> int:
+        """The trainer's CUDA tensors, opened from their IPC handles inside the engine's worker and copied in place."""
+        self.engine.update_weights_ipc(handles, version)
+        return self.engine.weight_version
+
     def take_provenance(self) -> dict:
         """rlkernel op calls inside the engine since the last take (model forward + logprobs). A stock engine
         runs vLLM's own kernels under no rlkernel contract: each op is listed as such (calls not counted)."""
@@ -123,8 +165,9 @@ class TrainerRole:
         self.trainer = MegatronTrainer(TrainerConfig(
             mode=cfg.rlkernel.mode, ops=cfg.rlkernel.side_ops("trainer"), tp=t.tp, cp=t.cp, dtype=cfg.model.dtype,
             seed=cfg.run.seed, threads=t.threads, lr=t.lr, grad_clip=t.grad_clip, grpo=grpo,
-            rank=rank, world_size=world_size, init_method=init_method,
+            rank=rank, world_size=world_size, init_method=init_method, device="cuda" if cfg.resources.gpus else "cpu",
         ))
+        self._ipc_keep = None  # the tensors behind the last IPC handles: alive until the engine has copied them
         self.rank = rank
         self.trainer.load_hf(model_path)
         if weights is not None:
@@ -150,6 +193,20 @@ class TrainerRole:
         """The full HF-named weights; in a group every rank takes part in the gather, rank 0 returns them."""
         hf = self.trainer.export_weights(version)
         return hf if self.rank == 0 else None
+
+    def export_weights_ipc(self, version: int) -> dict:
+        """The full HF-named weights as CUDA IPC handles (torch's own reduction: (rebuild function, args)), for an engine
+        process on the same GPU; the tensors stay referenced here until `release_ipc`."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        if self.trainer.config.device != "cuda" or self.trainer.tp_group.size() != 1:
+            raise RuntimeError("IPC weight sync needs one trainer process on a CUDA device")
+        self._ipc_keep = self.trainer.export_weights(version, device="cuda")
+        torch.cuda.synchronize()
+        return {k: reduce_tensor(v.contiguous()) for k, v in self._ipc_keep.items()}
+
+    def release_ipc(self) -> None:
+        self._ipc_keep = None
 
     def take_provenance(self) -> dict:
         return self.trainer.take_provenance()
@@ -211,7 +268,9 @@ class TrainerGroup:
     def __init__(self, executor, cfg: VimeConfig, model_path: str, weights: str | None = None):
         self.world = cfg.trainer.tp * cfg.trainer.cp
         store = executor.group_store() if self.world > 1 else None
-        self.ranks = [executor.spawn(TrainerRole, cfg, model_path, weights, rank, self.world, store, name=f"trainer[rank {rank}]")
+        gpus = gpu_placement(cfg).get("trainer")
+        self.ranks = [executor.spawn(TrainerRole, cfg, model_path, weights, rank, self.world, store, name=f"trainer[rank {rank}]",
+                                     env={"CUDA_VISIBLE_DEVICES": gpus[rank]} if gpus else None)
                       for rank in range(self.world)]
 
     def _all(self, method: str, *args) -> list:
@@ -259,7 +318,9 @@ class RolloutEngines:
         after it died; `version`: the weight version the engines start at (a resumed checkpoint's)."""
         self.executor, self.weights_for, self.version = executor, weights_for, version
         self.restarts = 0  # engines restarted since the last take_restarts
-        self.engines = [executor.spawn(RolloutRole, cfg, model_path, f"vllm-{e}", name=f"rollout[vllm-{e}]")
+        gpus = gpu_placement(cfg).get("engines")
+        self.engines = [executor.spawn(RolloutRole, cfg, model_path, f"vllm-{e}", name=f"rollout[vllm-{e}]",
+                                       env={"CUDA_VISIBLE_DEVICES": gpus[e]} if gpus else None)
                         for e in range(cfg.rollout.num_engines)]
 
     def take_restarts(self) -> int:
@@ -294,7 +355,7 @@ class RolloutEngines:
                 except RoleDiedError as err:
                     if attempt == self.MAX_RESTARTS_PER_CALL:
                         raise
-                    self._restart(e, err, bring_up=method != "update_weights")  # then the same call again: seeds are per sample, so a regenerated slice is the same
+                    self._restart(e, err, bring_up=not method.startswith("update_weights"))  # then the same call again: seeds are per sample, so a regenerated slice is the same
                     p = h.async_call(method, *a)
         return out
 
@@ -309,8 +370,8 @@ class RolloutEngines:
             tensors, version = args
             args = (self.executor.share(tensors), version)
         out = self._all(method, [args] * n)
-        if method in ("update_weights", "set_weight_version"):
-            self.version = int(args[1] if method == "update_weights" else args[0])
+        if method in ("update_weights", "update_weights_ipc", "set_weight_version"):
+            self.version = int(args[0] if method == "set_weight_version" else args[1])
         if method == "take_provenance":
             return merge_op_provenance(out)
         if method == "vocab_size" and len(set(out)) != 1:

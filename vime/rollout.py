@@ -57,6 +57,7 @@ class RolloutConfig:
     in_process: bool = True  # engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     engine_id: str = "vllm-0"
     tp: int = 1  # vLLM's tensor parallelism (worker processes): stock layers, or the strict model's own TP layers
+    gpu_memory_utilization: float | None = None  # on a GPU: vLLM's share of the device's memory (None: vLLM's default)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -65,7 +66,7 @@ class RolloutConfig:
             raise ValueError(f"rollout engine must be one of {ENGINES}, got {self.engine!r}")
         if not Path(self.model, "config.json").exists():
             raise FileNotFoundError(f"no HF checkpoint (config.json) under {self.model!r}")
-        if self.engine == "stock" and self.block_size % 32:
+        if self.engine == "stock" and self.block_size % 32 and not torch.cuda.is_available():
             raise ValueError(f"stock vLLM on CPU needs block_size % 32 == 0, got {self.block_size}")
         if not self.temperature > 0:
             raise ValueError("temperature must be > 0")
@@ -121,6 +122,16 @@ def _cpu_tp_env(tp: int) -> dict:
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
 
 
+def _scratch_dir(nbytes: int) -> str | None:
+    """/dev/shm (memory) for a weight file of `nbytes` when it has room for it twice over (containers often give it
+    64 MiB), else the default temporary directory."""
+    import shutil
+
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * nbytes:
+        return "/dev/shm"
+    return None
+
+
 class VLLMRollout:
     """Owns one vllm.LLM; generate / update_weights / weight_version."""
 
@@ -137,6 +148,8 @@ class VLLMRollout:
         }
         if c.tp > 1:
             env.update(_cpu_tp_env(c.tp))
+            if torch.cuda.is_available():  # this process has touched CUDA (rlkernel's kernels): forked workers could not use it
+                env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         os.environ.update(env)
         from vllm import LLM
 
@@ -149,6 +162,8 @@ class VLLMRollout:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, block_size=c.block_size,
             enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=True,
         )
+        if c.gpu_memory_utilization is not None and torch.cuda.is_available():
+            args.update(gpu_memory_utilization=c.gpu_memory_utilization)
         if c.tp > 1:
             args.update(tensor_parallel_size=c.tp, distributed_executor_backend="mp")
             if "VLLM_CPU_OMP_THREADS_BIND" in env:  # vLLM-CPU: its workers check this fraction of host memory (despite the name)
@@ -233,7 +248,7 @@ class VLLMRollout:
 
         if version <= self.weight_version:
             raise ValueError(f"weight versions must increase: engine holds {self.weight_version}, got {version}")
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        shm = _scratch_dir(sum(t.numel() * t.element_size() for t in tensors.values()))
         if self.config.engine == "stock":
             self._stock_reload(tensors, shm)
         else:
@@ -243,6 +258,19 @@ class VLLMRollout:
                 got = self.llm.collective_rpc("rlkernel_load_weights", args=(path, version))
                 if any(g["version"] != version for g in got):
                     raise RuntimeError(f"weight update did not reach every worker: {got}")
+        self.llm.reset_prefix_cache()
+        self.weight_version = version
+
+    def update_weights_ipc(self, handles: dict, version: int) -> None:
+        """Like update_weights, from the trainer's CUDA tensors shared as IPC handles (a colocated trainer on this GPU):
+        the worker copies device to device; nothing goes through host memory or a file. Strict engine, TP=1."""
+        if version <= self.weight_version:
+            raise ValueError(f"weight versions must increase: engine holds {self.weight_version}, got {version}")
+        if self.config.engine != "rlkernel" or self.config.tp != 1:
+            raise ValueError("IPC weight updates are for the strict engine at TP=1")
+        got = self.llm.collective_rpc("rlkernel_load_ipc", args=(handles, version))
+        if any(g["version"] != version for g in got):
+            raise RuntimeError(f"weight update did not reach every worker: {got}")
         self.llm.reset_prefix_cache()
         self.weight_version = version
 

@@ -21,8 +21,8 @@ def _examples(n: int, seed: int) -> list[tuple[str, str]]:
     return [(r["prompt"][0]["content"], r["reward_model"]["ground_truth"]) for r in addition_rows(n, seed=seed)]
 
 
-def build_tiny_policy(out: str | Path, tiny, seed: int = 0, progress: bool = True) -> Path:
-    """Create `out` (tiny checkpoint + supervised warm start) unless it already exists."""
+def build_tiny_policy(out: str | Path, tiny, seed: int = 0, progress: bool = True, device: str = "cpu") -> Path:
+    """Create `out` (tiny checkpoint + supervised warm start, on `device`) unless it already exists."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -37,7 +37,7 @@ def build_tiny_policy(out: str | Path, tiny, seed: int = 0, progress: bool = Tru
                          num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim, max_position_embeddings=tiny.max_position_embeddings,
                          seed=seed)
     tok = AutoTokenizer.from_pretrained(out)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(device)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     data = _examples(tiny.warmstart_rows, seed + 1)
@@ -52,14 +52,17 @@ def build_tiny_policy(out: str | Path, tiny, seed: int = 0, progress: bool = Tru
             ids.append(p + a)
             labels.append([-100] * len(p) + a)
         width = max(map(len, ids))
-        x = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in ids])
-        y = torch.tensor([s + [-100] * (width - len(s)) for s in labels])
+        x = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in ids], device=device)
+        y = torch.tensor([s + [-100] * (width - len(s)) for s in labels], device=device)
         loss = model(input_ids=x, labels=y).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
     model.save_pretrained(out, safe_serialization=True)
+    del model, opt
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the roles (other processes) take the GPU next
     (out / "vime_warmstart.json").write_text(json.dumps({"steps": tiny.warmstart_steps, "lr": tiny.warmstart_lr, "seed": seed,
                                                          "loss_first": losses[0], "loss_last": losses[-1]}))
     return out

@@ -6,6 +6,8 @@ RPC serialisation between processes, paths do); every worker copies them into
 the model's parameters in place and stamps the model with the new version.
 The caller then resets the prefix cache (cached KV was computed with the old
 weights). Loaded through `worker_extension_cls`, vLLM's official hook.
+On a GPU shared with the trainer (colocated, one trainer process, TP=1), `rlkernel_load_ipc`
+takes the trainer's CUDA tensors as IPC handles instead: a device-to-device copy, no file.
 """
 from __future__ import annotations
 
@@ -19,6 +21,19 @@ class StrictWorkerExtension:
         model.load_hf_weights(tensors)
         model.weight_version = int(version)
         return {"version": model.weight_version, "tensors": len(tensors)}
+
+    def rlkernel_load_ipc(self, handles: dict, version: int) -> dict:
+        """The same update from CUDA tensors another process on this GPU shares: `handles` maps HF names to torch's
+        IPC reduction (rebuild function, args); each tensor is opened, copied into the model, and released."""
+        import torch
+
+        model = self.model_runner.model
+        tensors = {name: rebuild(*args) for name, (rebuild, args) in handles.items()}
+        model.load_hf_weights(tensors)
+        torch.cuda.synchronize()  # the copies are done before the sender may free or overwrite its tensors
+        del tensors
+        model.weight_version = int(version)
+        return {"version": model.weight_version, "tensors": len(handles)}
 
     def rlkernel_take_provenance(self) -> dict:
         """rlkernel op calls since the last take: {op: [{backend, contract_id, device, calls}]}."""

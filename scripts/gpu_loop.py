@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""The whole loop on a GPU, both arms of one recipe, side by side: `vime train` strict, then native.
+
+    python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu [--steps 20] [--out DIR] [override ...]
+
+Each arm is a real `vime train` run (Ray actors: vLLM on CUDA, the Megatron-core trainer on CUDA, colocated
+on the recipe's GPUs), in RUNS/<recipe>_<arm>. Afterwards, to DIR ($OUT, else benchmarks/): <tag>.json with
+per-step mismatch_count, max_abs_diff, contracts_match, step / rollout / score / update / sync times and
+tokens/s per arm, and the ratios strict/native (median over the steps after the first, which include
+compilation and caches); <tag>_curves.png (`vime plot` of both runs); <tag>_<arm>_metrics.jsonl. Prints
+the summary JSON last. Exit status 1 when the strict arm had any mismatch or a step was not comparable.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _arm(recipe: str, arm: str, steps: int, runs: Path, overrides: list[str]) -> dict:
+    run_dir = runs / f"{recipe}_{arm}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = ["vime", "train", "--config-name", recipe, f"rlkernel.mode={arm}", f"trainer.total_steps={steps}",
+           f"run.output_dir={run_dir}", "logging.progress=false", *overrides]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - t0
+    print(p.stdout[-4000:], flush=True)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if (run_dir / "metrics.jsonl").exists() else []
+    return {"run_dir": str(run_dir), "rc": p.returncode, "wall_seconds": round(wall, 1), "lines": lines,
+            "log_tail": p.stdout[-6000:] if p.returncode else ""}
+
+
+def _summary(a: dict) -> dict:
+    lines = a["lines"]
+    later = lines[1:] or lines
+
+    def med(key):
+        vals = [x[key] for x in later if x.get(key) is not None]
+        return round(statistics.median(vals), 4) if vals else None
+
+    return {
+        "rc": a["rc"], "steps": len(lines), "wall_seconds": a["wall_seconds"],
+        "mismatch_count": [x["mismatch_count"] for x in lines], "max_abs_diff": [x["max_abs_diff"] for x in lines],
+        "compared_tokens": sum(x["compared_tokens"] for x in lines), "comparable": all(x["comparable"] for x in lines),
+        "contracts_match": [x.get("contracts_match") for x in lines], "reward_mean": [round(x["reward_mean"], 4) for x in lines],
+        "median_seconds": {k: med(f"time_{k}") for k in ("step", "rollout", "score", "update", "sync")},
+        "median_tokens_per_second": med("tokens_per_second"),
+        "first_step_seconds": round(lines[0]["time_step"], 2) if lines else None,
+    }
+
+
+def _report(args, arms: dict, out: Path, tag: str, torch):
+    report = {"recipe": args.config_name, "overrides": args.overrides, "steps_asked": args.steps,
+              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+              "arms": {arm: _summary(a) for arm, a in arms.items()},
+              "failures": {arm: a["log_tail"] for arm, a in arms.items() if a["rc"]}}
+    s, n = report["arms"].get("strict"), report["arms"].get("native")
+    if s and n and s["steps"] and n["steps"]:
+        ratio = {k: round(s["median_seconds"][k] / n["median_seconds"][k], 3) if s["median_seconds"][k] and n["median_seconds"][k] else None
+                 for k in s["median_seconds"]}
+        step_wo_sync = [(x["time_step"] - x["time_sync"]) for x in arms["strict"]["lines"][1:]], \
+                       [(x["time_step"] - x["time_sync"]) for x in arms["native"]["lines"][1:]]
+        if all(step_wo_sync):
+            ratio["step_without_sync"] = round(statistics.median(step_wo_sync[0]) / statistics.median(step_wo_sync[1]), 3)
+        report["ratio_strict_over_native"] = ratio
+    for arm, a in arms.items():
+        if a["lines"]:
+            (out / f"{tag}_{arm}_metrics.jsonl").write_text("\n".join(json.dumps(x) for x in a["lines"]) + "\n")
+    dirs = [a["run_dir"] for a in arms.values() if a["lines"]]
+    if dirs:
+        p = subprocess.run(["vime", "plot", *dirs, "--out", str(out / f"{tag}_curves.png")], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+        report["plot"] = p.stdout.strip().splitlines()[-3:]
+    strict_ok = bool(s and s["rc"] == 0 and s["steps"] == args.steps and s["comparable"] and not any(s["mismatch_count"])
+                     and not any(s["max_abs_diff"]))
+    report["strict_zero_mismatch_every_step"] = strict_ok
+    (out / f"{tag}.json").write_text(json.dumps(report, indent=1))
+    return report, strict_ok
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config-name", default="grpo_qwen3_gpu")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--arms", default="strict,native")
+    ap.add_argument("--runs", default="/tmp/vime_gpu_runs", help="where the runs' directories go (checkpoints are large)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
+    ap.add_argument("--tag", default=None, help="output name (default: h200_loop_<recipe>)")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    import torch
+
+    out, runs = Path(args.out), Path(args.runs)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or f"h200_loop_{args.config_name}"
+    arms: dict = {}
+    for arm in args.arms.split(","):  # the report is rewritten after each arm: a device call cut short keeps what ran
+        arms[arm] = _arm(args.config_name, arm, args.steps, runs, args.overrides)
+        report, strict_ok = _report(args, arms, out, tag, torch)
+    print(json.dumps({k: v for k, v in report.items() if k != "failures"}))
+    return 0 if strict_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Many GPU checks in one device call: named steps, each with its own time limit, log and exit status.
+
+    python3 scripts/gpu_session.py --out $OUT STEP [STEP ...]      # steps run in the order given
+    python3 scripts/gpu_session.py --list
+
+A device call is precious (30 minutes a session, a fresh machine after 30 s idle), so one call runs
+many steps; a failing or hanging step is recorded and the next one runs. OUT/gpu_session.json gets, per step: the
+command, rc, seconds, the last stdout line that parses as a JSON object (the project's scripts print their
+report last) and the tail of the step's stdout+stderr (the device returns only a few files per call). Exit status: the
+number of failed steps (0: all passed). Run it in the checkout's root with the project importable
+(`../shared/gpu-vllm/README.md`: PYTHONPATH=/tmp/site:$PWD and `pip install -e .`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TQ = "/tmp/tq"  # a tiny random Qwen3 checkpoint (head_dim 64) the parity steps share
+_PARITY = f"vime parity --model {TQ} --num-prompts 32 --max-tokens 32"
+
+# name -> (seconds, command); {out} is the output directory
+STEPS: dict[str, tuple[int, str]] = {
+    "trainer_check": (240, "python3 scripts/gpu_trainer_check.py float32 bfloat16 > {out}/h200_trainer_check.json"),
+    "tp_update": (420, "torchrun --standalone --nproc_per_node=2 scripts/gpu_tp_parity.py --only grads,update --out {out}"),
+    "tiny_ckpt": (120, f"python3 scripts/make_tiny_checkpoint.py {TQ} --head-dim 64"),
+    "parity_strict": (300, _PARITY),
+    "parity_strict_bf16": (300, f"{_PARITY} --dtype bfloat16 --update-weights"),
+    "parity_strict_megatron": (300, f"{_PARITY} --scorer megatron --update-weights"),
+    "parity_strict_tp2": (300, f"{_PARITY} --tp 2"),
+    "parity_native": (300, f"{_PARITY} --mode native"),
+    # the whole loop, strict then native arm (scripts/gpu_loop.py writes its JSON, metrics and curves to {out})
+    "loop_qwen3": (520, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --out {out}"),
+    "loop_tiny": (400, "python3 scripts/gpu_loop.py --config-name grpo_tiny --steps 20 --out {out} --tag h200_loop_grpo_tiny resources.gpus=1"),
+}
+
+
+def _last_json(text: str):
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def run_step(name: str, out: Path) -> dict:
+    seconds, cmd = STEPS[name]
+    cmd = cmd.format(out=shlex.quote(str(out)))
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(["bash", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=seconds)
+        rc, text = p.returncode, p.stdout
+    except subprocess.TimeoutExpired as e:
+        rc, text = "timeout", (e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "")
+    took = round(time.perf_counter() - t0, 1)
+    report = _last_json(text)
+    if report is None and ">" in cmd:  # the report went to a file
+        target = Path(cmd.rsplit(">", 1)[1].strip().strip("'\""))
+        if target.exists():
+            report = _last_json(target.read_text())
+    tail = "\n".join(text.splitlines()[-3:])
+    print(f"[{name}] rc={rc} {took}s {tail[-400:]}", flush=True)
+    # the log's tail rides in the JSON: the device returns only a few files per call
+    return {"step": name, "command": cmd, "rc": rc, "seconds": took, "report": report, "log_tail": text[-(3000 if rc == 0 else 12000):]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("steps", nargs="*", help=f"of {', '.join(STEPS)}")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args()
+    if args.list or not args.steps:
+        for k, (s, c) in STEPS.items():
+            print(f"{k:24s} {s:4d}s  {c}")
+        return 0
+    unknown = [s for s in args.steps if s not in STEPS]
+    if unknown:
+        ap.error(f"unknown steps {unknown}; known: {list(STEPS)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in args.steps:
+        results.append(run_step(name, out))
+        (out / "gpu_session.json").write_text(json.dumps(results, indent=1))
+    return sum(r["rc"] != 0 for r in results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

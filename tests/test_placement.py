@@ -1,0 +1,59 @@
+"""Claim: on GPUs each role process sees exactly its devices. `gpu_placement` hands each trainer rank one GPU and
+each vLLM engine rollout.tp GPUs (colocated: the same devices as the trainer; else the next ones), indexing into
+the driver's CUDA_VISIBLE_DEVICES; the Ray executor gives an actor its own variables (the mechanism the placement
+uses — Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for actors that ask it for no GPUs), checked here in real Ray
+actors on the CPU. The GPU loop itself ran on an H200: scripts/gpu_loop.py, benchmarks/h200_loop_*.json."""
+import os
+
+import pytest
+
+from vime.config import load_config
+from vime.roles import gpu_memory_utilization, gpu_placement, ipc_weight_sync
+
+
+def test_cpu_recipes_place_nothing():
+    cfg, _ = load_config("grpo_tiny")
+    assert gpu_placement(cfg) == {} and gpu_memory_utilization(cfg) is None and not ipc_weight_sync(cfg)
+
+
+def test_one_gpu_colocated_shares_the_device_and_syncs_by_ipc():
+    cfg, _ = load_config("grpo_qwen3_gpu")
+    assert gpu_placement(cfg, visible="") == {"trainer": ["0"], "engines": ["0"]}
+    assert gpu_placement(cfg, visible="5") == {"trainer": ["5"], "engines": ["5"]}  # the driver's own visible device
+    assert gpu_memory_utilization(cfg) == 0.45 and ipc_weight_sync(cfg)
+    native, _ = load_config("grpo_qwen3_gpu", ["rlkernel.mode=native"])
+    assert not ipc_weight_sync(native)  # stock vLLM reloads through its own loader
+    assert gpu_memory_utilization(load_config("grpo_qwen3_gpu", ["rollout.gpu_memory_utilization=0.3"])[0]) == 0.3
+
+
+def test_eight_gpu_layouts():
+    cfg, _ = load_config("grpo_qwen3_8b")  # TP4 x CP2 trainer, two engines at TP4, colocated
+    assert gpu_placement(cfg, visible="") == {"trainer": [str(i) for i in range(8)], "engines": ["0,1,2,3", "4,5,6,7"]}
+    assert not ipc_weight_sync(cfg)
+    apart, _ = load_config("grpo_qwen3_8b", ["resources.colocate=false", "resources.gpus=16"])
+    assert gpu_placement(apart, visible="")["engines"] == ["8,9,10,11", "12,13,14,15"]
+    with pytest.raises(ValueError, match="needs 8 GPUs but 4 are visible"):
+        gpu_placement(cfg, visible="0,1,2,3")
+
+
+def test_bad_memory_fraction_is_refused():
+    with pytest.raises(Exception, match="rollout.gpu_memory_utilization"):
+        load_config("grpo_qwen3_gpu", ["rollout.gpu_memory_utilization=1.5"])
+
+
+def test_ray_actor_gets_its_own_environment():
+    from vime.executor import RayExecutor
+
+    class _Probe:  # local: Ray ships it by value (the test module is not importable in a worker)
+        def env(self, key):
+            return os.environ.get(key)
+
+    ex = RayExecutor(num_roles=2)
+    try:
+        a = ex.spawn(_Probe, name="a", env={"CUDA_VISIBLE_DEVICES": "3"})
+        b = ex.spawn(_Probe, name="b")
+        assert a.call("env", "CUDA_VISIBLE_DEVICES") == "3"
+        assert a.call("env", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"  # the job's variables stay
+        assert b.call("env", "CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+    finally:
+        ex.shutdown()
