@@ -114,3 +114,21 @@ def test_provenance_counter_and_contract_match():
     sa, sb = a.take(), b.take()
     assert [(e["backend"], e["impl"], e["calls"]) for e in sa["linear"]] == [("strict", "cpu", 2)] and a.take() == {}
     assert rk.contracts_match(sa, sa) == (True, []) and rk.contracts_match(sa, sb) == (False, ["linear"])
+
+
+def test_a_fallback_is_judged_per_op_and_device():
+    """rope has no Triton kernel (elementwise, no reduction): its reference composition is its first strict choice on
+    CUDA, not a fallback (the first H200 loop flagged it as one); linear on the reference composition there is one."""
+    from rlkernel.dispatch import first_strict
+    from vime.strictness import strict_status
+
+    assert first_strict("rope", "cuda") == "reference" and first_strict("linear", "cuda") == "triton"
+    assert all(first_strict(op, "cpu") == "cpu" for op in rk.OPS)
+
+    def entry(impl):
+        return [{"backend": "strict", "impl": impl, "contract_id": "x", "device": "cuda", "calls": 1}]
+
+    ok = strict_status("strict", {}, {"rollout": {"rope": entry("reference"), "linear": entry("triton")}, "trainer": {}})
+    assert ok == {"strict_ok": True, "strict_violations": []}
+    bad = strict_status("strict", {}, {"rollout": {"linear": entry("reference")}, "trainer": {}})
+    assert bad["strict_ok"] is False and bad["strict_violations"] == ["rollout ran linear on 'reference': a fallback from 'triton' on cuda"]

@@ -30,7 +30,7 @@ import torch
 import rlkernel as rk
 from rlkernel import golden
 from rlkernel.backends import cpu as cpu_kernels
-from rlkernel.dispatch import BackendUnavailable, Implementation, resolve, strict_preference
+from rlkernel.dispatch import BackendUnavailable, Implementation, first_strict, resolve
 from rlkernel.models.decoder import DecoderConfig
 
 from .probe import Schedule, probe
@@ -168,7 +168,7 @@ def examine(cfg) -> tuple[dict, list[str]]:
                  if kernels else "n/a")
         lines.append(f"{side:8s} {p.engine}; device {p.device}; threads {p.threads} ({p.threads_source}); {build}")
         fallback = sorted(op for op, i in p.impls.items() if isinstance(i, Implementation) and p.policy.choice(op) == "strict"
-                          and i.name != strict_preference(p.device)[0])
+                          and i.name != first_strict(op, p.device))
         if fallback:
             lines.append(f"  note: {side} strict ops {', '.join(fallback)} will fall back to {p.impls[fallback[0]].name!r} here (same bits, "
                          "slower); a strict run marks those steps strict_ok=false")

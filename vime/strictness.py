@@ -11,7 +11,7 @@ native run) and `strict_violations`; `vime doctor --run RUN_DIR` explains them.
 from __future__ import annotations
 
 import rlkernel as rk
-from rlkernel.dispatch import strict_preference
+from rlkernel.dispatch import first_strict
 
 VERIFIED = ("cpu", "reference", "triton")  # rlkernel's strict implementations (golden/self-checked, tested)
 
@@ -25,7 +25,7 @@ def strict_status(mode: str, side_ops: dict[str, tuple], provenance: dict) -> di
         policy = rk.ExecutionPolicy(mode=mode, ops=side_ops.get(side, ()))
         for op, entries in sorted((provenance.get(side) or {}).items()):
             for e in entries:
-                first = strict_preference(e["device"])[0]
+                first = first_strict(op, e["device"])
                 if e["backend"] == "native" or e["impl"] == "native":
                     asked = policy.choice(op) == "native"
                     problems.append(f"{side} ran {op} native" + (f" (asked for by a per-op override: {op}=native)" if asked else ""))
