@@ -19,8 +19,15 @@
 4. `vime plot RUN RUN ...` overlays runs labelled by arm (G10, G10+trainer:rms_norm=native), and
    wandb runs of one recipe share a group with the arm as a tag.
 5. A strict run's steps are marked `strict_ok: false` when provenance shows a native op (here one
-   asked for by an override) or a fallback (CPU kernels off: the reference composition ran —
-   same bits, mismatch still 0), and `vime doctor --run` says why and what to do.
+   asked for by an override), a fallback (CPU kernels off: the reference composition ran —
+   same bits, mismatch still 0) or an implementation rlkernel does not verify, and `vime doctor
+   --run` says why and what to do.
+6. A kernel whose bits depend on the thread count (tests/thread_dependent_kernel.py, the AVX-512
+   story forced): the doctor predicts the mismatch at the run's thread counts, diagnose names the
+   op with each count's golden bits, and the kernels' load-time check refuses it when loaded at 2.
+7. What cannot be replayed faithfully is refused, naming the alternative: rollout-side overrides
+   in `vime replay` (the rollout's logprobs are recorded), and `vime diagnose` of a run whose
+   rollout was stock vLLM (its kernels cannot be hooked op by op).
 """
 import json
 import os
@@ -159,6 +166,15 @@ def test_plot_overlays_arms_and_wandb_groups_them(tmp, strict_run, one_sided_run
     proc = _cli("plot", tmp / "strict", tmp / "one_sided", "--out", png, ok=False)
     assert proc.returncode == 0 and proc.stdout.strip() == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run_arm(tmp / "strict"), run_arm(tmp / "one_sided")) == ("G10", "G10+trainer:rms_norm=native")
+    drawn = {p["key"]: p for p in json.loads(png.with_suffix(".json").read_text())["panels"]}  # read back from the figure's axes
+    for key in ("mismatch_count", "max_abs_diff"):
+        lines = {ln["label"]: ln for ln in drawn[key]["lines"]}
+        assert sorted(lines) == ["G10 (strict)", "G10+trainer:rms_norm=native (one_sided)"] and lines["G10 (strict)"]["x"] == [0.0, 1.0]
+    mm = {ln["label"]: ln["y"] for ln in drawn["mismatch_count"]["lines"]}
+    assert mm["G10 (strict)"] == [0.0, 0.0] and all(y > 0 for y in mm["G10+trainer:rms_norm=native (one_sided)"])
+    assert drawn["max_abs_diff"]["yscale"] == "log" and drawn["mismatch_count"]["yscale"] == "linear"
+    mx = {ln["label"]: ln["y"] for ln in drawn["max_abs_diff"]["lines"]}
+    assert mx["G10 (strict)"] == [1e-12, 1e-12] and all(y > 1e-12 for y in mx["G10+trainer:rms_norm=native (one_sided)"])  # 0 on the floor line
     # wandb in its own process: a wandb service started here would be shared with (and outlive) later runs' processes
     script = (
         "import json, sys\n"
@@ -189,3 +205,61 @@ def test_strict_run_marked_failed_and_doctor_says_why(tmp, strict_run, one_sided
     assert why["failed_steps"] == [0, 1] and all("RLKERNEL_CPU_KERNELS=0" in r["why"] for r in why["reasons"])
     _, ok = _cli("doctor", "--run", tmp / "strict")
     assert ok["failed_steps"] == [] and ok["strict"]
+
+
+def test_doctor_and_diagnose_name_a_kernel_whose_bits_depend_on_the_thread_count(tmp, strict_run):
+    """The failure that opened the CPU-order issue, forced: tests/thread_dependent_kernel.py re-registers the CPU kernel of
+    rms_norm so that it keeps its contract at 1 thread and not at 2 (as MKL's threading did inside our tiles). Rollout at 1
+    thread (a Ray actor), trainer at 2: the doctor predicts the mismatch and names the thread count; diagnose names the
+    op, with both thread counts' golden bits; loaded at 2 threads, the kernels' own load-time check refuses them."""
+    recipe = ["--config-name", "grpo_tiny", f"model.path={tmp / 'model'}"]
+    one = {"OMP_NUM_THREADS": "1"}  # the kernels load (and self-check) at 1 thread; the sides then run at their own counts
+    _, bad = _cli("doctor", "--plugin", "thread_dependent_kernel", *recipe, "trainer.threads=2", env=one)
+    assert bad["predicted_mismatch"] and bad["differing_ops"] == ["rms_norm"]
+    assert "trainer's implementation 'cpu' computes other bits than the contract at 2 threads" in bad["ops"]["rms_norm"]["reason"]
+    assert bad["ops"]["rms_norm"]["rollout"]["golden"] == "ok" and bad["ops"]["rms_norm"]["trainer"]["golden"]
+    _, same = _cli("doctor", "--plugin", "thread_dependent_kernel", *recipe, "trainer.threads=1", env=one)  # control
+    assert not same["predicted_mismatch"] and same["ops"]["rms_norm"]["verdict"] == "identical"
+    _, refused = _cli("doctor", "--plugin", "thread_dependent_kernel", *recipe, "trainer.threads=2", env={"OMP_NUM_THREADS": "2"})
+    assert "rms_norm" in refused["unguaranteed_ops"] and "fail their load-time check" in json.dumps(refused["ops"]["rms_norm"])
+    out = tmp / "diag_threads"
+    text, rep = _cli("diagnose", "--model", tmp / "model", "--plugin", "thread_dependent_kernel", "--rollout-threads", 1,
+                     "--trainer-threads", 2, "--out", out, env=one)
+    first = rep["first_divergence"]
+    assert first["op"] == "rms_norm" and first["inputs_equal"] and first["cause"] == "implementation"
+    assert first["golden"]["cpu@1"] == [] and first["golden"]["cpu@2"] and "at 2 threads (the trainer" in first["detail"]
+    assert (out / "heatmap.png").exists() and "its bits depend on the thread count" in text
+
+
+def test_replay_and_diagnose_refuse_what_they_cannot_replay_faithfully():
+    from vime.diagnose import stock_rollout
+    from vime.replay import apply_overrides, run_threads
+
+    with pytest.raises(SystemExit, match="re-scores the trainer side only .* use `vime diagnose RUN_DIR --step N rollout.rms_norm=native`"):
+        apply_overrides("strict", {}, ["rollout.rms_norm=native"], "trainer")
+    with pytest.raises(SystemExit, match="re-scores the trainer side only"):
+        apply_overrides("strict", {}, ["rlkernel.rollout_ops.linear=native"], "trainer")
+    assert apply_overrides("strict", {}, ["trainer.rms_norm=native", "rlkernel.trainer_ops.linear=native"], "trainer") == \
+        ("strict", {"rms_norm": "native", "linear": "native"})
+    ray, local = {"run": {"executor": "ray"}, "trainer": {}}, {"run": {"executor": "inprocess"}, "trainer": {"threads": 3}}
+    assert (run_threads(ray, "rollout"), run_threads(ray, "trainer"), run_threads(local, "rollout")) == (1, 1, 3)
+    assert run_threads({"run": {"executor": "ray"}, "trainer": {"threads": 2}}, "trainer") == 2
+    with pytest.raises(SystemExit, match="rollout was stock vLLM"):
+        stock_rollout({"rlkernel": {"mode": "native", "ops": {"rms_norm": ""}}})
+    stock_rollout({"rlkernel": {"mode": "native", "native_rollout": "rlkernel"}})  # rlkernel's native ops in vLLM: hookable
+    stock_rollout({"rlkernel": {"mode": "native", "ops": {"attention": "strict"}}})  # a strict op: the plugin ran
+    stock_rollout({"rlkernel": {"mode": "strict"}})
+
+
+def test_an_unverified_implementation_fails_a_strict_step_and_doctor_says_why(tmp_path):
+    from vime.doctor import explain_run
+    from vime.strictness import strict_status
+
+    entry = [{"backend": "strict", "impl": "variant", "contract_id": "rms_norm/strict/v2/x", "device": "cpu", "calls": 4}]
+    st = strict_status("strict", {}, {"rollout": {}, "trainer": {"rms_norm": entry}})
+    assert st == {"strict_ok": False, "strict_violations": ["trainer ran rms_norm on implementation 'variant', which rlkernel does not verify"]}
+    (tmp_path / "provenance.json").write_text(json.dumps({"config": {"rlkernel": {"mode": "strict"}}, "trainer": {}}))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i, **st}) + "\n" for i in range(3)))
+    report, lines = explain_run(tmp_path)
+    assert report["failed_steps"] == [0, 1, 2] and "registered outside rlkernel" in report["reasons"][0]["why"]
+    assert any("steps 0..2" in line for line in lines)

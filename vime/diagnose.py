@@ -35,7 +35,7 @@ import torch
 import rlkernel as rk
 
 from .capture import HEAD_SITES, LAYER_SITES, Sites, capture_megatron, capture_vllm, vllm_engine
-from .replay import run_config, side_policy, step_records
+from .replay import run_config, run_threads, side_policy, step_records
 
 SIDES = ("rollout", "trainer")
 
@@ -157,6 +157,24 @@ def explain(d: SiteDiff, sides: dict[str, Side], seen: dict[str, dict]) -> dict:
                        "detail": f"{d.op}: one contract ({contracts['rollout'].contract_id}), implementations differ "
                                  f"(rollout={'/'.join(sorted(impls['rollout']))}, train={'/'.join(sorted(impls['trainer']))}); {verdict}"}
     c = contracts["rollout"]
+    threads = {s: sides[s].threads for s in SIDES}
+    if c.backend != "native" and threads["rollout"] != threads["trainer"]:  # one implementation at two thread counts: check each
+        name = sorted(impls["rollout"])[0]
+        gold = {}
+        for s in SIDES:
+            old = torch.get_num_threads()
+            torch._C.set_num_threads(threads[s])
+            try:
+                gold[s] = golden.check_impls({d.op: name})[d.op]
+            finally:
+                torch._C.set_num_threads(old)
+        bad = {s: g for s, g in gold.items() if g}
+        if bad:
+            return info | {"cause": "implementation", "golden": {f"{name}@{threads[s]}": gold[s] for s in SIDES},
+                           "detail": f"{d.op}: one contract ({c.contract_id}) and one implementation ({name}), but it computes other bits "
+                                     f"than the contract at " + " and ".join(f"{threads[s]} threads (the {s}; golden cases "
+                                                                              f"{', '.join(g)})" for s, g in bad.items())
+                                     + " — its bits depend on the thread count"}
     return info | {"cause": "call pattern",
                    "detail": f"{d.op}: one contract ({c.contract_id}) and one implementation ({'/'.join(sorted(impls['rollout']))}); "
                              f"the contract claims invariance to {list(c.invariant) or 'nothing'}, and the engines call it differently "
@@ -302,6 +320,20 @@ def summary(res: dict, sides: dict[str, Side], where: str, recorded=None, out: P
     return report, lines
 
 
+def stock_rollout(config: dict) -> None:
+    """Refuse a run whose rollout was stock vLLM (the native arm with rlkernel.native_rollout=stock): diagnose replays the
+    rollout through rlkernel's model in vLLM, whose native mode runs torch's ops — not the stock kernels that made the run's
+    logprobs — so its op-by-op comparison would describe another engine."""
+    rl = config.get("rlkernel", {})
+    ops = {**(rl.get("ops") or {}), **(rl.get("rollout_ops") or {})}
+    if rl.get("mode") == "native" and all(v in ("", None, "native") for v in ops.values()) and rl.get("native_rollout", "stock") == "stock":
+        raise SystemExit("vime diagnose: this run's rollout was stock vLLM (rlkernel.mode=native, rlkernel.native_rollout=stock): its own "
+                         "model classes and kernels, which diagnose cannot hook op by op — it would replay rlkernel's model instead and "
+                         "describe another engine. `vime doctor` explains the stock arm's drift (every op: no shared contract); to "
+                         "compare op by op, run the arm with rlkernel.native_rollout=rlkernel (rlkernel's native ops in vLLM) and "
+                         "diagnose that run")
+
+
 def diagnose(args) -> tuple[dict, list[str]]:
     from .weights import version_checkpoint
 
@@ -311,6 +343,7 @@ def diagnose(args) -> tuple[dict, list[str]]:
         if args.run_dir:
             run_dir = Path(args.run_dir)
             config = run_config(run_dir)
+            stock_rollout(config)
             seqs, plens, recorded, version, temperature = _frozen_run(run_dir, args.step, args.max_seqs)
             model = str(version_checkpoint(run_dir, version, Path(tmp) / "hf"))
             sides = {s: Side(mode=side_policy(config, s)[0], ops=side_policy(config, s)[1]) for s in SIDES}
@@ -323,11 +356,8 @@ def diagnose(args) -> tuple[dict, list[str]]:
             sched = dict(max_num_seqs=8, max_num_batched_tokens=32, block_size=16)
             where = f"model {model}, fresh parity batch (seed {seed})"
         for s in SIDES:  # default: what the run's engines ran with (Ray actors: 1 thread each, unless trainer.threads)
-            run_threads = None
-            if args.run_dir:
-                t = config["trainer"].get("threads")
-                run_threads = (t if s == "trainer" and t else 1) if config["run"].get("executor") == "ray" else t
-            sides[s].threads = getattr(args, f"{s}_threads") or run_threads or torch.get_num_threads()
+            ran = run_threads(config, s) if args.run_dir else None
+            sides[s].threads = getattr(args, f"{s}_threads") or ran or torch.get_num_threads()
         parse_overrides(sides, args.overrides)
         dg = Diagnosis(model, dtype=dtype, temperature=temperature, seed=seed, version=version, sched=sched, sides=sides)
         try:

@@ -313,6 +313,7 @@ def _ranges(steps: list[int]) -> str:
 def add_arguments(p) -> None:
     p.add_argument("--config-name", default="grpo_tiny", help="recipe in recipes/ (without .yaml)")
     p.add_argument("--run", help="instead: explain why a strict run's steps were marked failed (strict_ok: false)")
+    p.add_argument("--plugin", action="append", help="import MODULE first (one that registers kernels, e.g. a candidate to check)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. rlkernel.trainer_ops.rms_norm=native")
 
 
@@ -324,6 +325,10 @@ def main(args) -> int:
         print("\n".join(lines))
         print(json.dumps(report))
         return 0
+    import importlib
+
+    for mod in args.plugin or []:
+        importlib.import_module(mod)
     cfg, _ = load_config(args.config_name, args.overrides)
     report, lines = examine(cfg)
     print(f"vime doctor: recipe {args.config_name}" + (f" with {' '.join(args.overrides)}" if args.overrides else "")

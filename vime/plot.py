@@ -5,7 +5,8 @@ reward and step time (curves.png in the run directory). Several runs (the G-arms
 experiment, per-op ablations): one figure with a line per run, labelled by its arm
 (`arm_name`: G<strict><rollout-logprobs>, plus one-sided or per-op overrides) — mismatch
 count, max |Δ| on a log scale (0 cannot be drawn there: those steps sit on the floor line),
-KL to the old policy and the clip fraction side by side.
+KL to the old policy and the clip fraction side by side; beside the PNG, a JSON of the lines
+as drawn (read back from the figure's axes: label, x, y and the axis scale of each panel).
 """
 from __future__ import annotations
 
@@ -80,5 +81,10 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> list[Path]:
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
+    # what the figure holds, read back from its axes (a sidecar JSON: scripts and tests check the lines, not just a PNG)
+    drawn = [{"key": key, "title": ax.get_title(), "yscale": ax.get_yscale(),
+              "lines": [{"label": ln.get_label(), "x": [float(v) for v in ln.get_xdata()], "y": [float(v) for v in ln.get_ydata()]}
+                        for ln in ax.get_lines()]} for ax, (key, _, _) in zip(axes, panels)]
+    path.with_suffix(".json").write_text(json.dumps({"runs": [str(r) for r in run_dirs], "panels": drawn}, allow_nan=True))
     plt.close(fig)
     return [path]

@@ -59,10 +59,22 @@ def apply_overrides(mode: str, ops: dict, overrides: list[str], side: str) -> tu
                 ops[key[len(prefix):]] = value
                 break
         else:
-            if not any(key.startswith(p) for p in ("rollout.", "trainer.", "rlkernel.rollout_ops.", "rlkernel.trainer_ops.")):
-                raise SystemExit(f"override {item!r}: unknown key (ops: {', '.join(rk.OPS)})")
+            other = "rollout" if side == "trainer" else "trainer"
+            if key.startswith((f"{other}.", f"rlkernel.{other}_ops.")):
+                raise SystemExit(f"override {item!r}: `vime replay` re-scores the {side} side only — the {other}'s logprobs are the "
+                                 f"recorded ones. To re-run the {other} side too, use `vime diagnose RUN_DIR --step N {item}`")
+            raise SystemExit(f"override {item!r}: unknown key (ops: {', '.join(rk.OPS)})")
     rk.ExecutionPolicy(mode=mode, ops=ops)  # validates mode and op names
     return mode, ops
+
+
+def run_threads(config: dict, side: str) -> int | None:
+    """The torch threads a run's engine ran with, from its plain config: Ray actors run at 1 thread (num_cpus=1), the
+    trainer at trainer.threads when set; in-process runs at trainer.threads (None: the process default)."""
+    t = config["trainer"].get("threads")
+    if config["run"].get("executor") == "ray":
+        return t if side == "trainer" and t else 1
+    return t
 
 
 def step_records(run_dir: Path, step: int):
@@ -90,7 +102,7 @@ def replay(run_dir: Path, step: int, overrides: list[str], threads: int | None =
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = version_checkpoint(run_dir, version, Path(tmp) / "hf")
         trainer = MegatronTrainer(TrainerConfig(mode=mode, ops=ops, dtype=config["model"]["dtype"], seed=config["run"]["seed"],
-                                                threads=threads or config["trainer"].get("threads")))
+                                                threads=threads or run_threads(config, "trainer")))
         try:
             trainer.load_hf(ckpt)
             trainer.weight_version = version  # the weights loaded are that version's
@@ -123,7 +135,8 @@ def _recorded(run_dir: Path, step: int) -> dict | None:
 def add_arguments(p) -> None:
     p.add_argument("run_dir", help="a vime run directory (records/, provenance.json, weights/ or checkpoints/)")
     p.add_argument("--step", type=int, required=True, help="the step whose batch to re-score")
-    p.add_argument("--threads", type=int, default=None, help="trainer threads (default: the run's trainer.threads or this process's)")
+    p.add_argument("--threads", type=int, default=None, help="trainer threads (default: what the run's trainer ran with — 1 in a Ray actor "
+                   "unless trainer.threads — else this process's)")
     p.add_argument("overrides", nargs="*", help="trainer op choices: OP=strict|native|<impl>, rlkernel.mode=..., rlkernel.trainer_ops.OP=...")
 
 
