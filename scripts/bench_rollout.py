@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Rollout throughput: vLLM with the rlkernel strict plugin vs stock vLLM-CPU, same prompts.
+"""Rollout throughput: vLLM with the rlkernel strict plugin vs stock vLLM (CPU or CUDA), same prompts.
 
 One script; each engine runs in its own subprocess (vLLM reads its plugin list and env at
 import, so one engine per process), the parent prints both figures and the ratio
@@ -26,7 +26,7 @@ def worker(args) -> None:
     engine = "rlkernel" if args.worker == "strict" else "stock"
     eng = VLLMRollout(RolloutConfig(model=args.model, engine=engine, mode="strict" if engine == "rlkernel" else "native", dtype=args.dtype,
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=32,
-                                    max_model_len=args.prompt_len + args.max_tokens + 8))
+                                    max_model_len=args.prompt_len + args.max_tokens + 8, enforce_eager=args.worker != "stock_graphs"))
     rng = random.Random(0)
     vocab = eng.llm.llm_engine.model_config.get_vocab_size()
     prompts = [[rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
@@ -55,23 +55,26 @@ def main():
     ap.add_argument("--repeat", type=int, default=3, help="timed generate calls per engine start")
     ap.add_argument("--rounds", type=int, default=2, help="engine starts per engine, alternating")
     ap.add_argument("--out", help="also write the JSON result to this file")
-    ap.add_argument("--worker", choices=["strict", "stock"], help=argparse.SUPPRESS)
+    ap.add_argument("--engines", default="stock,strict",
+                    help="engines to time, alternating: strict (eager), stock (eager), stock_graphs (stock vLLM with CUDA graphs, on a GPU)")
+    ap.add_argument("--worker", choices=["strict", "stock", "stock_graphs"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    res = {"stock": 0.0, "strict": 0.0}
+    engines = args.engines.split(",")
+    res = {w: 0.0 for w in engines}
     for r in range(args.rounds):
-        for w in ("stock", "strict"):
+        for w in engines:
             cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", w]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             tps = json.loads(out)["tokens_per_second"]
             res[w] = max(res[w], tps)
-            print(f"round {r + 1} {w:>6}: {tps:8.1f} tokens/s", flush=True)
-    ratio = res["strict"] / res["stock"]
-    print(f"best: stock {res['stock']:.1f}, strict {res['strict']:.1f} tokens/s; strict/stock = {ratio:.2f}x")
+            print(f"round {r + 1} {w:>12}: {tps:8.1f} tokens/s", flush=True)
+    ratios = {f"strict_over_{w}": round(res["strict"] / res[w], 3) for w in engines if w != "strict" and "strict" in engines}
+    print("best: " + ", ".join(f"{w} {v:.1f}" for w, v in res.items()) + " tokens/s; " + ", ".join(f"{k} = {v:.2f}x" for k, v in ratios.items()))
     result = {"model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-              "rounds": args.rounds, "repeat": args.repeat,
-              "stock_tokens_per_second": res["stock"], "strict_tokens_per_second": res["strict"], "ratio": round(ratio, 3)}
+              "rounds": args.rounds, "repeat": args.repeat, **{f"{w}_tokens_per_second": v for w, v in res.items()}, **ratios,
+              "ratio": ratios.get("strict_over_stock")}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -37,6 +37,13 @@ STEPS: dict[str, tuple[int, str]] = {
     "parity_native": (300, f"{_PARITY} --mode native"),
     # the whole loop, strict then native arm (scripts/gpu_loop.py writes its JSON, metrics and curves to {out})
     "loop_qwen3": (520, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --out {out}"),
+    # rollout tokens/s at the Qwen3-0.6B shape (random weights, bf16), 256 prompts x 128 tokens: strict (eager) vs stock
+    # vLLM eager and with CUDA graphs
+    "qwen06_ckpt": (180, "python3 scripts/make_tiny_checkpoint.py /tmp/q06 --vocab-size 151936 --hidden-size 1024 --intermediate-size 3072 "
+                         "--num-layers 28 --num-heads 16 --num-kv-heads 8 --head-dim 128"),
+    "rollout_bench": (540, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
+                           "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 1 "
+                           "--engines stock_graphs,stock,strict --out {out}/h200_rollout_bench.json"),
     "loop_tiny": (400, "python3 scripts/gpu_loop.py --config-name grpo_tiny --steps 20 --out {out} --tag h200_loop_grpo_tiny resources.gpus=1"),
 }
 

@@ -58,6 +58,7 @@ class RolloutConfig:
     engine_id: str = "vllm-0"
     tp: int = 1  # vLLM's tensor parallelism (worker processes): stock layers, or the strict model's own TP layers
     gpu_memory_utilization: float | None = None  # on a GPU: vLLM's share of the device's memory (None: vLLM's default)
+    enforce_eager: bool = True  # False: vLLM may capture CUDA graphs (stock engine on a GPU; the strict backend declares none)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -143,7 +144,7 @@ class VLLMRollout:
             "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gb),
             # the sampler's rank helper is torch.compiled; compiling costs 8-45 s per start and
             # changes no value we report
-            "TORCHDYNAMO_DISABLE": "1",
+            "TORCHDYNAMO_DISABLE": "1" if c.enforce_eager else "0",  # CUDA graphs (enforce_eager=False) need vLLM's compile
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         }
         if c.tp > 1:
@@ -158,7 +159,7 @@ class VLLMRollout:
         allocator = tune_cpu_allocator()
 
         args = dict(
-            model=c.model, dtype=c.dtype, seed=c.seed, enforce_eager=True, max_model_len=c.max_model_len,
+            model=c.model, dtype=c.dtype, seed=c.seed, enforce_eager=c.enforce_eager, max_model_len=c.max_model_len,
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens, block_size=c.block_size,
             enable_prefix_caching=c.enable_prefix_caching, enable_chunked_prefill=True,
         )
