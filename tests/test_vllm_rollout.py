@@ -74,7 +74,7 @@ def test_strict_rollout_at_tp2_matches_the_tp1_scorer(models):
 
 
 def test_negative_control_stock_vllm_mismatches(models):
-    r = _parity(models["qwen3-tied"], "--mode", "native", "--num-prompts", "16", "--max-tokens", "16", "--block-size", "32")
+    r = _parity(models["qwen3-tied"], "--mode", "native", "--num-prompts", "16", "--max-tokens", "16")  # the default block size works
     assert r["compared_tokens"] > 0 and r["mismatch_count"] > 0
     assert r["max_abs_diff"] < 1e-3  # same function, other bits
 

@@ -96,9 +96,12 @@ def run(args) -> dict:
 
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
+    kind = args.engine or ("rlkernel" if args.mode == "strict" else "stock")
+    # stock vLLM-CPU's attention needs blocks of a multiple of 32; the strict backend and stock vLLM on a GPU take 16
+    block = args.block_size or (32 if kind == "stock" and not torch.cuda.is_available() else 16)
     engine = VLLMRollout(RolloutConfig(
-        model=args.model, engine=args.engine or ("rlkernel" if args.mode == "strict" else "stock"), mode=args.mode, dtype=args.dtype, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, seed=args.seed, tp=args.tp,
+        model=args.model, engine=kind, mode=args.mode, dtype=args.dtype, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=block, seed=args.seed, tp=args.tp,
         max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True,
     ))
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -150,7 +153,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--max-num-batched-tokens", type=int, default=48)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV-cache block size (default: 32 for stock vLLM on the CPU, which needs a multiple of 32; else 16)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
