@@ -194,6 +194,18 @@ def _probe(model, store: dict, rows: int = 256):
     return [m.register_forward_hook(hook(n)) for n, m in sites]
 
 
+def _free(dev):
+    """Collect finished trainers (reference cycles keep their models on the GPU) and return the cached blocks: one call
+    running the grads and update parts ran out of GPU memory without it (2026-12-01)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+
 def trainer_updates(ckpt, tp, mode, dev, seqs, plens):
     """Two GRPO updates on one packed batch at this TP size: (metrics, exported HF weights, scores after)."""
     import dataclasses
@@ -356,7 +368,7 @@ def main(argv=None):
         # explicit step) separates DDP from the autograd graph
         one = grad_stats(str(ckpt), 1, "strict", dev, seqs[:8], plens[:8])
         res["grads"] = {}
-        for label, ddp in (("ddp", True), ("explicit_step", False)):
+        for label, ddp in (("ddp" if dev == "cuda" else "cpu_step", True), ("explicit_step", False)):  # no DDP on the CPU
             if label == "explicit_step" and dev != "cuda":
                 continue
             two = grad_stats(str(ckpt), 2, "strict", dev, seqs[:8], plens[:8], ddp=ddp)
@@ -365,7 +377,9 @@ def main(argv=None):
             res["grads"][f"tp1_vs_tp2_{label}"] = {"grad_norm": [one["grad_norm"], two["grad_norm"]], "params": len(one["grad_sq"]),
                                                    "differing": diff, "sum_sq": [sum(one["grad_sq"].values()), sum(two["grad_sq"].values())]}
         log(rank, "grads", res["grads"])
+        _free(dev)
     if "update" in only:  # the backward: two updates at TP=1 and TP=2 give the same metrics and weights
+        _free(dev)  # the grads part's trainers (their recording steps hold them in a cycle) out of GPU memory first
         sub = 4 if args.tiny else 8
         t = time.time()
         rep = {}
@@ -373,6 +387,7 @@ def main(argv=None):
             one = trainer_updates(str(ckpt), 1, mode, dev, seqs[:sub], plens[:sub])
             two = trainer_updates(str(ckpt), 2, mode, dev, seqs[:sub], plens[:sub])
             rep[f"{mode}_tp1_vs_tp2"] = _update_report(one, two)
+            _free(dev)
         rep["tokens"], rep["seconds"] = sum(len(x) for x in seqs[:sub]), round(time.time() - t, 1)
         res["update"] = rep
         log(rank, "update", rep)
