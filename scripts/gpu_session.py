@@ -29,6 +29,7 @@ _PARITY = f"vime parity --model {TQ} --num-prompts 32 --max-tokens 32"
 STEPS: dict[str, tuple[int, str]] = {
     "trainer_check": (240, "python3 scripts/gpu_trainer_check.py float32 bfloat16 > {out}/h200_trainer_check.json"),
     "tp_update": (420, "torchrun --standalone --nproc_per_node=2 scripts/gpu_tp_parity.py --only grads,update --out {out}"),
+    "tp_cp": (420, "torchrun --standalone --nproc_per_node=2 scripts/gpu_tp_parity.py --only cp --out {out}"),  # x2
     "tiny_ckpt": (120, f"python3 scripts/make_tiny_checkpoint.py {TQ} --head-dim 64"),
     "parity_strict": (300, _PARITY),
     "parity_strict_bf16": (300, f"{_PARITY} --dtype bfloat16 --update-weights"),

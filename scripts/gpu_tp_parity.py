@@ -15,6 +15,8 @@ rlkernel's layer spec, Triton kernels under the GPU contracts):
                the native path (cuBLAS + NCCL all-reduce) as the negative control
   grads        (diagnosis, not in the default list) per-parameter gradient sums of squares, TP=1 vs TP=2 (with and
                without Megatron DDP on the GPU)
+  cp           (not in the default list) context parallelism on the GPUs: scores at CP=2 vs CP=1 bitwise (native as the
+               negative control) and one GRPO update at CP=2 (finite, both ranks agree)
   update       two GRPO updates at TP=1 and at TP=2: the same losses, grad norms and exported weights (the
                TP-invariant backward); native as the negative control
   rollout      rank 0 decodes every sequence like a rollout engine (StrictDecoder, paged KV cache,
@@ -284,12 +286,12 @@ def _update_report(a, b) -> dict:
             "scores_after_equal": all(torch.equal(x, y) for x, y in zip(sa, sb))}
 
 
-def trainer_scores(ckpt, tp, mode, dev, seqs, plens, pack_tokens, probe: dict | None = None):
+def trainer_scores(ckpt, tp, mode, dev, seqs, plens, pack_tokens, probe: dict | None = None, cp: int = 1):
     import torch
 
     from vime.trainer import MegatronTrainer, TrainerConfig
 
-    with MegatronTrainer(TrainerConfig(tp=tp, mode=mode, dtype="bfloat16", device=dev)) as trainer:
+    with MegatronTrainer(TrainerConfig(tp=tp, cp=cp, mode=mode, dtype="bfloat16", device=dev)) as trainer:
         trainer.load_hf(ckpt)
         if probe is not None:
             _probe(trainer.model, probe)
@@ -363,6 +365,28 @@ def main(argv=None):
                           # the first batch's first rows at every layer's output: equal bits, or where they part
                           "strict_sites_equal": {k: bool(torch.equal(p1[k], p2[k])) for k in p1}}
         log(rank, "scoring", res["scoring"])
+    if "cp" in only:  # context parallelism: the packed stream split over the two GPUs (pieces through the paged kernel)
+        sub = max(8, args.seqs // 16)
+        t = time.time()
+        c1 = trainer_scores(str(ckpt), 1, "strict", dev, seqs[:sub], plens[:sub], args.pack_tokens)
+        c2 = trainer_scores(str(ckpt), 1, "strict", dev, seqs[:sub], plens[:sub], args.pack_tokens, cp=2)
+        n1 = trainer_scores(str(ckpt), 1, "native", dev, seqs[:sub], plens[:sub], args.pack_tokens)
+        n2 = trainer_scores(str(ckpt), 1, "native", dev, seqs[:sub], plens[:sub], args.pack_tokens, cp=2)
+        res["cp"] = {"strict_cp1_vs_cp2": gsp.compare(c1, c2), "native_cp1_vs_cp2": gsp.compare(n1, n2),
+                     "seconds": round(time.time() - t, 1)}
+        _, batch = next(_batches(seqs[:8], plens[:8], 1 << 30))  # an update at CP=2 runs, and both ranks agree on it
+        import dataclasses
+
+        from vime.trainer import MegatronTrainer, TrainerConfig
+        batch = dataclasses.replace(batch, advantages=torch.linspace(-1.0, 1.0, len(batch.sequences)))
+        with MegatronTrainer(TrainerConfig(tp=1, cp=2, mode="strict", dtype="bfloat16", device=dev, lr=1e-4)) as trainer:
+            trainer.load_hf(str(ckpt))
+            m = trainer.update(batch)
+        every = [None] * world
+        dist.all_gather_object(every, (m["loss"], m["grad_norm"]))
+        res["cp"]["update_cp2"] = {"loss": m["loss"], "grad_norm": m["grad_norm"], "ranks_agree": all(e == every[0] for e in every)}
+        log(rank, "cp", res["cp"])
+        _free(dev)
     if "grads" in only:  # per-parameter gradient sums of squares at TP=1 vs TP=2, strict (diagnosis)
         # TP=1 under Megatron DDP is the reference (its grad norms equal the CPU's); TP=2 with and without DDP (the
         # explicit step) separates DDP from the autograd graph

@@ -133,6 +133,13 @@ _INTERPRET = textwrap.dedent('''
     out = torch.cat([rk.attention_paged(q[lo:hi], kc, vc, bt[:1], torch.tensor([hi]), torch.tensor([0, hi - lo]), config=acfg)
                      for lo, hi in ((0, 5), (5, 17), (17, 29))])
     assert torch.equal(out, full[:29])
+    # context parallelism's pieces (rlkernel.parallel.context_parallel): the gathered stream as a cache of block size 1,
+    # local queries = the last rows of sequence 0 and all of sequence 1
+    kc1, vc1 = k.reshape(32, 1, hkv, d), v.reshape(32, 1, hkv, d)
+    tab = torch.stack([torch.arange(29), (29 + torch.arange(29)).clamp(max=31)]).to(torch.int32)
+    od = rk.attention_paged(q[10:32], kc1, vc1, tab, torch.tensor([29, 3], dtype=torch.int32), torch.tensor([0, 19, 22], dtype=torch.int32),
+                            config=acfg)
+    assert torch.equal(od, full[10:32])
     print("ok")
 ''')
 

@@ -68,7 +68,7 @@ class TrainerConfig:
     cp: int = 1  # context-parallel size: the packed token stream split across cp ranks (rlkernel.parallel.context_parallel)
     dtype: str = "float32"  # params and activations: "float32" | "bfloat16"
     device: str = "cpu"  # "cpu" (gloo, torch AdamW) or "cuda" (nccl, Megatron DDP + Megatron's optimizer)
-    megatron_ddp: bool = True  # cuda: Megatron DDP + Megatron's optimizer; False: the CPU path's explicit step there too
+    megatron_ddp: bool = True  # cuda: Megatron DDP + Megatron's optimizer; False (and always at cp > 1): the CPU path's explicit step
     seed: int = 0  # torch / python RNG seed, the same on every rank
     threads: int | None = None  # torch intra-op threads; None keeps the process setting
     deterministic: bool = True  # torch.use_deterministic_algorithms while the engine lives
@@ -93,8 +93,6 @@ class TrainerConfig:
         rk.ExecutionPolicy(mode=self.mode, ops=ops)  # validates op names
         if self.tp < 1 or self.cp < 1 or self.lr <= 0 or (self.threads is not None and self.threads < 1):
             raise ValueError("tp >= 1, cp >= 1, lr > 0 and threads >= 1 (or None) are required")
-        if self.cp > 1 and self.device != "cpu":
-            raise ValueError("context parallelism runs on the CPU path only so far (the CUDA path's DDP does not reduce over CP here)")
         if self.device not in ("cpu", "cuda") or self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"device must be cpu|cuda and dtype float32|bfloat16, got {self.device!r}, {self.dtype!r}")
         if self.grad_clip is not None and self.grad_clip <= 0:
@@ -392,7 +390,9 @@ class MegatronTrainer:
 
     def _make_optimizer(self) -> None:
         c = self.config
-        if c.device == "cuda" and c.megatron_ddp:  # Megatron DDP + Megatron's optimizer (scripts/gpu_trainer_check.py)
+        # CP>1: the explicit step on every device (it sums each rank's token-partial grads over the CP group by the tree;
+        # Megatron's DDP would average them over DP x CP instead)
+        if c.device == "cuda" and c.megatron_ddp and c.cp == 1:  # Megatron DDP + its optimizer (scripts/gpu_trainer_check.py)
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

@@ -8,8 +8,10 @@ query (positions [a, e) of the sequence, keys [0, e)) run by the attention contr
 composition (rlkernel.backends.reference.attention.attend: the key chunks in the contract's
 order, the same (m, l, o) chain per query row). So every query row gets the bits of CP=1
 — the chunked-prefill == packed-prefill invariance the attention tests prove — whatever the
-CP size. The backward is exact but not CP invariant: a key's gradient sums the rows of every
-rank's queries, merged by the tree over ranks (CP=1 sums them in one GEMM).
+CP size. The forward runs the strict op's paged form (the CPU kernels, or the Triton kernel on CUDA:
+the rollout engine's own implementation), so the same code serves both devices. The backward is
+exact but not CP invariant: a key's gradient sums the rows of every rank's queries, merged by the
+tree over ranks (CP=1 sums them in one GEMM).
 """
 from __future__ import annotations
 
@@ -50,21 +52,35 @@ class GatherTokens(torch.autograd.Function):
 
 
 class PieceAttention(torch.autograd.Function):
-    """Causal attention of local queries q [T_l, Hq, D] against the gathered k/v [T, Hkv, D], piece by piece."""
+    """Causal attention of local queries q [T_l, Hq, D] against the gathered k/v [T, Hkv, D], piece by piece.
+
+    Forward: the strict op's paged form (`rk.attention_paged`, the implementation a rollout engine decodes with — CPU
+    kernels, the Triton kernel on CUDA, or the composition), on a page table of block size 1 over the gathered stream:
+    each piece is a chunked-prefill request whose keys are rows ks..ks+kl-1. Paged == packed is the attention
+    contract's own invariance, so every query row has its CP=1 bits on any device. Backward: the composition below,
+    the per-row log-sum-exp recomputed from the scores (exact in float32, not CP invariant)."""
 
     @staticmethod
     def forward(ctx, q, k, v, geometry, scale, prims):
+        from ..ops.attention import attention_paged
+
         qs, ql, fp, ks, kl = (t.to(q.device) for t in geometry)
-        width = int(kl.max()) if kl.numel() else 0
-        keys, values = gather_padded(k, ks, kl, width), gather_padded(v, ks, kl, width)
-        out, lse = run_batched(lambda *a: attend(*a, prims=prims, with_lse=True), q, qs, ql, fp, keys, values, kl, scale)
-        ctx.save_for_backward(q, k, v, out, lse, qs, ql, fp, ks, kl)
+        out = torch.zeros_like(q)
+        n = int(ql.sum()) if ql.numel() else 0
+        if n:
+            width = int(kl.max())
+            table = (ks[:, None] + torch.arange(width, device=q.device)[None, :]).clamp(max=k.shape[0] - 1).to(torch.int32)
+            qsl = torch.cat([qs[:1], qs + ql]).to(torch.int32)  # the pieces are the local rows' contiguous runs, in order
+            out[:n] = attention_paged(q[:n], k.reshape(k.shape[0], 1, *k.shape[1:]), v.reshape(v.shape[0], 1, *v.shape[1:]), table,
+                                      kl.to(torch.int32), qsl, scale=scale, backend="strict", max_query_len=int(ql.max()),
+                                      max_seq_len=width)
+        ctx.save_for_backward(q, k, v, out, qs, ql, fp, ks, kl)
         ctx.scale, ctx.prims = scale, prims
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, out, lse, qs, ql, fp, ks, kl = ctx.saved_tensors
+        q, k, v, out, qs, ql, fp, ks, kl = ctx.saved_tensors
         prims, scale, mm = ctx.prims, ctx.scale, ctx.prims.matmul
         b, hq, hkv, d = ql.shape[0], q.shape[1], k.shape[1], q.shape[2]
         groups, nq, nk = hq // hkv, int(ql.max()), int(kl.max())
@@ -76,13 +92,13 @@ class PieceAttention(torch.autograd.Function):
             return p.transpose(1, 2).reshape(b * x.shape[1], n, *x.shape[2:])
 
         qh, oh, gh = heads(q, qs, ql, nq), heads(out, qs, ql, nq), heads(g, qs, ql, nq)
-        lse_h = heads(lse[..., None], qs, ql, nq)[..., 0]
         kx = expand_kv(gather_padded(k.float(), ks, kl, nk), groups).reshape(b * hq, nk, d)
         vx = expand_kv(gather_padded(v.float(), ks, kl, nk), groups).reshape(b * hq, nk, d)
         qpos = fp[:, None] + jq[None, :]
         allowed = (jk[None, None, :] <= qpos[:, :, None]) & real_q[:, :, None] & real_k[:, None, :]
         allowed = allowed[:, None].expand(b, hq, nq, nk).reshape(b * hq, nq, nk)
         s = (mm(qh, kx.transpose(1, 2)) * scale).masked_fill(~allowed, -math.inf)
+        lse_h = torch.logsumexp(s, dim=-1).masked_fill(~real_q.repeat_interleave(hq, dim=0), 0.0)  # padded rows: no keys
         p = prims.exp(s - lse_h[..., None]).masked_fill(~allowed, 0.0)
         dv = mm(p.transpose(1, 2), gh)
         dp = mm(gh, vx.transpose(1, 2))
