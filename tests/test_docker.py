@@ -45,4 +45,8 @@ def test_cuda_image_and_extra_pin_the_tested_vllm():
     text = (ROOT / "docker" / "cuda" / "Dockerfile").read_text()
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     base = re.search(r"^FROM vllm/vllm-openai:v(\S+)$", text, re.M).group(1)
-    assert f"vllm=={base}" in meta["project"]["optional-dependencies"]["cuda"]
+    extras = meta["project"]["optional-dependencies"]
+    assert f"vllm=={base}" in extras["cuda"] and "vime[gpu]" in extras["cuda"]
+    assert not any(d.startswith("vllm") or d.startswith("torch") for d in extras["gpu"])  # the ROCm image keeps its own vLLM/torch
+    assert '-e ".[gpu]"' in (ROOT / "docker" / "rocm" / "Dockerfile").read_text()
+    assert {"ray==2.60.*", "megatron-core==0.16.*"} <= set(extras["gpu"])  # what the H200 runs used

@@ -62,3 +62,43 @@ def test_timeouts_kills_and_restarts_of_real_actors():
     assert got["died"].startswith("worker[0] died during sleep"), got["died"]
     tag, pid = got["after_restart"]
     assert tag == "w0" and pid not in (got["first_pid"], got["restarted_pid"])
+
+
+_HANG = """
+    import json, os, sys, time
+    from vime.executor import RayExecutor, RoleTimeoutError
+    from vime.roles import RolloutEngines
+
+    class Engine:  # stands in for a RolloutRole: its first generate hangs (a marker file says it already did)
+        def __init__(self, marker):
+            self.marker = marker
+        def generate(self, step, prompts, version, first):
+            if not os.path.exists(self.marker):
+                open(self.marker, "w").close()
+                time.sleep(600)
+            return [f"{step}:{p}" for p in prompts]
+        def take_provenance(self):
+            return {}
+
+    ex = RayExecutor(num_roles=1, call_timeout_s=3)
+    engines = RolloutEngines.__new__(RolloutEngines)  # the engine group's restart policy, on a real Ray actor
+    engines.executor, engines.weights_for, engines.version, engines.restarts = ex, None, 0, 0
+    engines.engines = [ex.spawn(Engine, sys.argv[1], name="rollout[vllm-0]")]
+    t = time.time()
+    out = {"records": engines.call("generate", 7, ["a", "b"], 0), "restarts": engines.take_restarts(), "seconds": time.time() - t}
+    print(json.dumps(out))
+    ex.shutdown()
+"""
+
+
+def test_a_hung_engine_is_restarted_and_its_call_repeated(tmp_path):
+    """A rollout engine that hangs past run.call_timeout_s is killed and restarted like a dead one, and the call
+    repeated (per-sample seeds make the repeat the same records): the run goes on instead of stopping."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_HANG), str(tmp_path / "hung_once")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["records"] == ["7:a", "7:b"] and got["restarts"] == 1 and got["seconds"] < 120
+    assert "rollout[vllm-0] failed (rollout[vllm-0].generate did not return within 3 s" in proc.stderr

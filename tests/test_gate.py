@@ -102,6 +102,18 @@ def test_trainer_at_another_version_fails_the_gate(trainer):
     assert "weight_version" in rollout_digest(recs, VOCAB).differing(scored.digest)
 
 
+def test_the_loop_compares_only_what_passes_the_gate(trainer):
+    """The controller's own step (vime.controller.compare_step): a passing step gets numbers, an altered batch gets
+    null numbers and the reason — whatever the logprobs hold."""
+    from vime.controller import compare_step
+
+    recs = _records()
+    ok_cmp, ok = compare_step(recs, trainer.score_with_digest(TrainBatch.from_records(recs)), 0, VOCAB)
+    assert ok_cmp["comparable"] and ok["compared_tokens"] == sum(len(r.response_ids) for r in recs) and ok["mismatch_count"] > 0
+    bad_cmp, bad = compare_step(recs, trainer.score_with_digest(_altered(recs, "token")), 0, VOCAB)
+    assert not bad_cmp["comparable"] and bad == not_compared() and any("tokens" in r for r in bad_cmp["reasons"])
+
+
 def test_uncompared_step_has_null_numbers():
     assert not_compared() == {"mismatch_count": None, "nonfinite_tokens": None, "max_abs_diff": None, "mean_abs_diff": None,
                               "compared_tokens": 0}

@@ -73,6 +73,10 @@ def test_gpu_harness_skips_without_cuda(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((tmp_path / "h200_strict_parity.json").read_text()) == {"skipped": "no CUDA device"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_loop.py"), "--out", str(tmp_path / "loop")],
+                          capture_output=True, text=True, timeout=300)  # the loop harness: skips, writes nothing
+    assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["skipped"].startswith("no CUDA device")
+    assert not (tmp_path / "loop").exists() or not any((tmp_path / "loop").iterdir())
 
 
 _INTERPRET = textwrap.dedent('''

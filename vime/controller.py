@@ -30,21 +30,21 @@ from .weights import keep_version
 
 
 def train(cfg: VimeConfig, config_dict: dict) -> Path:
-    """The run; a role that dies (RoleDiedError: a trainer rank, or a rollout engine past its own restarts) stops
-    every role and the run resumes from its last checkpoint, up to run.max_restarts times. The resume is exact
-    (vime.checkpoint), so the finished run equals one that never failed."""
-    from .executor import RoleDiedError
+    """The run; a role that dies or hangs (RoleDiedError, RoleTimeoutError: a trainer rank, or a rollout engine past
+    its own restarts) stops every role and the run resumes from its last checkpoint, up to run.max_restarts times.
+    The resume is exact (vime.checkpoint), so the finished run equals one that never failed."""
+    from .executor import RoleDiedError, RoleTimeoutError
 
     restarts = 0
     while True:
         try:
             return _train(cfg, config_dict)
-        except RoleDiedError as e:
+        except (RoleDiedError, RoleTimeoutError) as e:  # a hung role too: every role is stopped (Ray shut down) and restarted
             run_dir = Path(cfg.run.output_dir)
             if restarts >= cfg.run.max_restarts or not (run_dir / "checkpoints" / "latest").exists():
                 why = ("no checkpoint to resume from yet (set run.save_every)" if restarts < cfg.run.max_restarts
                        else f"run.max_restarts={cfg.run.max_restarts} used up")
-                raise RoleDiedError(f"{e} — not restarted: {why}") from e
+                raise type(e)(f"{e} — not restarted: {why}") from e
             restarts += 1
             print(f"vime: {e}; resuming from the last checkpoint (restart {restarts} of run.max_restarts={cfg.run.max_restarts})",
                   file=sys.stderr)
@@ -78,8 +78,7 @@ def _train(cfg: VimeConfig, config_dict: dict) -> Path:
             batch = TrainBatch.from_records(records, advantages=_advantages(records, cfg))
             sinks.phase("score")
             scored = trainer.call("score", batch)                                      # Megatron: old-policy logprobs + digest
-            cmp = comparability(records, scored.digest, scored.weight_version, version, rollout_vocab)
-            stats = compare_logprobs([r.rollout_logprobs for r in records], scored.logprobs) if cmp["comparable"] else not_compared()
+            cmp, stats = compare_step(records, scored, version, rollout_vocab)
             t2 = time.perf_counter()
             old = batch.rollout_logprobs if cfg.algorithm.use_rollout_logprobs else scored.logprobs
             batch.old_logprobs = old
@@ -150,6 +149,14 @@ def _step_metrics(step, records, stats, cmp, upd, version, t) -> dict:
     }
 
 
+def compare_step(records, scored, rollout_version: int, rollout_vocab: int) -> tuple[dict, dict]:
+    """The step's gate verdict and its numbers: the logprobs are compared only when the gate passes (else every number
+    is null, never 0)."""
+    cmp = comparability(records, scored.digest, scored.weight_version, rollout_version, rollout_vocab)
+    stats = compare_logprobs([r.rollout_logprobs for r in records], scored.logprobs) if cmp["comparable"] else not_compared()
+    return cmp, stats
+
+
 def sync_weights(cfg: VimeConfig, trainer, rollout, version: int, run_dir: Path, model_path: Path) -> None:
     """The trainer's weights of `version` into every engine: CUDA IPC handles where the trainer and one strict engine share
     a GPU (roles.ipc_weight_sync: a device-to-device copy), else HF tensors through host memory; kept on disk too with
@@ -157,8 +164,10 @@ def sync_weights(cfg: VimeConfig, trainer, rollout, version: int, run_dir: Path,
     from .roles import ipc_weight_sync
 
     if ipc_weight_sync(cfg):
-        rollout.call("update_weights_ipc", trainer.call("export_weights_ipc", version), version)
-        trainer.call("release_ipc")
+        try:
+            rollout.call("update_weights_ipc", trainer.call("export_weights_ipc", version), version)
+        finally:
+            trainer.call("release_ipc")
         if cfg.run.save_weights:
             keep_version(run_dir, model_path, version, trainer.call("export_weights", version))
         return
@@ -218,7 +227,8 @@ def _roles(cfg: VimeConfig, model_path: Path, resume: checkpoint.ResumePoint | N
 
     roles = cfg.trainer.tp * cfg.trainer.cp + cfg.rollout.num_engines
     # the object store carries each step's weights from the trainer to the engines (GPU models: a few GiB)
-    store = (8 if cfg.resources.gpus else 0.5) * 1024 ** 3
+    stored = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))  # one copy of the weights, as stored
+    store = max((8 if cfg.resources.gpus else 0.5) * 1024 ** 3, 3 * stored)  # a float32 export of a bf16 file: 2x; headroom
     executor = (RayExecutor(num_roles=roles, colocate=cfg.resources.colocate, call_timeout_s=cfg.run.call_timeout_s, object_store_bytes=int(store))
                 if cfg.run.executor == "ray" else InProcessExecutor())
     weights = None if resume is None else str(resume.weights)

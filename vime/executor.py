@@ -159,7 +159,9 @@ class RayExecutor:
     def __init__(self, num_roles: int = 2, cpus_per_role: float = 1.0, colocate: bool = True, call_timeout_s: float | None = None,
                  object_store_bytes: int = 512 * 1024 * 1024):
         started = "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
-        self.job_env = {"PYTHONUNBUFFERED": "1", **role_env(), **RAY_LOCAL_ONLY}
+        # RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0: Ray leaves CUDA_VISIBLE_DEVICES to vime's placement for actors that ask it for
+        # no GPUs (2.60's default, stated so another Ray version cannot hide every GPU from the roles)
+        self.job_env = {"PYTHONUNBUFFERED": "1", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0", **role_env(), **RAY_LOCAL_ONLY}
         if started:
             os.environ.update(RAY_LOCAL_ONLY)  # before `import ray`: its constants read it once
         import ray
@@ -179,7 +181,13 @@ class RayExecutor:
                                        "vime.executor)")
         # a Ray the caller started (ray.init before vime) is the caller's cluster: used as it is
         self.pg = placement_group([{"CPU": cpus_per_role}] * num_roles, strategy="PACK" if colocate else "SPREAD")
-        ray.get(self.pg.ready())
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            ray.get(self.pg.ready(), timeout=call_timeout_s)
+        except GetTimeoutError:
+            raise RoleTimeoutError(f"Ray could not place {num_roles} roles of {cpus_per_role:g} CPU each within {call_timeout_s:g} s "
+                                   f"(run.call_timeout_s): {ray.available_resources()} available — free CPUs or lower the layout") from None
         self._next, self._stores = 0, []
         self.cpus, self.num_roles, self.call_timeout_s = cpus_per_role, num_roles, call_timeout_s
 

@@ -75,6 +75,7 @@ class RolloutRole:
             max_num_batched_tokens=r.max_num_batched_tokens, block_size=r.block_size,
             enable_prefix_caching=r.enable_prefix_caching, kv_cache_gb=r.kv_cache_gb, seed=cfg.run.seed, engine_id=engine_id,
             max_model_len=r.max_model_len, tp=r.tp, gpu_memory_utilization=gpu_memory_utilization(cfg),
+            enforce_eager=r.enforce_eager if r.enforce_eager is not None else not (cfg.resources.gpus and cfg.rlkernel.rollout_engine() == "stock"),
         ))
         self.tokenizer = self.engine.tokenizer
         self.rewards = RewardWorker(cfg.reward.fn, cfg.reward.timeout_s, memory_mb=cfg.reward.memory_mb)
@@ -223,7 +224,9 @@ class TrainerRole:
                                                                                         has_gauss, gauss)}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state_all()
-        return {"optimizer": self.trainer.optimizer.state_dict(), "weight_version": self.trainer.weight_version, "rng": rng}
+        # on the CPU before it leaves: the driver would otherwise rebuild GPU tensors on its own (shared) GPU
+        opt = _to_cpu(self.trainer.optimizer.state_dict())
+        return {"optimizer": opt, "weight_version": self.trainer.weight_version, "rng": rng}
 
     def load_state(self, state: dict) -> None:
         """Restore optimizer, RNG streams and version after building from the checkpoint's weights."""
@@ -240,6 +243,16 @@ class TrainerRole:
         np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
         if "cuda" in rng:
             torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 # ---------------------------------------------------------------------------- groups of role processes
@@ -333,7 +346,7 @@ class RolloutEngines:
         import sys
 
         h = self.engines[e]
-        print(f"vime: {h.name} died ({err}); restarting it at weight version {self.version}", file=sys.stderr)
+        print(f"vime: {h.name} failed ({err}); restarting it at weight version {self.version}", file=sys.stderr)
         h.restart()
         h.call("take_provenance")  # its start-up calls are not the step's
         if bring_up and self.version > 0:
@@ -343,7 +356,7 @@ class RolloutEngines:
         self.restarts += 1
 
     def _all(self, method: str, per_engine_args: list[tuple]) -> list:
-        from .executor import RoleDiedError
+        from .executor import RoleDiedError, RoleTimeoutError
 
         pending = [h.async_call(method, *a) for h, a in zip(self.engines, per_engine_args)]
         out = []
@@ -352,7 +365,7 @@ class RolloutEngines:
                 try:
                     out.append(h.wait(p, method))
                     break
-                except RoleDiedError as err:
+                except (RoleDiedError, RoleTimeoutError) as err:  # a hung engine is killed and restarted like a dead one
                     if attempt == self.MAX_RESTARTS_PER_CALL:
                         raise
                     self._restart(e, err, bring_up=not method.startswith("update_weights"))  # then the same call again: seeds are per sample, so a regenerated slice is the same
