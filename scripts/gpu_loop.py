@@ -59,7 +59,9 @@ def _summary(a: dict) -> dict:
 
 
 def _report(args, arms: dict, out: Path, tag: str, torch):
-    report = {"recipe": args.config_name, "overrides": args.overrides, "steps_asked": args.steps,
+    from vime.stamp import code_stamp
+
+    report = {"recipe": args.config_name, "overrides": args.overrides, "steps_asked": args.steps, "code": code_stamp(),
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
               "arms": {arm: _summary(a) for arm, a in arms.items()},
               "failures": {arm: a["log_tail"] for arm, a in arms.items() if a["rc"]}}

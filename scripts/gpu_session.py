@@ -96,10 +96,13 @@ def main() -> int:
         ap.error(f"unknown steps {unknown}; known: {list(STEPS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = []
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from vime.stamp import code_stamp
+
+    stamp, results = code_stamp(), []
     for name in args.steps:
         results.append(run_step(name, out))
-        (out / "gpu_session.json").write_text(json.dumps(results, indent=1))
+        (out / "gpu_session.json").write_text(json.dumps({"code": stamp, "steps": results}, indent=1))
     return sum(r["rc"] != 0 for r in results)
 
 

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from vime.stamp import code_stamp  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -55,6 +57,7 @@ def main(argv=None) -> int:
         "reward_first10": sum(rewards[:10]) / max(1, len(rewards[:10])),
         "reward_last10": sum(rewards[-10:]) / max(1, len(rewards[-10:])),
         "wall_seconds": round(wall, 1), "ok": not failed and not missing and len(rows) == a.steps,
+        "code": code_stamp(),  # what this was measured with (scripts/stale_results.py)
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -63,3 +63,17 @@ def test_rlkernel_layers_only_import_downwards():
             if there != here and there not in ALLOWED.get(here, set()):
                 bad.append(f"{'/'.join(rel)} ({here}) imports {'.'.join(target)} ({there})")
     assert bad == []
+
+
+def test_code_stamp_follows_the_sources(tmp_path):
+    """vime.stamp: the hash that dates a result changes with any measured source, not with other files."""
+    from vime.stamp import source_sha256
+
+    for folder in ("vime", "rlkernel", "recipes", "scripts"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "a.py").write_text("x = 1\n")
+    before = source_sha256(tmp_path)
+    (tmp_path / "notes.md").write_text("not a source")
+    assert source_sha256(tmp_path) == before
+    (tmp_path / "rlkernel" / "a.py").write_text("x = 2\n")
+    assert source_sha256(tmp_path) != before
