@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     cmd = [sys.executable, "-m", "vime.cli", "train", "--config-name", a.config_name, f"trainer.total_steps={a.steps}",
            f"run.output_dir={run_dir}", *a.overrides]
     print("running:", " ".join(cmd), flush=True)
-    t0 = time.time()
+    stamp, t0 = code_stamp(), time.time()  # the sources as the run starts (edits during it must not date it)
     proc = subprocess.run(cmd, cwd=ROOT)
     wall = time.time() - t0
     metrics = run_dir / "metrics.jsonl"
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         "reward_first10": sum(rewards[:10]) / max(1, len(rewards[:10])),
         "reward_last10": sum(rewards[-10:]) / max(1, len(rewards[-10:])),
         "wall_seconds": round(wall, 1), "ok": not failed and not missing and len(rows) == a.steps,
-        "code": code_stamp(),  # what this was measured with (scripts/stale_results.py)
+        "code": stamp,  # what this was measured with (scripts/stale_results.py), taken before the run started
     }
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
