@@ -102,3 +102,45 @@ def test_a_hung_engine_is_restarted_and_its_call_repeated(tmp_path):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["records"] == ["7:a", "7:b"] and got["restarts"] == 1 and got["seconds"] < 120
     assert "rollout[vllm-0] failed (rollout[vllm-0].generate did not return within 3 s" in proc.stderr
+
+
+_RANK_DIES = """
+    import json, os, sys, time
+    from vime.executor import RayExecutor, RoleDiedError
+    from vime.roles import TrainerGroup
+
+    class Rank:  # stands in for a TrainerRole: rank 0 waits in a "collective" for rank 1, which dies
+        def __init__(self, rank):
+            self.rank = rank
+        def update(self, batch):
+            if self.rank == 1:
+                time.sleep(1)
+                os._exit(1)
+            time.sleep(120)
+            return {"loss": 0.0}
+
+    ex = RayExecutor(num_roles=2, call_timeout_s=100)
+    group = TrainerGroup.__new__(TrainerGroup)  # the group's wait policy, on real Ray actors
+    group.world = 2
+    group.ranks = [ex.spawn(Rank, r, name=f"trainer[rank {r}]") for r in range(2)]
+    t = time.time()
+    try:
+        group.call("update", None)
+        out = {"raised": None}
+    except RoleDiedError as e:
+        out = {"raised": str(e)}
+    out["seconds"] = time.time() - t
+    print(json.dumps(out))
+    ex.shutdown()
+"""
+
+
+def test_a_dead_trainer_rank_is_named_at_once():
+    """A TP/CP trainer group whose rank 1 dies while rank 0 waits for it in a collective: the group raises RoleDiedError
+    naming rank 1 within seconds (then the run resumes from its checkpoint), not after rank 0's call limit."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_RANK_DIES)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["raised"] and got["raised"].startswith("trainer[rank 1] died during update") and got["seconds"] < 60

@@ -288,7 +288,32 @@ class TrainerGroup:
 
     def _all(self, method: str, *args) -> list:
         pending = [h.async_call(method, *args) for h in self.ranks]
+        if len(self.ranks) > 1 and all(getattr(h, "actor", None) is not None for h in self.ranks):
+            self._first_failure(pending, method)
         return [h.wait(p, method) for h, p in zip(self.ranks, pending)]
+
+    def _first_failure(self, pending: list, method: str) -> None:
+        """Ranks finish in any order: take each result as it comes, so a rank that died is named at once — the others
+        would wait in their collectives until the call's limit. Raises what that rank's wait raises (RoleDiedError for
+        a dead process), or RoleTimeoutError naming the ranks still busy when the limit passes."""
+        import time
+
+        import ray
+
+        from .executor import RoleTimeoutError
+
+        left = dict(zip(pending, self.ranks))
+        limit = self.ranks[0].timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
+        while left:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(left), num_returns=1, timeout=wait)
+            if not ready:
+                busy = ", ".join(h.name for h in left.values())
+                raise RoleTimeoutError(f"{busy}: {method} did not return within {limit:g} s (run.call_timeout_s); a rank is hung or "
+                                       "the limit is too short for this model — raise run.call_timeout_s")
+            for ref in ready:
+                left.pop(ref).wait(ref, method)
 
     def call(self, method: str, *args):
         if method == "load_state":
