@@ -20,7 +20,8 @@ rlkernel's layer spec, Triton kernels under the GPU contracts):
   update       two GRPO updates at TP=1 and at TP=2: the same losses, grad norms and exported weights (the
                TP-invariant backward); native as the negative control
   rollout      rank 0 decodes every sequence like a rollout engine (StrictDecoder, paged KV cache,
-               requests joining and leaving, TP=1); the TP=2 trainer re-scores them packed:
+               requests joining and leaving, TP=1; --rollout-tp = the world: every rank holds a shard of a TP engine);
+               the trainer (--train-tp x --train-cp, default TP=2) re-scores them packed:
                mismatch_count over every generated token (the claim: 0 over >= 1,000,000 tokens)
 
 Rank 0 writes DIR/h200x2_tp_parity.json (DIR: $OUT, else benchmarks/).
@@ -161,6 +162,25 @@ def write_checkpoint(args, dev, path: Path):
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    return model
+
+
+def tp_decoder(ckpt: Path, dev, rank: int, world: int):
+    """The rollout engine's model at TP=world (rlkernel's StrictDecoder sharded as vLLM's strict model is: heads and MLP
+    rows split, o/down merged by the canonical segment tree), this rank's shard loaded from the checkpoint."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    import gpu_strict_parity as gsp
+    from rlkernel.models.decoder import DecoderConfig, StrictDecoder, TensorParallel
+
+    cfg = DecoderConfig.from_hf(json.loads((ckpt / "config.json").read_text()))
+    model = StrictDecoder(cfg, dtype=torch.bfloat16, device=dev, tp=TensorParallel(rank=rank, world=world, group=dist.group.WORLD))
+    model.load_hf_weights(load_file(str(ckpt / "model.safetensors"), device=str(dev)))
+    model.requires_grad_(False)
+    model.set_max_positions(8192)
+    gsp.DEV = dev
     return model
 
 
@@ -314,6 +334,9 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="tiny dimensions (the CPU smoke run)")
     ap.add_argument("--only", default="collectives,head,scoring,update,rollout")
+    ap.add_argument("--rollout-tp", type=int, default=1, help="rollout part: the decoding engine's TP (1: rank 0 alone, or the world)")
+    ap.add_argument("--train-tp", type=int, default=2, help="rollout part: the re-scoring trainer's TP (x --train-cp = world)")
+    ap.add_argument("--train-cp", type=int, default=1, help="rollout part: the re-scoring trainer's CP")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
     args = ap.parse_args(argv)
     import torch
@@ -417,29 +440,34 @@ def main(argv=None):
         log(rank, "update", rep)
     if "rollout" in only:
         ro = None
-        if rank == 0:
+        rtp, ttp, tcp = args.rollout_tp, args.train_tp, args.train_cp
+        if rtp not in (1, world) or ttp * tcp != world:
+            raise SystemExit(f"--rollout-tp must be 1 or the world size {world}, and --train-tp x --train-cp the world size")
+        if rank == 0 or rtp > 1:  # TP=1: rank 0 decodes alone; TP=world: every rank holds its shard of the engine
+            model = model if rtp == 1 else tp_decoder(ckpt, dev, rank, rtp)
             max_len = max(len(s) for s in seqs)
             conc = min(args.concurrency, len(seqs))
-            cache = gsp.PagedCache(args.layers, conc * ((max_len + 15) // 16 + 1) + 64, 16, gsp.QWEN3_8B["num_kv_heads"],
+            cache = gsp.PagedCache(args.layers, conc * ((max_len + 15) // 16 + 1) + 64, 16, gsp.QWEN3_8B["num_kv_heads"] // rtp,
                                    gsp.QWEN3_8B["head_dim"], seed=3)
             t = time.time()
             with torch.no_grad():
                 ro, steps = gsp.rollout(model, seqs, plens, conc, cache, seed=11)
             _sync(dev)
             res["rollout_setup"] = {"sequences": len(seqs), "engine_steps": steps, "seconds": round(time.time() - t, 1),
-                                    "concurrency": conc, "page_size": 16}
+                                    "concurrency": conc, "page_size": 16, "rollout_tp": rtp}
             log(rank, "rollout", res["rollout_setup"])
             del cache
         t = time.time()
-        tr = trainer_scores(str(ckpt), 2, "strict", dev, seqs, plens, args.pack_tokens)
+        tr = trainer_scores(str(ckpt), ttp, "strict", dev, seqs, plens, args.pack_tokens, cp=tcp)
         if rank == 0:
-            res["rollout_tp1_vs_training_tp2"] = gsp.compare({s: ro[s].float().cpu() for s in ro}, {s: tr[s].cpu() for s in tr})
-            res["rollout_tp1_vs_training_tp2"]["training_seconds"] = round(time.time() - t, 1)
-            log(rank, "rollout vs training", res["rollout_tp1_vs_training_tp2"])
+            key = "rollout_tp1_vs_training_tp2" if (rtp, ttp, tcp) == (1, 2, 1) else f"rollout_tp{rtp}_vs_training_tp{ttp}_cp{tcp}"
+            res[key] = gsp.compare({s: ro[s].float().cpu() for s in ro}, {s: tr[s].cpu() for s in tr})
+            res[key]["training_seconds"] = round(time.time() - t, 1)
+            log(rank, "rollout vs training", res[key])
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        name = "h200x2_tp_parity.json" if dev == "cuda" and not args.tiny else "tp_parity_smoke.json"
+        name = f"h200x{world}_tp_parity.json" if dev == "cuda" and not args.tiny else "tp_parity_smoke.json"
         (out / name).write_text(json.dumps(res, indent=1))
         print(json.dumps(res))
     dist.barrier()

@@ -196,6 +196,18 @@ def test_two_gpu_script_runs_its_claims_on_cpu(tmp_path):
     assert res["scoring"]["native_tp1_vs_tp2"]["mismatch_count"] > 0  # the negative control
     r = res["rollout_tp1_vs_training_tp2"]
     assert r["compared_tokens"] > 0 and r["mismatch_count"] == 0
+    # the other layouts the x4 run uses: a TP=2 rollout engine (every rank holds a shard) against a CP=2 trainer, and the
+    # CP part (CP=2 scores vs CP=1, native as the control; an update at CP=2 on which both ranks agree)
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", "scripts/gpu_tp_parity.py", "--device", "cpu", "--tiny",
+                           "--seqs", "24", "--only", "rollout,cp", "--rollout-tp", "2", "--train-tp", "1", "--train-cp", "2",
+                           "--out", str(tmp_path / "cp")], cwd=root, capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads((tmp_path / "cp" / "tp_parity_smoke.json").read_text())
+    r = res["rollout_tp2_vs_training_tp1_cp2"]
+    assert res["rollout_setup"]["rollout_tp"] == 2 and r["compared_tokens"] > 0 and r["mismatch_count"] == 0
+    assert res["cp"]["strict_cp1_vs_cp2"]["mismatch_count"] == 0 and res["cp"]["native_cp1_vs_cp2"]["mismatch_count"] > 0
+    assert res["cp"]["update_cp2"]["ranks_agree"] and res["cp"]["update_cp2"]["grad_norm"] > 0
 
 
 def _cp_body(rank: int, checkpoint: str, tp: int, cp: int) -> dict:
