@@ -25,6 +25,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _reused(recipe: str, arm: str, runs: Path) -> dict:
+    """An arm a previous call of this script ran on this machine (its run directory is still there): its lines, not
+    re-run — a device call is limited to 10 minutes, so the two arms of a large recipe can take two calls."""
+    run_dir = runs / f"{recipe}_{arm}"
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        raise SystemExit(f"--reuse {arm}: no {metrics} (run that arm first, on this machine)")
+    meta = json.loads((run_dir / "gpu_loop_arm.json").read_text()) if (run_dir / "gpu_loop_arm.json").exists() else {}
+    return {"run_dir": str(run_dir), "rc": meta.get("rc", 0), "wall_seconds": meta.get("wall_seconds"), "reused": True,
+            "lines": [json.loads(x) for x in metrics.read_text().splitlines()], "log_tail": ""}
+
+
 def _arm(recipe: str, arm: str, steps: int, runs: Path, overrides: list[str]) -> dict:
     run_dir = runs / f"{recipe}_{arm}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -35,6 +47,8 @@ def _arm(recipe: str, arm: str, steps: int, runs: Path, overrides: list[str]) ->
     wall = time.perf_counter() - t0
     print(p.stdout[-4000:], flush=True)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if (run_dir / "metrics.jsonl").exists() else []
+    if run_dir.exists():
+        (run_dir / "gpu_loop_arm.json").write_text(json.dumps({"rc": p.returncode, "wall_seconds": round(wall, 1)}))
     return {"run_dir": str(run_dir), "rc": p.returncode, "wall_seconds": round(wall, 1), "lines": lines,
             "log_tail": p.stdout[-6000:] if p.returncode else ""}
 
@@ -48,7 +62,7 @@ def _summary(a: dict) -> dict:
         return round(statistics.median(vals), 4) if vals else None
 
     return {
-        "rc": a["rc"], "steps": len(lines), "wall_seconds": a["wall_seconds"],
+        "rc": a["rc"], "steps": len(lines), "wall_seconds": a["wall_seconds"], "reused": a.get("reused", False),
         "mismatch_count": [x["mismatch_count"] for x in lines], "max_abs_diff": [x["max_abs_diff"] for x in lines],
         "compared_tokens": sum(x["compared_tokens"] for x in lines), "comparable": bool(lines) and all(x["comparable"] for x in lines),
         "contracts_match": [x.get("contracts_match") for x in lines], "reward_mean": [round(x["reward_mean"], 4) for x in lines],
@@ -97,6 +111,8 @@ def main() -> int:
     ap.add_argument("--runs", default="/tmp/vime_gpu_runs", help="where the runs' directories go (checkpoints are large)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
     ap.add_argument("--tag", default=None, help="output name (default: h200_loop_<recipe>)")
+    ap.add_argument("--reuse", default="", help="arms a previous call ran on this machine: read their run directories "
+                    "instead of running them again (the two arms in two device calls)")
     ap.add_argument("--allow-cpu", action="store_true", help="run without a GPU (a CPU recipe; for smoke tests)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -111,7 +127,8 @@ def main() -> int:
     tag = args.tag or f"h200_loop_{args.config_name}"
     arms: dict = {}
     for arm in args.arms.split(","):  # the report is rewritten after each arm: a device call cut short keeps what ran
-        arms[arm] = _arm(args.config_name, arm, args.steps, runs, args.overrides)
+        reuse = arm in args.reuse.split(",")
+        arms[arm] = _reused(args.config_name, arm, runs) if reuse else _arm(args.config_name, arm, args.steps, runs, args.overrides)
         report, strict_ok = _report(args, arms, out, tag, torch)
     print(json.dumps({k: v for k, v in report.items() if k != "failures"}))
     return 0 if strict_ok else 1

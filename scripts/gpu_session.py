@@ -38,6 +38,10 @@ STEPS: dict[str, tuple[int, str]] = {
     "parity_native": (300, f"{_PARITY} --mode native"),
     # the whole loop, strict then native arm (scripts/gpu_loop.py writes its JSON, metrics and curves to {out})
     "loop_qwen3": (520, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --out {out}"),
+    # the same in two device calls (each arm ~5 min with the model build and engine starts): native, then strict + report
+    "loop_qwen3_native": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native --out {out}"),
+    "loop_qwen3_strict": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
+                               "--reuse native --out {out}"),
     # rollout tokens/s at the Qwen3-0.6B shape (random weights, bf16), 256 prompts x 128 tokens: strict (eager) vs stock
     # vLLM eager and with CUDA graphs
     "qwen06_ckpt": (180, "python3 scripts/make_tiny_checkpoint.py /tmp/q06 --vocab-size 151936 --hidden-size 1024 --intermediate-size 3072 "
