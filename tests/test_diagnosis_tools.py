@@ -263,3 +263,19 @@ def test_an_unverified_implementation_fails_a_strict_step_and_doctor_says_why(tm
     report, lines = explain_run(tmp_path)
     assert report["failed_steps"] == [0, 1, 2] and "registered outside rlkernel" in report["reasons"][0]["why"]
     assert any("steps 0..2" in line for line in lines)
+
+
+def test_the_first_divergence_is_the_first_op_with_equal_inputs_and_other_outputs():
+    from vime.diagnose import SiteDiff, first_divergence
+
+    def site(name, out, inp):
+        return SiteDiff(site=name, layer=0, name=name, op="linear", rows=8, out_differ=out, in_differ=inp, max_abs=1e-6 if out else 0.0)
+
+    equal = [site("q_proj", 0, 0), site("k_proj", 0, 0)]
+    assert first_divergence(equal) is None
+    chain = [site("q_proj", 0, 0), site("rope_q", 3, 0), site("attention", 8, 3)]  # rope diverged, attention inherited it
+    assert first_divergence(chain).site == "rope_q"
+    upstream = [site("o_proj", 5, 2), site("down_proj", 4, 0)]  # o_proj's inputs already differed (an uncaptured step)
+    assert first_divergence(upstream).site == "down_proj"
+    only_inherited = [site("o_proj", 5, 2)]  # no site with equal inputs: the first differing one, its inputs flagged
+    assert first_divergence(only_inherited).site == "o_proj" and first_divergence(only_inherited).in_differ == 2

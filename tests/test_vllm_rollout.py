@@ -112,13 +112,16 @@ print(json.dumps({"model_class": llm.apply_model(lambda m: type(m).__module__ + 
 '''
 
 
-def test_installed_plugin_leaves_stock_vllm_stock(models):
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_installed_plugin_leaves_stock_vllm_stock(models, tmp_path, arch):
     """With the package installed and every plugin loaded (vLLM's default), a plain vLLM engine of
-    a Qwen3 checkpoint runs vLLM's own Qwen3 class: the strict classes exist only under their own
+    a Qwen3 or Llama checkpoint runs vLLM's own class: the strict classes exist only under their own
     names, for an engine that asks for them (vime does, through hf_overrides)."""
-    r = _run([sys.executable, "-c", _STOCK_WITH_PLUGIN, str(models["qwen3-tied"])], timeout=600)
+    model = models["qwen3-tied"] if arch == "qwen3" else make_tiny_checkpoint(tmp_path / "llama", arch="llama", head_dim=32, seed=4)
+    r = _run([sys.executable, "-c", _STOCK_WITH_PLUGIN, str(model)], timeout=600)
     assert r["registered"] == ["RlkernelStrictLlamaForCausalLM", "RlkernelStrictQwen3ForCausalLM"]  # the plugin ran
-    assert r["model_class"].startswith("vllm.") and r["model_class"].endswith(".Qwen3ForCausalLM"), r
+    want = ".Qwen3ForCausalLM" if arch == "qwen3" else ".LlamaForCausalLM"
+    assert r["model_class"].startswith("vllm.") and r["model_class"].endswith(want), r
 
 
 def test_seeded_prompt_longer_than_the_chunk_budget_is_refused_clearly(models):

@@ -116,8 +116,11 @@ def _diff(a: Sites, b: Sites, key) -> tuple[int, int, float]:
 
 
 def first_divergence(diffs: list[SiteDiff]) -> SiteDiff | None:
-    """The first site (forward order) whose output differs; its input should be equal (checked by the caller)."""
-    return next((d for d in diffs if d.out_differ), None)
+    """The first site (forward order) whose inputs are equal and whose output differs — the op that diverged; when no
+    captured site has equal inputs (an uncaptured step upstream changed them), the first site whose output differs,
+    flagged by its `in_differ` in the report."""
+    differing = [d for d in diffs if d.out_differ]
+    return next((d for d in differing if d.in_differ == 0), differing[0] if differing else None)
 
 
 def explain(d: SiteDiff, sides: dict[str, Side], seen: dict[str, dict]) -> dict:
