@@ -334,6 +334,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="tiny dimensions (the CPU smoke run)")
     ap.add_argument("--only", default="collectives,head,scoring,update,rollout")
+    ap.add_argument("--score-tp", type=int, default=2, help="scoring part: the TP size compared with TP=1 (4 on four GPUs)")
     ap.add_argument("--rollout-tp", type=int, default=1, help="rollout part: the decoding engine's TP (1: rank 0 alone, or the world)")
     ap.add_argument("--train-tp", type=int, default=2, help="rollout part: the re-scoring trainer's TP (x --train-cp = world)")
     ap.add_argument("--train-cp", type=int, default=1, help="rollout part: the re-scoring trainer's CP")
@@ -381,10 +382,11 @@ def main(argv=None):
         sub = max(8, args.seqs // 16)
         p1, p2 = {}, {}
         s1 = trainer_scores(str(ckpt), 1, "strict", dev, seqs[:sub], plens[:sub], args.pack_tokens, p1)
-        s2 = trainer_scores(str(ckpt), 2, "strict", dev, seqs[:sub], plens[:sub], args.pack_tokens, p2)
+        n = args.score_tp
+        s2 = trainer_scores(str(ckpt), n, "strict", dev, seqs[:sub], plens[:sub], args.pack_tokens, p2)
         n1 = trainer_scores(str(ckpt), 1, "native", dev, seqs[:sub], plens[:sub], args.pack_tokens)
-        n2 = trainer_scores(str(ckpt), 2, "native", dev, seqs[:sub], plens[:sub], args.pack_tokens)
-        res["scoring"] = {"strict_tp1_vs_tp2": gsp.compare(s1, s2), "native_tp1_vs_tp2": gsp.compare(n1, n2),
+        n2 = trainer_scores(str(ckpt), n, "native", dev, seqs[:sub], plens[:sub], args.pack_tokens)
+        res["scoring"] = {f"strict_tp1_vs_tp{n}": gsp.compare(s1, s2), f"native_tp1_vs_tp{n}": gsp.compare(n1, n2),
                           # the first batch's first rows at every layer's output: equal bits, or where they part
                           "strict_sites_equal": {k: bool(torch.equal(p1[k], p2[k])) for k in p1}}
         log(rank, "scoring", res["scoring"])

@@ -18,12 +18,14 @@ def main():
     ap.add_argument("--head-dim", type=int, default=16)
     ap.add_argument("--untied", action="store_true", help="separate lm_head (default: tied embeddings)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--max-position-embeddings", type=int, default=2048,
+                    help="the model's length limit (a recipe's rollout.max_model_len must fit: grpo_qwen3_8b needs 9216)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     path = make_tiny_checkpoint(a.out, arch=a.arch, vocab_size=a.vocab_size, hidden_size=a.hidden_size,
                                 intermediate_size=a.intermediate_size, num_layers=a.num_layers, num_heads=a.num_heads,
                                 num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, tie_word_embeddings=not a.untied,
-                                dtype=a.dtype, seed=a.seed)
+                                max_position_embeddings=a.max_position_embeddings, dtype=a.dtype, seed=a.seed)
     print(path)
 
 
