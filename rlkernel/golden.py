@@ -152,19 +152,27 @@ def check(impl: str, only_slice: bool = False) -> list[str]:
     return [f"{name} (op {ops[name]})" for name, h in got.items() if want.get(name) != h]
 
 
-def check_impls(impls: dict[str, str], only_slice: bool = False) -> dict[str, list[str]]:
+def check_impls(impls: dict[str, str], only_slice: bool = False, threads: int | None = None) -> dict[str, list[str]]:
     """{op: [cases whose bits differ]} with each op's cases run by implementation `impls[op]`
     (an op -> implementation map, as one engine's policy resolves it; ops left out are not
-    checked — native ops have no golden bits). Read-only: what `vime doctor` runs per engine."""
+    checked — native ops have no golden bits), at `threads` torch threads when given (an
+    engine's own count: an implementation may keep its contract at one count and not another).
+    Read-only: what `vime doctor` and `vime diagnose` run per engine."""
     import rlkernel as rk
 
     want, bad = committed()["cases"], {op: [] for op in impls}
-    with torch.inference_mode(False), torch.enable_grad():
-        for c in _cases():
-            if c.op in impls and (c.slice or not only_slice):
-                with rk.mode("strict", impl="auto", ops={c.op: impls[c.op]}):
-                    if digest(c.fn()) != want.get(c.name):
-                        bad[c.op].append(c.name)
+    old = torch.get_num_threads()
+    if threads is not None:
+        torch._C.set_num_threads(threads)  # the builtin: vLLM's CPU worker replaces torch.set_num_threads in its process
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            for c in _cases():
+                if c.op in impls and (c.slice or not only_slice):
+                    with rk.mode("strict", impl="auto", ops={c.op: impls[c.op]}):
+                        if digest(c.fn()) != want.get(c.name):
+                            bad[c.op].append(c.name)
+    finally:
+        torch._C.set_num_threads(old)
     return bad
 
 

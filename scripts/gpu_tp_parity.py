@@ -184,6 +184,16 @@ def tp_decoder(ckpt: Path, dev, rank: int, world: int):
     return model
 
 
+def _update_batch(seqs, plens):
+    """All sequences in one packed batch, with advantages spread over [-1, 1]: what the update checks train on."""
+    import dataclasses
+
+    import torch
+
+    _, batch = next(_batches(seqs, plens, 1 << 30))
+    return dataclasses.replace(batch, advantages=torch.linspace(-1.0, 1.0, len(batch.sequences)))
+
+
 def _batches(seqs, plens, pack_tokens):
     import torch
 
@@ -230,14 +240,9 @@ def _free(dev):
 
 def trainer_updates(ckpt, tp, mode, dev, seqs, plens):
     """Two GRPO updates on one packed batch at this TP size: (metrics, exported HF weights, scores after)."""
-    import dataclasses
-
-    import torch
-
     from vime.trainer import MegatronTrainer, TrainerConfig
 
-    _, batch = next(_batches(seqs, plens, 1 << 30))
-    batch = dataclasses.replace(batch, advantages=torch.linspace(-1.0, 1.0, len(batch.sequences)))
+    batch = _update_batch(seqs, plens)
     with MegatronTrainer(TrainerConfig(tp=tp, mode=mode, dtype="bfloat16", device=dev, lr=1e-4)) as trainer:
         trainer.load_hf(ckpt)
         metrics = [trainer.update(batch) for _ in range(2)]
@@ -250,15 +255,12 @@ def grad_stats(ckpt, tp, mode, dev, seqs, plens, ddp: bool = True) -> dict:
     """Per parameter, the sum of squares of its gradient just before the optimizer step (the DDP main_grad on the
     GPU, .grad on the CPU), over the whole parameter (TP shards summed; replicated ones from TP rank 0): where TP=1
     and TP=2 training part ways."""
-    import dataclasses
-
     import torch
     import torch.distributed as dist
 
     from vime.trainer import MegatronTrainer, TrainerConfig
 
-    _, batch = next(_batches(seqs, plens, 1 << 30))
-    batch = dataclasses.replace(batch, advantages=torch.linspace(-1.0, 1.0, len(batch.sequences)))
+    batch = _update_batch(seqs, plens)
     stats = {}
     ddp = ddp and dev == "cuda"
     with MegatronTrainer(TrainerConfig(tp=tp, mode=mode, dtype="bfloat16", device=dev, lr=1e-4, megatron_ddp=ddp)) as trainer:
@@ -399,11 +401,9 @@ def main(argv=None):
         n2 = trainer_scores(str(ckpt), 1, "native", dev, seqs[:sub], plens[:sub], args.pack_tokens, cp=2)
         res["cp"] = {"strict_cp1_vs_cp2": gsp.compare(c1, c2), "native_cp1_vs_cp2": gsp.compare(n1, n2),
                      "seconds": round(time.time() - t, 1)}
-        _, batch = next(_batches(seqs[:8], plens[:8], 1 << 30))  # an update at CP=2 runs, and both ranks agree on it
-        import dataclasses
-
         from vime.trainer import MegatronTrainer, TrainerConfig
-        batch = dataclasses.replace(batch, advantages=torch.linspace(-1.0, 1.0, len(batch.sequences)))
+
+        batch = _update_batch(seqs[:8], plens[:8])  # an update at CP=2 runs, and both ranks agree on it
         with MegatronTrainer(TrainerConfig(tp=1, cp=2, mode="strict", dtype="bfloat16", device=dev, lr=1e-4)) as trainer:
             trainer.load_hf(str(ckpt))
             m = trainer.update(batch)

@@ -233,11 +233,11 @@ def _roles(cfg: VimeConfig, model_path: Path, resume: checkpoint.ResumePoint | N
                 if cfg.run.executor == "ray" else InProcessExecutor())
     weights = None if resume is None else str(resume.weights)
     trainer = TrainerGroup(executor, cfg, str(model_path), weights)
-    if cfg.resources.gpus:  # vLLM sizes its KV cache from the memory it finds free: the colocated trainer is loaded first
-        trainer.call("vocab_size")
+    # vLLM sizes its KV cache from the memory it finds free: on GPUs the colocated trainer is loaded first
+    tv = trainer.call("vocab_size") if cfg.resources.gpus else None
     rollout = RolloutEngines(executor, cfg, str(model_path if resume is None else checkpoint.hf_dir(resume.path, model_path)),
                              weights_for=lambda v: trainer.call("export_weights", v))
-    tv, rv = trainer.call("vocab_size"), rollout.call("vocab_size")
+    tv, rv = trainer.call("vocab_size") if tv is None else tv, rollout.call("vocab_size")
     if tv != rv:
         executor.shutdown()
         raise RuntimeError(f"vocab ranges differ: trainer {tv}, rollout {rv}; logprobs would not be comparable")

@@ -135,24 +135,17 @@ def explain(d: SiteDiff, sides: dict[str, Side], seen: dict[str, dict]) -> dict:
     impls = {s: {e["impl"] for e in ran[s]} for s in SIDES}
     cids = {s: {e["contract_id"] for e in ran[s]} for s in SIDES}
     contracts = {s: rk.dispatch.resolve(d.op, torch.device(ran[s][0]["device"]), sorted(impls[s])[0]).contract for s in SIDES}
+    threads = {s: sides[s].threads for s in SIDES}
     info = {"rollout_impl": sorted(impls["rollout"]), "trainer_impl": sorted(impls["trainer"]),
             "rollout_contract": sorted(cids["rollout"]), "trainer_contract": sorted(cids["trainer"]),
-            "threads": {s: sides[s].threads for s in SIDES}}
+            "threads": threads}
     delta = rk.diff(contracts["rollout"], contracts["trainer"])
     if delta:
         return info | {"cause": "contract", "delta": [{"field": f.field, "rollout": repr(f.left), "trainer": repr(f.right)} for f in delta],
                        "detail": f"{d.op}: " + "; ".join(f"{f.field} differs (rollout={f.left!r}, train={f.right!r})" for f in delta)}
     if impls["rollout"] != impls["trainer"]:
-        gold = {}
-        for s in SIDES:
-            for name in impls[s]:
-                if contracts[s].backend != "native":
-                    old = torch.get_num_threads()
-                    torch._C.set_num_threads(sides[s].threads)
-                    try:
-                        gold[name] = golden.check_impls({d.op: name})[d.op]
-                    finally:
-                        torch._C.set_num_threads(old)
+        gold = {name: golden.check_impls({d.op: name}, threads=sides[s].threads)[d.op]
+                for s in SIDES if contracts[s].backend != "native" for name in impls[s]}
         bad = {n: c for n, c in gold.items() if c}
         verdict = (f"implementation {', '.join(sorted(bad))} computes other bits than the contract (golden cases: "
                    + "; ".join(f"{n}: {', '.join(c)}" for n, c in bad.items()) + ")") if bad else "both pass the golden cases"
@@ -160,17 +153,9 @@ def explain(d: SiteDiff, sides: dict[str, Side], seen: dict[str, dict]) -> dict:
                        "detail": f"{d.op}: one contract ({contracts['rollout'].contract_id}), implementations differ "
                                  f"(rollout={'/'.join(sorted(impls['rollout']))}, train={'/'.join(sorted(impls['trainer']))}); {verdict}"}
     c = contracts["rollout"]
-    threads = {s: sides[s].threads for s in SIDES}
     if c.backend != "native" and threads["rollout"] != threads["trainer"]:  # one implementation at two thread counts: check each
         name = sorted(impls["rollout"])[0]
-        gold = {}
-        for s in SIDES:
-            old = torch.get_num_threads()
-            torch._C.set_num_threads(threads[s])
-            try:
-                gold[s] = golden.check_impls({d.op: name})[d.op]
-            finally:
-                torch._C.set_num_threads(old)
+        gold = {s: golden.check_impls({d.op: name}, threads=threads[s])[d.op] for s in SIDES}
         bad = {s: g for s, g in gold.items() if g}
         if bad:
             return info | {"cause": "implementation", "golden": {f"{name}@{threads[s]}": gold[s] for s in SIDES},
@@ -327,9 +312,10 @@ def stock_rollout(config: dict) -> None:
     """Refuse a run whose rollout was stock vLLM (the native arm with rlkernel.native_rollout=stock): diagnose replays the
     rollout through rlkernel's model in vLLM, whose native mode runs torch's ops — not the stock kernels that made the run's
     logprobs — so its op-by-op comparison would describe another engine."""
-    rl = config.get("rlkernel", {})
-    ops = {**(rl.get("ops") or {}), **(rl.get("rollout_ops") or {})}
-    if rl.get("mode") == "native" and all(v in ("", None, "native") for v in ops.values()) and rl.get("native_rollout", "stock") == "stock":
+    from .config import OpOverrides, RlkernelSection
+
+    rl = RlkernelSection(**{k: OpOverrides(**(v or {})) if k.endswith("ops") else v for k, v in config.get("rlkernel", {}).items()})
+    if rl.rollout_engine() == "stock":  # the rule the run itself chose its engine by
         raise SystemExit("vime diagnose: this run's rollout was stock vLLM (rlkernel.mode=native, rlkernel.native_rollout=stock): its own "
                          "model classes and kernels, which diagnose cannot hook op by op — it would replay rlkernel's model instead and "
                          "describe another engine. `vime doctor` explains the stock arm's drift (every op: no shared contract); to "

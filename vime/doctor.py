@@ -138,18 +138,13 @@ def _short(value, width: int = 70) -> str:
 
 def _golden(plans: dict[str, SidePlan]) -> dict[str, dict]:
     """{side: {op: [failing cases]}} for every strict implementation each engine resolved, at its thread count."""
-    set_threads, old = torch._C.set_num_threads, torch.get_num_threads()
     out = {}
     for side, p in plans.items():
         impls = {op: i.name for op, i in p.impls.items() if isinstance(i, Implementation) and i.contract.backend != "native"}
         if p.device != "cpu" or not impls:
             out[side] = {op: None for op in impls}  # the committed hashes are of the CPU contracts
             continue
-        set_threads(p.threads)
-        try:
-            out[side] = golden.check_impls(impls)
-        finally:
-            set_threads(old)
+        out[side] = golden.check_impls(impls, threads=p.threads)
     return out
 
 

@@ -186,6 +186,8 @@ class VLLMRollout:
         self.provenance = _Provenance(env=env, engine_args={k: v for k, v in args.items() if k != "additional_config"} | {"rlkernel": asdict(c), "allocator": allocator},
                                       start_seconds=time.perf_counter() - t0)
         self.weight_version = 0
+        # vLLM's loader keeps a tied head unless it is given: read once, for every weight update
+        self._tied = bool(json.loads(Path(c.model, "config.json").read_text()).get("tie_word_embeddings", False))
         self.tokenizer = self.llm.get_tokenizer()
         if c.engine == "rlkernel":
             infos = self.llm.collective_rpc("rlkernel_info")  # one per worker (vLLM's TP ranks)
@@ -244,59 +246,63 @@ class VLLMRollout:
         return result
 
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Load HF-named tensors in place as `version` (> current) and drop cached KV."""
+        """Load HF-named tensors in place as `version` (> current) and drop cached KV. TP=1 with the engine core in this
+        process: the worker is in this process too, so the tensors pass by reference (no file, no serialisation);
+        TP>1 workers are processes of their own and read one file."""
         from safetensors.torch import save_file
 
-        if version <= self.weight_version:
-            raise ValueError(f"weight versions must increase: engine holds {self.weight_version}, got {version}")
-        shm = _scratch_dir(sum(t.numel() * t.element_size() for t in tensors.values()))
-        # TP=1 with the engine core in this process: the worker is in this process too, so the tensors pass by reference
-        # (no file, no serialisation); TP>1 workers are processes of their own and read one file
+        self._check_version(version)
         direct = self.config.tp == 1 and self.config.in_process
         if self.config.engine == "stock":
             if direct:
                 from rlkernel.integrations import vllm_compat
 
-                tied = bool(json.loads(Path(self.config.model, "config.json").read_text()).get("tie_word_embeddings", False))
-                vllm_compat.reload_weights_from_tensors(self.llm, tensors, tied)
+                vllm_compat.reload_weights_from_tensors(self.llm, tensors, self._tied)
             else:
-                self._stock_reload(tensors, shm)
+                self._stock_reload(tensors)
         elif direct:
-            got = self.llm.collective_rpc("rlkernel_load_tensors", args=(tensors, version))
-            if any(g["version"] != version for g in got):
-                raise RuntimeError(f"weight update did not reach every worker: {got}")
+            self._load_in_workers("rlkernel_load_tensors", tensors, version)
         else:
-            with tempfile.TemporaryDirectory(dir=shm) as tmp:
+            with tempfile.TemporaryDirectory(dir=self._scratch(tensors)) as tmp:
                 path = os.path.join(tmp, "model.safetensors")
                 save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
-                got = self.llm.collective_rpc("rlkernel_load_weights", args=(path, version))
-                if any(g["version"] != version for g in got):
-                    raise RuntimeError(f"weight update did not reach every worker: {got}")
-        self.llm.reset_prefix_cache()
-        self.weight_version = version
+                self._load_in_workers("rlkernel_load_weights", path, version)
+        self._now_at(version)
 
     def update_weights_ipc(self, handles: dict, version: int) -> None:
         """Like update_weights, from the trainer's CUDA tensors shared as IPC handles (a colocated trainer on this GPU):
         the worker copies device to device; nothing goes through host memory or a file. Strict engine, TP=1."""
-        if version <= self.weight_version:
-            raise ValueError(f"weight versions must increase: engine holds {self.weight_version}, got {version}")
+        self._check_version(version)
         if self.config.engine != "rlkernel" or self.config.tp != 1:
             raise ValueError("IPC weight updates are for the strict engine at TP=1")
-        got = self.llm.collective_rpc("rlkernel_load_ipc", args=(handles, version))
+        self._load_in_workers("rlkernel_load_ipc", handles, version)
+        self._now_at(version)
+
+    def _check_version(self, version: int) -> None:
+        if version <= self.weight_version:
+            raise ValueError(f"weight versions must increase: engine holds {self.weight_version}, got {version}")
+
+    def _load_in_workers(self, method: str, payload, version: int) -> None:
+        got = self.llm.collective_rpc(method, args=(payload, version))
         if any(g["version"] != version for g in got):
             raise RuntimeError(f"weight update did not reach every worker: {got}")
-        self.llm.reset_prefix_cache()
+
+    def _now_at(self, version: int) -> None:
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.weight_version = version
 
-    def _stock_reload(self, tensors: dict[str, torch.Tensor], shm: str | None) -> None:
+    @staticmethod
+    def _scratch(tensors: dict[str, torch.Tensor]) -> str | None:
+        return _scratch_dir(sum(t.numel() * t.element_size() for t in tensors.values()))
+
+    def _stock_reload(self, tensors: dict[str, torch.Tensor]) -> None:
         """vLLM's own in-place reload from a checkpoint directory; the directory stays until the next one
         (the engine's model config points at it after a reload)."""
         import shutil
 
         from rlkernel.integrations import vllm_compat
 
-        tied = bool(json.loads(Path(self.config.model, "config.json").read_text()).get("tie_word_embeddings", False))
-        new = vllm_compat.write_reload_checkpoint(tensors, tempfile.mkdtemp(prefix="vime_reload_", dir=shm), tied)
+        new = vllm_compat.write_reload_checkpoint(tensors, tempfile.mkdtemp(prefix="vime_reload_", dir=self._scratch(tensors)), self._tied)
         vllm_compat.reload_weights(self.llm, new)
         old, self._reload_dir = getattr(self, "_reload_dir", None), new
         if old is not None:

@@ -13,34 +13,30 @@ from __future__ import annotations
 
 
 class StrictWorkerExtension:
+    def _load(self, tensors: dict, version: int) -> dict:
+        """Copy HF-named tensors into the model's parameters in place and stamp the version."""
+        model = self.model_runner.model
+        model.load_hf_weights(tensors)
+        model.weight_version = int(version)
+        return {"version": model.weight_version, "tensors": len(tensors)}
+
     def rlkernel_load_weights(self, path: str, version: int) -> dict:
         from safetensors.torch import load_file
 
-        model = self.model_runner.model
-        tensors = load_file(path, device=str(next(model.parameters()).device))
-        model.load_hf_weights(tensors)
-        model.weight_version = int(version)
-        return {"version": model.weight_version, "tensors": len(tensors)}
+        return self._load(load_file(path, device=str(next(self.model_runner.model.parameters()).device)), version)
 
     def rlkernel_load_tensors(self, tensors: dict, version: int) -> dict:
         """The same update from tensors handed over in memory (an engine whose worker runs in the caller's process)."""
-        model = self.model_runner.model
-        model.load_hf_weights(tensors)
-        model.weight_version = int(version)
-        return {"version": model.weight_version, "tensors": len(tensors)}
+        return self._load(tensors, version)
 
     def rlkernel_load_ipc(self, handles: dict, version: int) -> dict:
         """The same update from CUDA tensors another process on this GPU shares: `handles` maps HF names to torch's
         IPC reduction (rebuild function, args); each tensor is opened, copied into the model, and released."""
         import torch
 
-        model = self.model_runner.model
-        tensors = {name: rebuild(*args) for name, (rebuild, args) in handles.items()}
-        model.load_hf_weights(tensors)
+        out = self._load({name: rebuild(*args) for name, (rebuild, args) in handles.items()}, version)
         torch.cuda.synchronize()  # the copies are done before the sender may free or overwrite its tensors
-        del tensors
-        model.weight_version = int(version)
-        return {"version": model.weight_version, "tensors": len(handles)}
+        return out
 
     def rlkernel_take_provenance(self) -> dict:
         """rlkernel op calls since the last take: {op: [{backend, contract_id, device, calls}]}."""
