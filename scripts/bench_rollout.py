@@ -17,16 +17,19 @@ import sys
 import time
 
 
+WORKERS = ["strict", "stock", "stock_graphs", "strict_graphs"]
+
+
 def worker(args) -> None:
     import random
 
     from vime.records import SamplingSpec
     from vime.rollout import RolloutConfig, VLLMRollout
 
-    engine = "rlkernel" if args.worker == "strict" else "stock"
+    engine = "rlkernel" if args.worker.startswith("strict") else "stock"
     eng = VLLMRollout(RolloutConfig(model=args.model, engine=engine, mode="strict" if engine == "rlkernel" else "native", dtype=args.dtype,
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=32,
-                                    max_model_len=args.prompt_len + args.max_tokens + 8, enforce_eager=args.worker != "stock_graphs"))
+                                    max_model_len=args.prompt_len + args.max_tokens + 8, enforce_eager=not args.worker.endswith("_graphs")))
     rng = random.Random(0)
     vocab = eng.llm.llm_engine.model_config.get_vocab_size()
     prompts = [[rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
@@ -56,12 +59,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="engine starts per engine, alternating")
     ap.add_argument("--out", help="also write the JSON result to this file")
     ap.add_argument("--engines", default="stock,strict",
-                    help="engines to time, alternating: strict (eager), stock (eager), stock_graphs (stock vLLM with CUDA graphs, on a GPU)")
-    ap.add_argument("--worker", choices=["strict", "stock", "stock_graphs"], help=argparse.SUPPRESS)
+                    help="engines to time, alternating: strict (eager), stock (eager), stock_graphs (stock vLLM compiled, with "
+                         "CUDA graphs, on a GPU), strict_graphs (the strict engine with decode CUDA graphs, on a GPU)")
+    ap.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     engines = args.engines.split(",")
+    if set(engines) - set(WORKERS):
+        ap.error(f"unknown engines {sorted(set(engines) - set(WORKERS))}; known: {WORKERS}")
     res = {w: 0.0 for w in engines}
     for r in range(args.rounds):
         for w in engines:
@@ -70,7 +76,8 @@ def main():
             tps = json.loads(out)["tokens_per_second"]
             res[w] = max(res[w], tps)
             print(f"round {r + 1} {w:>12}: {tps:8.1f} tokens/s", flush=True)
-    ratios = {f"strict_over_{w}": round(res["strict"] / res[w], 3) for w in engines if w != "strict" and "strict" in engines}
+    ratios = {f"{s}_over_{w}": round(res[s] / res[w], 3) for s in engines if s.startswith("strict")
+              for w in engines if w.startswith("stock")}
     print("best: " + ", ".join(f"{w} {v:.1f}" for w, v in res.items()) + " tokens/s; " + ", ".join(f"{k} = {v:.2f}x" for k, v in ratios.items()))
     result = {"model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
               "rounds": args.rounds, "repeat": args.repeat, **{f"{w}_tokens_per_second": v for w, v in res.items()}, **ratios,

@@ -36,6 +36,12 @@ STEPS: dict[str, tuple[int, str]] = {
     "parity_strict_megatron": (300, f"{_PARITY} --scorer megatron --update-weights"),
     "parity_strict_tp2": (300, f"{_PARITY} --tp 2"),
     "parity_native": (300, f"{_PARITY} --mode native"),
+    # CUDA graphs: the strict engine's decode graphs (no compile) and stock vLLM compiled with graphs, each with a weight
+    # update; 32 sequences at a time so decode batches of many sizes replay captured graphs
+    "parity_strict_graphs": (300, f"vime parity --model {TQ} --num-prompts 64 --max-tokens 48 --max-num-seqs 32 "
+                                  "--max-num-batched-tokens 256 --dtype bfloat16 --update-weights --cuda-graphs"),
+    "parity_native_graphs": (300, f"vime parity --model {TQ} --num-prompts 64 --max-tokens 48 --max-num-seqs 32 "
+                                  "--max-num-batched-tokens 256 --dtype bfloat16 --update-weights --cuda-graphs --mode native"),
     # the whole loop, strict then native arm (scripts/gpu_loop.py writes its JSON, metrics and curves to {out})
     "loop_qwen3": (520, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --out {out}"),
     # the same in two device calls (each arm ~5 min with the model build and engine starts): native, then strict + report
@@ -49,6 +55,9 @@ STEPS: dict[str, tuple[int, str]] = {
     "rollout_bench": (540, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
                            "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 1 "
                            "--engines stock_graphs,stock,strict --out {out}/h200_rollout_bench.json"),
+    "rollout_bench_graphs": (540, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
+                                  "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 1 "
+                                  "--engines stock_graphs,strict_graphs --out {out}/h200_rollout_bench_graphs.json"),
     "loop_tiny": (400, "python3 scripts/gpu_loop.py --config-name grpo_tiny --steps 20 --out {out} --tag h200_loop_grpo_tiny resources.gpus=1"),
 }
 

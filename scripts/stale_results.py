@@ -21,6 +21,8 @@ def main() -> int:
     args = ap.parse_args()
     now, stale = source_sha256(), 0
     for f in sorted((ROOT / "benchmarks").glob("*.json")):
+        if f.name.endswith("_curves.json") and f.with_name(f.name[: -len("_curves.json")] + ".json").exists():
+            continue  # `vime plot`'s sidecar of a run's curves: the run's own JSON carries the stamp
         try:
             stamp = json.loads(f.read_text()).get("code")
         except (json.JSONDecodeError, AttributeError):

@@ -8,12 +8,30 @@ import os
 import pytest
 
 from vime.config import load_config
-from vime.roles import gpu_memory_utilization, gpu_placement, ipc_weight_sync
+from vime.roles import default_enforce_eager, gpu_memory_utilization, gpu_placement, ipc_weight_sync
 
 
 def test_cpu_recipes_place_nothing():
     cfg, _ = load_config("grpo_tiny")
     assert gpu_placement(cfg) == {} and gpu_memory_utilization(cfg) is None and not ipc_weight_sync(cfg)
+    assert default_enforce_eager(cfg)  # no CUDA graphs on the CPU
+
+
+def test_cuda_graphs_by_default_on_gpus_where_proved():
+    assert not default_enforce_eager(load_config("grpo_qwen3_gpu")[0])  # strict, rollout TP=1: decode graphs
+    assert not default_enforce_eager(load_config("grpo_qwen3_gpu", ["rlkernel.mode=native"])[0])  # stock: vLLM's default
+    assert default_enforce_eager(load_config("grpo_qwen3_8b")[0])  # strict engines at TP=4: eager
+    assert not default_enforce_eager(load_config("grpo_qwen3_8b", ["rlkernel.mode=native"])[0])
+
+
+def test_strict_graphs_at_rollout_tp_above_one_are_refused(tmp_path):
+    from vime.rollout import RolloutConfig
+
+    (tmp_path / "config.json").write_text("{}")
+    RolloutConfig(model=str(tmp_path), engine="rlkernel", tp=1, enforce_eager=False)
+    RolloutConfig(model=str(tmp_path), engine="stock", tp=2, enforce_eager=False, block_size=32)
+    with pytest.raises(ValueError, match="rollout.enforce_eager=true"):
+        RolloutConfig(model=str(tmp_path), engine="rlkernel", tp=2, enforce_eager=False)
 
 
 def test_one_gpu_colocated_shares_the_device_and_syncs_by_ipc():
@@ -22,7 +40,8 @@ def test_one_gpu_colocated_shares_the_device_and_syncs_by_ipc():
     assert gpu_placement(cfg, visible="5") == {"trainer": ["5"], "engines": ["5"]}  # the driver's own visible device
     assert gpu_memory_utilization(cfg) == 0.45 and ipc_weight_sync(cfg)
     native, _ = load_config("grpo_qwen3_gpu", ["rlkernel.mode=native"])
-    assert not ipc_weight_sync(native)  # stock vLLM reloads through its own loader
+    assert ipc_weight_sync(native)  # stock vLLM too: the handles are opened beside it and fed to its own reload
+    assert not ipc_weight_sync(load_config("grpo_qwen3_gpu", ["resources.colocate=false", "resources.gpus=2"])[0])
     assert gpu_memory_utilization(load_config("grpo_qwen3_gpu", ["rollout.gpu_memory_utilization=0.3"])[0]) == 0.3
 
 

@@ -121,6 +121,15 @@ _INTERPRET = textwrap.dedent('''
             od = rk.attention_paged(q[rows], kc, vc, bt[:len(rows)], sl, torch.arange(len(rows) + 1), config=acfg,
                                     split=False, walk="nested")
             assert torch.equal(od, full[rows]), (t, "nested")
+    # a decode step as vLLM captures it in a CUDA graph (vime's strict decode graphs): the grid sized from the engine's
+    # max_model_len, padded requests (query length 0, seq_len 0) and padded query rows; the real rows keep their bits
+    rows = [28, 29 + 2]
+    qp = torch.cat([q[rows], torch.randn(3, hq, d)])
+    btp = torch.cat([bt, torch.zeros(2, 8, dtype=torch.int32)])
+    sl, qsl = torch.tensor([29, 3, 0, 0], dtype=torch.int32), torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32)
+    for split in (None, True, False):
+        od = rk.attention_paged(qp, kc, vc, btp, sl, qsl, config=acfg, split=split, max_query_len=1, max_seq_len=64)
+        assert torch.equal(od[:2], full[rows]), ("graph-shaped decode", split)
     kk, vv = torch.randn(7, 2, 16), torch.randn(7, 2, 16)  # the KV write: negative slots skipped, any cache strides
     for layout in ("plain", "vllm"):
         if layout == "plain":

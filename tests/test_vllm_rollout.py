@@ -187,3 +187,14 @@ def test_stock_engine_reloads_in_place_like_a_fresh_engine(tmp_path, arch, tied)
     fresh = _run([sys.executable, "-c", _STOCK_RELOAD, str(a), str(b), "fresh"], timeout=600)
     assert reloaded == fresh
     assert all(x[1] != y[1] for x, y in zip(fresh, before))  # not vacuous: the weights changed every sequence's bits
+
+
+def test_cuda_graphs_flag_needs_a_gpu(models):
+    """`vime parity --cuda-graphs` on a machine without CUDA stops before any engine starts, saying why."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: --cuda-graphs would run")
+    proc = subprocess.run([sys.executable, "-m", "vime.cli", "parity", "--model", str(models["qwen3-tied"]), "--cuda-graphs"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--cuda-graphs needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]

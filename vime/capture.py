@@ -208,7 +208,7 @@ def vllm_engine(model: str, *, mode: str, ops: dict, dtype: str, temperature: fl
 
 
 def _vllm_model(worker):
-    return worker.model_runner.model
+    return worker.model_runner.get_model()
 
 
 def _vllm_runner(worker):

@@ -151,8 +151,9 @@ class RolloutSection:
     # GPUs (resources.gpus > 0): the fraction of each engine GPU's memory vLLM takes (weights + KV cache); 0: 0.45 when the
     # trainer shares the GPU (resources.colocate), else 0.85. Ignored on the CPU (kv_cache_gb sizes the cache there).
     gpu_memory_utilization: float = 0.0
-    # vLLM without CUDA graphs / torch.compile. null: eager for the strict engine (its backend declares no graphs) and on
-    # the CPU; stock vLLM on a GPU (the native arm) runs vLLM's production default, compiled with CUDA graphs
+    # vLLM without CUDA graphs / torch.compile. null: eager on the CPU; on a GPU, stock vLLM (the native arm) runs vLLM's
+    # production default (compiled, CUDA graphs) and the strict engine captures decode-only CUDA graphs without compiling
+    # (at rollout.tp=1, where they are proved; eager at tp>1)
     enforce_eager: Optional[bool] = None
 
     def __post_init__(self):

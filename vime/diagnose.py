@@ -281,7 +281,7 @@ class Diagnosis:
 
 
 def _vllm_model_of(worker):
-    return worker.model_runner.model
+    return worker.model_runner.get_model()
 
 
 def _compare_lps(a, b) -> dict:

@@ -94,6 +94,8 @@ def run(args) -> dict:
     from .records import SamplingSpec
     from .rollout import RolloutConfig, VLLMRollout
 
+    if args.cuda_graphs and not torch.cuda.is_available():
+        raise SystemExit("vime parity: --cuda-graphs needs a CUDA GPU (vLLM on the CPU runs eager)")
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     kind = args.engine or ("rlkernel" if args.mode == "strict" else "stock")
@@ -102,7 +104,7 @@ def run(args) -> dict:
     engine = VLLMRollout(RolloutConfig(
         model=args.model, engine=kind, mode=args.mode, dtype=args.dtype, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=block, seed=args.seed, tp=args.tp,
-        max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True,
+        max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True, enforce_eager=not args.cuda_graphs,
     ))
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     scorer = (_ReferenceScorer if args.scorer == "reference" else _MegatronScorer)(args.model, dtype, args.mode, device)
@@ -129,7 +131,7 @@ def run(args) -> dict:
                      versions_ok=all(c.weight_version == version for c in comps))
         phases[f"v{version}"] = stats
     last = phases[f"v{versions[-1]}"]
-    report = dict(mode=args.mode, engine=engine.config.engine, scorer=args.scorer, scorer_device=device, engine_tp=args.tp, engine_workers=engine.provenance.engine_args.get("worker", {}).get("workers"), engine_tp_ranks=engine.provenance.engine_args.get("worker", {}).get("tp_ranks"), model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
+    report = dict(mode=args.mode, engine=engine.config.engine, cuda_graphs=not engine.config.enforce_eager, scorer=args.scorer, scorer_device=device, engine_tp=args.tp, engine_workers=engine.provenance.engine_args.get("worker", {}).get("workers"), engine_tp_ranks=engine.provenance.engine_args.get("worker", {}).get("tp_ranks"), model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
                   temperature=args.temperature, engine_start_seconds=round(engine.provenance.start_seconds, 2),
                   total_seconds=round(time.perf_counter() - t0, 2), phases=phases,
                   mismatch_count=sum(p["mismatch_count"] for p in phases.values()),
@@ -158,6 +160,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="on a GPU: the engine with CUDA graphs (stock: compiled + graphs; strict: decode-only graphs)")
     p.add_argument("--update-weights", action="store_true", help="also perturb the weights, push them as version 1, compare again")
 
 

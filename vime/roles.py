@@ -20,7 +20,7 @@ from .records import SamplingSpec, Status, TokenRecord
 
 def _strict_model_vocab(worker) -> int:
     """Runs inside the vLLM worker (collective_rpc): the vocab range the running model's logprobs normalise over."""
-    return int(worker.model_runner.model.config.vocab_size)
+    return int(worker.model_runner.get_model().config.vocab_size)
 
 
 def gpu_placement(cfg: VimeConfig, visible: str | None = None) -> dict[str, list[str]]:
@@ -53,11 +53,20 @@ def gpu_memory_utilization(cfg: VimeConfig) -> float | None:
     return cfg.rollout.gpu_memory_utilization or (0.45 if cfg.resources.colocate else 0.85)
 
 
+def default_enforce_eager(cfg: VimeConfig) -> bool:
+    """rollout.enforce_eager when the recipe leaves it null: CUDA graphs on a GPU (stock: vLLM's compile + graphs;
+    strict: decode-only graphs at rollout TP=1, the layout they are proved at), eager on the CPU."""
+    if not cfg.resources.gpus:
+        return True
+    return cfg.rlkernel.rollout_engine() == "rlkernel" and cfg.rollout.tp > 1
+
+
 def ipc_weight_sync(cfg: VimeConfig) -> bool:
     """Whether the trainer hands its weights to the engine as CUDA IPC handles (no copy through host memory or a file):
-    one trainer process and one strict engine at TP=1, on the same GPU (colocated), in separate processes (Ray)."""
+    one trainer process and one engine (strict or stock) at TP=1, on the same GPU (colocated), in separate processes
+    (Ray)."""
     return bool(cfg.resources.gpus and cfg.resources.colocate and cfg.run.executor == "ray" and cfg.rollout.num_engines == 1
-                and cfg.rollout.tp == 1 and cfg.trainer.tp * cfg.trainer.cp == 1 and cfg.rlkernel.rollout_engine() == "rlkernel")
+                and cfg.rollout.tp == 1 and cfg.trainer.tp * cfg.trainer.cp == 1)
 
 
 class RolloutRole:
@@ -75,7 +84,7 @@ class RolloutRole:
             max_num_batched_tokens=r.max_num_batched_tokens, block_size=r.block_size,
             enable_prefix_caching=r.enable_prefix_caching, kv_cache_gb=r.kv_cache_gb, seed=cfg.run.seed, engine_id=engine_id,
             max_model_len=r.max_model_len, tp=r.tp, gpu_memory_utilization=gpu_memory_utilization(cfg),
-            enforce_eager=r.enforce_eager if r.enforce_eager is not None else not (cfg.resources.gpus and cfg.rlkernel.rollout_engine() == "stock"),
+            enforce_eager=r.enforce_eager if r.enforce_eager is not None else default_enforce_eager(cfg),
         ))
         self.tokenizer = self.engine.tokenizer
         self.rewards = RewardWorker(cfg.reward.fn, cfg.reward.timeout_s, memory_mb=cfg.reward.memory_mb)

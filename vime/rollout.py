@@ -58,7 +58,7 @@ class RolloutConfig:
     engine_id: str = "vllm-0"
     tp: int = 1  # vLLM's tensor parallelism (worker processes): stock layers, or the strict model's own TP layers
     gpu_memory_utilization: float | None = None  # on a GPU: vLLM's share of the device's memory (None: vLLM's default)
-    enforce_eager: bool = True  # False: vLLM may capture CUDA graphs (stock engine on a GPU; the strict backend declares none)
+    enforce_eager: bool = True  # False, on a GPU: CUDA graphs (stock: vLLM's compile + graphs; strict: decode graphs, no compile)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -73,6 +73,9 @@ class RolloutConfig:
             raise ValueError("temperature must be > 0")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.engine == "rlkernel" and not self.enforce_eager and self.tp > 1:
+            raise ValueError("the strict engine's CUDA graphs are proved at rollout TP=1 only; set enforce_eager "
+                             "(rollout.enforce_eager=true) for TP>1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -142,9 +145,10 @@ class VLLMRollout:
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if c.in_process else "1",
             "VLLM_PLUGINS": "rlkernel_strict" if c.engine == "rlkernel" else "",
             "VLLM_CPU_KVCACHE_SPACE": str(c.kv_cache_gb),
-            # the sampler's rank helper is torch.compiled; compiling costs 8-45 s per start and
-            # changes no value we report
-            "TORCHDYNAMO_DISABLE": "1" if c.enforce_eager else "0",  # CUDA graphs (enforce_eager=False) need vLLM's compile
+            # the sampler's rank helper is torch.compiled; compiling costs 8-45 s per start and changes no value we
+            # report. Stock CUDA graphs (enforce_eager=False) need vLLM's compile; the strict engine never compiles
+            # (Inductor would fuse the element-wise ops around rlkernel's kernels and round differently)
+            "TORCHDYNAMO_DISABLE": "1" if c.enforce_eager or c.engine == "rlkernel" else "0",
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         }
         if c.tp > 1:
@@ -179,6 +183,10 @@ class VLLMRollout:
                 worker_extension_cls="rlkernel.integrations.vllm_worker.StrictWorkerExtension",
                 additional_config={"rlkernel": {"temperature": c.temperature, "mode": c.mode, "ops": dict(c.ops)}},
             )
+            if not c.enforce_eager:
+                # whole-step CUDA graphs of decode-only batches, captured from the eager model (no torch.compile):
+                # the strict attention backend declares UNIFORM_SINGLE_TOKEN_DECODE; mixed batches run eagerly
+                args.update(compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
         else:
             args.update(logprobs_mode="processed_logprobs")
         t0 = time.perf_counter()
@@ -271,11 +279,23 @@ class VLLMRollout:
 
     def update_weights_ipc(self, handles: dict, version: int) -> None:
         """Like update_weights, from the trainer's CUDA tensors shared as IPC handles (a colocated trainer on this GPU):
-        the worker copies device to device; nothing goes through host memory or a file. Strict engine, TP=1."""
+        a device-to-device copy; nothing goes through host memory or a file. TP=1. The strict engine's worker opens
+        the handles itself; for the stock engine (its worker in this process) they are opened here and handed to
+        vLLM's own `reload_weights(weights_iterator=...)` as CUDA tensors — no code of ours runs inside it."""
         self._check_version(version)
-        if self.config.engine != "rlkernel" or self.config.tp != 1:
-            raise ValueError("IPC weight updates are for the strict engine at TP=1")
-        self._load_in_workers("rlkernel_load_ipc", handles, version)
+        if self.config.tp != 1:
+            raise ValueError("IPC weight updates need rollout TP=1")
+        if self.config.engine == "rlkernel":
+            self._load_in_workers("rlkernel_load_ipc", handles, version)
+        else:
+            if not self.config.in_process:
+                raise ValueError("IPC weight updates of the stock engine need its engine core in this process")
+            from rlkernel.integrations import vllm_compat
+
+            tensors = {name: rebuild(*args) for name, (rebuild, args) in handles.items()}
+            vllm_compat.reload_weights_from_tensors(self.llm, tensors, self._tied, on_device=True)
+            torch.cuda.synchronize()  # copied before the sender may free or overwrite its tensors
+            del tensors
         self._now_at(version)
 
     def _check_version(self, version: int) -> None:

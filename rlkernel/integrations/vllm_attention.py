@@ -18,8 +18,13 @@ in 0.32 (a default serves both); `get_name()` must name an existing backend enum
 ("CUSTOM": 0.25 has no runtime registration). Models select the backend per layer
 (`Attention(..., attn_backend=...)`), never globally (the CPU platform ignores a global choice),
 so stock models in the same process stay stock.
-CUDA graphs: not supported (`AttentionCGSupport.NEVER`; vime runs vLLM eager): the Triton launch
-chooses its grid from the host's max_seq_len, which a captured graph would freeze.
+CUDA graphs: decode-only batches (`AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`; vime asks vLLM for
+`cudagraph_mode=FULL_DECODE_ONLY` without torch.compile, see `vime.rollout`). A captured graph freezes the
+host's bounds: vLLM captures with max_seq_len = max_model_len, so the attention grid covers every KV segment
+a request can have, and each program reads its request's own length on the device (programs past it exit; the
+split merge walks the request's own segments). The bits do not depend on the bound (the contract's split and
+unsplit schedules and every grid give the same bits), so a replayed step equals an eager one; padded requests
+(query length 0) and padded tokens (slot -1) are skipped. Mixed prefill/decode batches run eagerly.
 """
 from __future__ import annotations
 
@@ -51,7 +56,7 @@ class StrictAttentionMetadata:
 
 
 class StrictAttentionMetadataBuilder(AttentionMetadataBuilder[StrictAttentionMetadata]):
-    _cudagraph_support = AttentionCGSupport.NEVER
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE  # see the module docstring
     reorder_batch_threshold = None  # any order of prefills and decodes: each request is read by position
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):  # abstract in the base

@@ -55,9 +55,10 @@ def strict_attention_backend():
     return StrictAttentionBackend
 
 
-def checkpoint_tensors(tensors: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
-    """HF-named CPU tensors as vLLM's loader wants them: the tied head given explicitly (else it keeps the old one)."""
-    out = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+def checkpoint_tensors(tensors: dict[str, torch.Tensor], tied: bool, on_device: bool = False) -> dict[str, torch.Tensor]:
+    """HF-named tensors as vLLM's loader wants them: the tied head given explicitly (else it keeps the old one); moved
+    to host memory unless `on_device` (CUDA tensors handed to an engine on the same GPU)."""
+    out = {k: v.detach().contiguous() if on_device else v.detach().contiguous().cpu() for k, v in tensors.items()}
     if tied and "lm_head.weight" not in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
     return out
@@ -80,9 +81,10 @@ def reload_weights(llm, directory: str | Path) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory), "is_checkpoint_format": True})
 
 
-def reload_weights_from_tensors(llm, tensors: dict[str, torch.Tensor], tied: bool) -> None:
+def reload_weights_from_tensors(llm, tensors: dict[str, torch.Tensor], tied: bool, on_device: bool = False) -> None:
     """The same in-place reload from tensors in memory (the method's `weights_iterator`, in both 0.25 and 0.32): for an
-    engine whose worker runs in this process (TP=1, in-process engine core), so nothing is written or serialised."""
+    engine whose worker runs in this process (TP=1, in-process engine core), so nothing is written or serialised.
+    `on_device`: the tensors stay where they are (CUDA tensors opened from a colocated trainer's IPC handles)."""
     check_version()
-    items = list(checkpoint_tensors(tensors, tied).items())
+    items = list(checkpoint_tensors(tensors, tied, on_device).items())
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})

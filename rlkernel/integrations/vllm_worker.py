@@ -15,7 +15,7 @@ from __future__ import annotations
 class StrictWorkerExtension:
     def _load(self, tensors: dict, version: int) -> dict:
         """Copy HF-named tensors into the model's parameters in place and stamp the version."""
-        model = self.model_runner.model
+        model = self.model_runner.get_model()  # the model itself, also under vLLM's CUDA-graph wrapper
         model.load_hf_weights(tensors)
         model.weight_version = int(version)
         return {"version": model.weight_version, "tensors": len(tensors)}
@@ -23,7 +23,7 @@ class StrictWorkerExtension:
     def rlkernel_load_weights(self, path: str, version: int) -> dict:
         from safetensors.torch import load_file
 
-        return self._load(load_file(path, device=str(next(self.model_runner.model.parameters()).device)), version)
+        return self._load(load_file(path, device=str(next(self.model_runner.get_model().parameters()).device)), version)
 
     def rlkernel_load_tensors(self, tensors: dict, version: int) -> dict:
         """The same update from tensors handed over in memory (an engine whose worker runs in the caller's process)."""
@@ -40,18 +40,19 @@ class StrictWorkerExtension:
 
     def rlkernel_take_provenance(self) -> dict:
         """rlkernel op calls since the last take: {op: [{backend, contract_id, device, calls}]}."""
-        return self.model_runner.model.provenance.take()
+        return self.model_runner.get_model().provenance.take()
 
     def rlkernel_weight_version(self) -> int:
-        return int(getattr(self.model_runner.model, "weight_version", -1))
+        return int(getattr(self.model_runner.get_model(), "weight_version", -1))
 
     def rlkernel_info(self) -> dict:
         from ..backends import cpu
 
-        model = self.model_runner.model
+        model = self.model_runner.get_model()  # the model itself, also under vLLM's CUDA-graph wrapper
         attn = getattr(model, "attn", None)
+        on_cpu = next(model.parameters()).device.type == "cpu"
         return {
-            "cpu_kernels": cpu.status(),
+            "cpu_kernels": cpu.status() if on_cpu else None,  # status() builds the CPU kernels: only where they run
             "model_class": type(model).__name__,
             "attention_impl": type(attn[0].impl).__name__ if attn else None,
             "temperature": getattr(model, "rollout_temperature", None),
