@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 WORKERS = ["strict", "stock", "stock_graphs", "strict_graphs"]
@@ -79,7 +80,10 @@ def main():
     ratios = {f"{s}_over_{w}": round(res[s] / res[w], 3) for s in engines if s.startswith("strict")
               for w in engines if w.startswith("stock")}
     print("best: " + ", ".join(f"{w} {v:.1f}" for w, v in res.items()) + " tokens/s; " + ", ".join(f"{k} = {v:.2f}x" for k, v in ratios.items()))
-    result = {"model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from vime.stamp import code_stamp
+
+    result = {"code": code_stamp(), "command": " ".join(sys.argv), "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
               "rounds": args.rounds, "repeat": args.repeat, **{f"{w}_tokens_per_second": v for w, v in res.items()}, **ratios,
               "ratio": ratios.get("strict_over_stock")}
     if args.out:

@@ -77,6 +77,17 @@ def test_gpu_harness_skips_without_cuda(tmp_path):
                           capture_output=True, text=True, timeout=300)  # the loop harness: skips, writes nothing
     assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["skipped"].startswith("no CUDA device")
     assert not (tmp_path / "loop").exists() or not any((tmp_path / "loop").iterdir())
+    prof = ROOT / "scripts" / "gpu_update_profile.py"  # the update profiler: skips without CUDA, runs on the CPU if asked
+    proc = subprocess.run([sys.executable, str(prof), "--out", str(tmp_path / "prof")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["skipped"].startswith("no CUDA device")
+    proc = subprocess.run([sys.executable, str(prof), "--device", "cpu", "--tiny", "--dtype", "float32", "--warmup", "1", "--repeat", "1",
+                           "--out", str(tmp_path / "prof")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rep = json.loads((tmp_path / "prof" / "cpu_update_profile.json").read_text())
+    for mode in ("strict", "native"):
+        m = rep["modes"][mode]
+        assert m["median_seconds"] > 0 and m["profile"]["wall_seconds"] > 0 and m["profile"]["top_by_host"], (mode, m)
+    assert rep["ratio_strict_over_native"] > 0 and rep["code"]["source_sha256"]
 
 
 _INTERPRET = textwrap.dedent('''

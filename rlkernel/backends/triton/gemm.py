@@ -126,9 +126,14 @@ def _k_segments(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  NUM_PROGS: tl.constexpr, TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr,
-                 SEGS: tl.constexpr = 1, SPLIT: tl.constexpr = False):
+                 SEGS: tl.constexpr = 1, SPLIT: tl.constexpr = False, K_FIXED: tl.constexpr = 0):
     """SPLIT: each (segment, tile) is its own work item; segment s's fp32 accumulator is stored at
-    rows s*M .. s*M+M-1 of c (the host merges the segments by the same tree: same bits)."""
+    rows s*M .. s*M+M-1 of c (the host merges the segments by the same tree: same bits).
+    K_FIXED > 0: K compiled in (the segmented schedules: every segment's K loop then has constant
+    bounds, which the software pipeliner needs; a runtime start is the suspected cause of their
+    slowness, H200_NOTES run 4). One compile per K; the arithmetic is the same."""
+    if K_FIXED > 0:
+        K = K_FIXED
     if TMA:
         a_src = tl.make_tensor_descriptor(a_ptr, [M, K], [sam, 1], [BLOCK_M, BLOCK_K])
         if B_NK:
@@ -338,6 +343,7 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         a, bt, out, M, N, K, a.stride(0), a.stride(1), sbn, sbk, out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGS=progs, TMA=tma, B_NK=b_nk, IEEE=_is_fp32(a), SEGS=k_segments, SPLIT=split,
+        K_FIXED=K if k_segments > 1 else 0,
         num_warps=cfg.num_warps, num_stages=_stages(cfg, a.element_size(), out.element_size()))
     if split:  # the segments' balanced binary tree, adjacent pairs: the in-register tree's bits
         p = out.view(k_segments, M, N)

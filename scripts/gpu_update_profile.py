@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Where a GRPO update's time goes at the loop's size, strict vs native, in one process.
+
+The loop on one H200 (`grpo_qwen3_gpu`: a Qwen3-0.6B-shaped policy, 128 samples of a few tokens each) measured the
+strict update at 0.82 s against native's 0.25-0.31 s, while a 4-layer Qwen3-8B-dimension train step at 8,192 tokens
+costs 1.32x: at the loop's size the strict update looks launch-bound. This script times `MegatronTrainer.update` for
+both modes on the same model and batches (warm-up first, then the median of timed updates), then profiles one update
+of each with torch.profiler: wall time, device-kernel time and count, kernel-launch calls on the host, and the top ops
+by host and by device time. JSON to --out (`h200_update_profile.json`). On a machine without CUDA it exits at once
+unless `--device cpu` (a smoke run at tiny size: what CI runs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
+                 head_dim=128)
+TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def _batch(step: int, n: int, prompt: int, response: int, vocab: int):
+    import torch
+
+    from vime.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    seqs = [torch.randint(4, vocab, (prompt + response,), generator=g).tolist() for _ in range(n)]
+    return TrainBatch(sequences=seqs, prompt_lens=[prompt] * n, loss_mask=[torch.ones(response) for _ in range(n)],
+                      temperature=1.0, weight_version=step, advantages=torch.randn(n, generator=g))
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _profile(tr, batch, device: str, top: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        tr.update(batch)
+        _sync(device)
+    wall = time.perf_counter() - t0
+    events = prof.events()
+    dev = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    launches = sum(1 for e in events if "LaunchKernel" in e.name)
+    table = prof.key_averages()
+
+    def rows(key):
+        out = []
+        for e in sorted(table, key=lambda e: getattr(e, key, 0), reverse=True)[:top]:
+            out.append({"name": e.key[:120], "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
+                        "self_device_ms": round(getattr(e, "self_device_time_total", 0) / 1e3, 3)})
+        return out
+
+    return {"wall_seconds": round(wall, 4), "device_kernels": len(dev),
+            "device_kernel_ms": round(sum(e.device_time_total if hasattr(e, "device_time_total") else 0 for e in dev) / 1e3, 3),
+            "launch_calls": launches, "top_by_host": rows("self_cpu_time_total"),
+            "top_by_device": rows("self_device_time_total") if device == "cuda" else []}
+
+
+def run(args) -> dict:
+    import torch
+
+    from vime.grpo import GRPOConfig
+    from vime.tiny_model import make_tiny_checkpoint
+    from vime.trainer import MegatronTrainer, TrainerConfig
+
+    shape = TINY if args.tiny else QWEN3_06B
+    report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+              "shape": shape, "sequences": args.sequences, "prompt_tokens": args.prompt, "response_tokens": args.response,
+              "dtype": args.dtype, "modes": {}}
+    try:
+        from vime.stamp import code_stamp
+
+        report["code"] = code_stamp()
+    except Exception as e:  # noqa: BLE001 - a checkout without git still profiles
+        report["code"] = {"error": repr(e)}
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = make_tiny_checkpoint(d, tie_word_embeddings=True, seed=3, init_std=0.02, dtype=args.dtype, **shape)
+        for mode in args.modes.split(","):
+            cfg = TrainerConfig(device=args.device, dtype=args.dtype, mode=mode, lr=2e-5, seed=7, grpo=GRPOConfig())
+            with MegatronTrainer(cfg) as tr:
+                tr.load_hf(ckpt)
+                step = 0
+                for _ in range(args.warmup):
+                    step += 1
+                    tr.update(_batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"]))
+                times = []
+                for _ in range(args.repeat):
+                    step += 1
+                    b = _batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"])
+                    _sync(args.device)
+                    t0 = time.perf_counter()
+                    tr.update(b)
+                    _sync(args.device)
+                    times.append(time.perf_counter() - t0)
+                step += 1
+                prof = _profile(tr, _batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"]), args.device, args.top)
+                report["modes"][mode] = {"update_seconds": [round(t, 4) for t in times], "median_seconds": round(statistics.median(times), 4),
+                                         "profile": prof}
+            print(f"{mode}: median update {report['modes'][mode]['median_seconds']} s, {prof['device_kernels']} device kernels, "
+                  f"{prof['launch_calls']} launch calls", flush=True)
+    m = report["modes"]
+    if "strict" in m and "native" in m:
+        report["ratio_strict_over_native"] = round(m["strict"]["median_seconds"] / m["native"]["median_seconds"], 3)
+    return report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".", help="directory for h200_update_profile.json (cpu_update_profile.json with --device cpu)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer toy model instead of the Qwen3-0.6B shape")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    ap.add_argument("--modes", default="strict,native")
+    ap.add_argument("--sequences", type=int, default=128, help="samples per update (grpo_qwen3_gpu: 16 prompts x 8)")
+    ap.add_argument("--prompt", type=int, default=6, help="prompt tokens per sample")
+    ap.add_argument("--response", type=int, default=3, help="response tokens per sample (the loop's median is about 2.6)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device (use --device cpu for a smoke run)"}))
+        return 0
+    report = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ("h200_update_profile.json" if args.device == "cuda" else "cpu_update_profile.json")
+    path.write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "modes"} | {"medians": {k: v["median_seconds"] for k, v in report["modes"].items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
