@@ -208,12 +208,17 @@ _WRAPPERS = textwrap.dedent('''
             parts = [gemm.matmul(xs[:, i * seg:(i + 1) * seg].contiguous(), ws[:, i * seg:(i + 1) * seg].contiguous(),
                                  config=cfg, out_dtype=torch.float32) for i in range(S)]
             assert torch.equal(one, rk.tree_sum(torch.stack(parts, -1), -1)), (S, tma)
-            for sched in ("launches", "split", "registers"):  # how the segments run: same bits
+            for sched in ("launches", "split", "registers") + (("stream",) if S < 8 else ()):  # how the segments run: same bits
                 got = gemm.matmul(xs, ws, k_segments=S, config=cfg, out_dtype=torch.float32, schedule=sched)
                 assert torch.equal(got, one), (S, tma, sched)
                 got = gemm.matmul(xs, b=ws.t().contiguous(), k_segments=S, config=cfg, out_dtype=torch.float32,
                                   schedule=sched)
                 assert torch.equal(got, one), (S, tma, sched, "b")
+    try:
+        gemm.matmul(xs, ws, k_segments=8, config=G.TileConfig(16, 16, 16, 2, 4), schedule="stream")
+        raise AssertionError("stream with 8 segments was accepted")
+    except ValueError as e:
+        assert "'stream' needs 2 or 4 segments" in str(e)
     # linear-logprob: targets, backward, the full table equals the targets kernel bit for bit, entropy
     O.VOCAB_CHUNK = 256
     h = torch.randn(6, 32, requires_grad=True); W = torch.randn(700, 32, requires_grad=True)

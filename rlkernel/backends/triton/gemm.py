@@ -122,11 +122,62 @@ def _k_segments(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
     return acc
 
 
+@triton.jit
+def _k_stream(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr, SEGS: tl.constexpr):
+    """_k_segments' result (SEGS = 2 or 4) from one K loop that starts at zero: the accumulator restarts at
+    every segment boundary and each finished segment is folded into the tree as it completes (s0; s0 + s1;
+    s2; (s0 + s1) + (s2 + s3)), so the pipeliner sees one loop with no restart per segment. Needs K (compiled
+    in) a multiple of SEGS * BLOCK_K."""
+    seg_iters = (K // SEGS) // BLOCK_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    lo = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    hi = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if not TMA:
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        rm = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
+        rn = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+    for ki in range(K // BLOCK_K):
+        if TMA:
+            a = a_src.load([off_m, ki * BLOCK_K])
+            if B_NK:
+                b = b_src.load([off_n, ki * BLOCK_K]).T
+            else:
+                b = b_src.load([ki * BLOCK_K, off_n])
+        else:
+            kk = ki * BLOCK_K + rk
+            a = tl.load(a_src + rm[:, None].to(tl.int64) * sam + kk[None, :] * sak)
+            b = tl.load(b_src + kk[:, None] * sbk + rn[None, :].to(tl.int64) * sbn)
+        acc = _dot(a, b, acc, IEEE)
+        if (ki + 1) % seg_iters == 0:  # segment s just ended
+            s = (ki + 1) // seg_iters - 1
+            if SEGS == 2:
+                if s == 0:
+                    lo = acc
+                else:
+                    lo = lo + acc
+            else:
+                if s == 0:
+                    lo = acc
+                elif s == 1:
+                    lo = lo + acc
+                elif s == 2:
+                    hi = acc
+                else:
+                    lo = lo + (hi + acc)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return lo
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  NUM_PROGS: tl.constexpr, TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr,
-                 SEGS: tl.constexpr = 1, SPLIT: tl.constexpr = False, K_FIXED: tl.constexpr = 0):
+                 SEGS: tl.constexpr = 1, SPLIT: tl.constexpr = False, K_FIXED: tl.constexpr = 0,
+                 STREAM: tl.constexpr = False):
     """SPLIT: each (segment, tile) is its own work item; segment s's fp32 accumulator is stored at
     rows s*M .. s*M+M-1 of c (the host merges the segments by the same tree: same bits).
     K_FIXED > 0: K compiled in (the segmented schedules: every segment's K loop then has constant
@@ -160,6 +211,10 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
             acc = _k_span(a_src, b_src, off_m, off_n, M, N, seg * ks, seg * ks + ks, sam, sak, sbn, sbk,
                           BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE)
             ptrs = c_ptr + (seg * M + rm[:, None]).to(tl.int64) * scm + rn[None, :] * scn
+        elif STREAM:
+            acc = _k_stream(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
+                            BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE, SEGS)
+            ptrs = c_ptr + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
         else:
             acc = _k_segments(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
                               BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE, SEGS)
@@ -278,8 +333,10 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     own fp32 accumulator, merged by a balanced binary tree before the one cast (bit for bit the
     per-segment GEMMs summed by rlkernel.tree_sum). schedule (how, never what: same bits):
     "launches" (default: one plain GEMM per segment into an fp32 buffer, the tree on the host),
-    "split" (one launch, segments as separate work items) or "registers" (one program walks
-    every segment, the tree in registers). out: write here ([M, N], out_dtype) instead.
+    "split" (one launch, segments as separate work items), "registers" (one program walks
+    every segment, the tree in registers) or "stream" (registers' result from one K loop that
+    folds each segment into the tree as it ends; 2 or 4 segments, K a multiple of segments x
+    block_k). out: write here ([M, N], out_dtype) instead.
     """
     if k_segments not in (1, 2, 4, 8):
         raise ValueError(f"matmul: k_segments must be 1, 2, 4 or 8, got {k_segments}")
@@ -303,7 +360,7 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     if K % k_segments:
         raise ValueError(f"matmul: K={K} is not divisible into {k_segments} segments")
     schedule = (schedule or "launches") if k_segments > 1 else None
-    if schedule not in (None, "launches", "split", "registers"):
+    if schedule not in (None, "launches", "split", "registers", "stream"):
         raise ValueError(f"matmul: unknown schedule {schedule!r}")
     if out is None:
         out = torch.empty((M, N), device=a.device, dtype=out_dtype or a.dtype)
@@ -329,6 +386,10 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         cfg = C.BF16_GEMM["narrow_mid"] if not _is_fp32(a) else cfg
     if not split and k_segments > 1 and config is None and not _is_fp32(a):
         cfg = C.BF16_GEMM["narrow_segments"]  # several live accumulators: a tile that keeps them in registers
+    stream = schedule == "stream"
+    if stream and (k_segments not in (2, 4) or K % (k_segments * cfg.block_k)):
+        raise ValueError(f"matmul: schedule 'stream' needs 2 or 4 segments and K a multiple of segments x block_k "
+                         f"(K={K}, {k_segments} segments, block_k={cfg.block_k}); use 'registers'")
     final = out
     if split:
         out = torch.empty((k_segments * M, N), device=a.device, dtype=torch.float32)
@@ -343,7 +404,7 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         a, bt, out, M, N, K, a.stride(0), a.stride(1), sbn, sbk, out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGS=progs, TMA=tma, B_NK=b_nk, IEEE=_is_fp32(a), SEGS=k_segments, SPLIT=split,
-        K_FIXED=K if k_segments > 1 else 0,
+        K_FIXED=K if k_segments > 1 else 0, STREAM=stream,
         num_warps=cfg.num_warps, num_stages=_stages(cfg, a.element_size(), out.element_size()))
     if split:  # the segments' balanced binary tree, adjacent pairs: the in-register tree's bits
         p = out.view(k_segments, M, N)
