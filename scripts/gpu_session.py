@@ -58,6 +58,8 @@ STEPS: dict[str, tuple[int, str]] = {
     "rollout_bench_graphs": (540, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
                                   "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 1 "
                                   "--engines stock_graphs,strict_graphs --out {out}/h200_rollout_bench_graphs.json"),
+    # FA3 with num_splits=1 (inside vLLM) vs rlkernel's Triton attention: speed and the bit properties a contract needs
+    "fa3_compare": (300, "python3 scripts/gpu_fa3_compare.py --out {out}"),
     # where the strict update's time goes at the loop's size (Qwen3-0.6B shape, 128 short samples), strict vs native
     "update_profile": (300, "python3 scripts/gpu_update_profile.py --out {out}"),
     "loop_tiny": (400, "python3 scripts/gpu_loop.py --config-name grpo_tiny --steps 20 --out {out} --tag h200_loop_grpo_tiny resources.gpus=1"),

@@ -77,6 +77,10 @@ def test_gpu_harness_skips_without_cuda(tmp_path):
                           capture_output=True, text=True, timeout=300)  # the loop harness: skips, writes nothing
     assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["skipped"].startswith("no CUDA device")
     assert not (tmp_path / "loop").exists() or not any((tmp_path / "loop").iterdir())
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_fa3_compare.py"), "--out", str(tmp_path / "fa3")],
+                          capture_output=True, text=True, timeout=300)  # the FA3 comparison: skips, writes nothing
+    assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1]) == {"skipped": "no CUDA device"}
+    assert not (tmp_path / "fa3").exists()
     prof = ROOT / "scripts" / "gpu_update_profile.py"  # the update profiler: skips without CUDA, runs on the CPU if asked
     proc = subprocess.run([sys.executable, str(prof), "--out", str(tmp_path / "prof")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["skipped"].startswith("no CUDA device")
