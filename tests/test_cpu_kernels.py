@@ -311,3 +311,24 @@ def test_a_dead_builder_leaves_no_lock_that_hangs():
     r = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=300)
     (d / "lock").unlink(missing_ok=True)
     assert r.returncode == 0 and r.stdout.strip().endswith(".so"), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_matmul_is_the_per_item_matmul(dtype):
+    """rlkernel::bmm (the batched GEMMs of the attention composition and its backward) equals one rlkernel::matmul per
+    batch item bit for bit — also on the strided views the composition passes (k transposed, heads expanded) and on 1
+    and 2 threads; broadcast batches go through cpu._matmul. It moves the per-item loop from Python to C++ only."""
+    g = _gen(7)
+    a = torch.randn(6, 13, 40, generator=g).to(dtype)
+    kx = torch.randn(6, 29, 40, generator=g).to(dtype)
+    for b in (kx.transpose(1, 2), torch.randn(6, 40, 17, generator=g).to(dtype), kx.transpose(1, 2).contiguous()):
+        want = torch.stack([F.matmul(x, y) for x, y in zip(a, b)])
+        for n in (1, 2):
+            with threads(n):
+                assert torch.equal(F.bmm(a, b), want)
+                assert torch.equal(cpu._matmul(a, b), want)
+    w = torch.randn(40, 11, generator=g).to(dtype)  # a 2-D b broadcast over the batch
+    assert torch.equal(cpu._matmul(a, w), torch.stack([F.matmul(x, w) for x in a]))
+    assert cpu._matmul(a[:0], kx[:0].transpose(1, 2)).shape == (0, 13, 29)
+    with pytest.raises(RuntimeError, match="rlkernel::bmm: a is"):
+        F.bmm(a, kx)

@@ -108,7 +108,8 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-    out = torch.stack([_ops().matmul(x, y) for x, y in zip(a3, b3)]) if a3.shape[0] else a3.new_zeros(0, a.shape[-2], b.shape[-1]).float()
+    # one kernel call per batch item, looped in C++ (the bits of per-item rlkernel::matmul calls)
+    out = _ops().bmm(a3, b3) if a3.shape[0] else a3.new_zeros(0, a.shape[-2], b.shape[-1]).float()
     return out.reshape(*batch, a.shape[-2], b.shape[-1])
 
 

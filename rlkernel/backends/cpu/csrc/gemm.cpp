@@ -67,6 +67,7 @@
 //       ascending pieces, matmul_out(a[:, :k1], b[:k1], out); matmul_out(a[:, k1:], b[k1:], out,
 //       True), gives the same bits as one call.
 //   rlkernel::matmul_isa() -> str            "avx512" | "avx2" | "scalar"
+//   rlkernel::bmm(Tensor a, Tensor b) -> Tensor   [B, M, K] @ [B, K, N]: rlkernel::matmul per item, in order
 //   rlkernel::matmul_naive(Tensor a, Tensor b) -> Tensor   scalar triple loop (debug / tests)
 // Raw-pointer entry points for other kernels: gemm.h (rk_gemm::gemm, gemm_packed, pack_b,
 // rk_gemm_f32), with an `accumulate` flag that continues the chain from C.
@@ -971,6 +972,25 @@ at::Tensor& op_matmul_out(const at::Tensor& a, const at::Tensor& b, at::Tensor& 
   return out;
 }
 
+// a [B, M, K] @ b [B, K, N] -> float32 [B, M, N]: one op_matmul per batch item, in order (the same call, strides and
+// bits as B separate rlkernel::matmul calls; only the per-item dispatch from Python is saved)
+at::Tensor op_bmm(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "rlkernel::bmm: a and b must be CPU tensors");
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1), "rlkernel::bmm: a is ",
+              a.sizes(), ", b is ", b.sizes());
+  const int64_t B = a.size(0), M = a.size(1), K = a.size(2), N = b.size(2);
+  at::Tensor out = at::empty({B, M, N}, a.options().dtype(at::kFloat));
+  const rk_gemm::DType at_ = dtype_of(a, "a"), bt = dtype_of(b, "b");
+  const int64_t ea = a.element_size(), eb = b.element_size();
+  for (int64_t i = 0; i < B; ++i) {
+    const char* ap = static_cast<const char*>(a.data_ptr()) + i * a.stride(0) * ea;
+    const char* bp = static_cast<const char*>(b.data_ptr()) + i * b.stride(0) * eb;
+    rk_gemm::gemm(ap, at_, a.stride(1), a.stride(2), bp, bt, b.stride(1), b.stride(2), out.data_ptr<float>() + i * M * N, N, M, N, K,
+                  false, true);
+  }
+  return out;
+}
+
 std::string op_matmul_isa() { return rk_gemm::isa(); }
 
 }  // namespace
@@ -988,4 +1008,5 @@ TORCH_LIBRARY_FRAGMENT(RK_GEMM_OPS_NAMESPACE, m) {
   m.def("matmul_packed(Tensor a, Tensor packed, int n) -> Tensor", &op_matmul_packed);
   m.def("matmul_out(Tensor a, Tensor b, Tensor(a!) out, bool accumulate=False) -> Tensor(a!)", &op_matmul_out);
   m.def("matmul_isa() -> str", &op_matmul_isa);
+  m.def("bmm(Tensor a, Tensor b) -> Tensor", &op_bmm);
 }
