@@ -134,7 +134,8 @@ class RolloutRole:
         return self.engine.weight_version
 
     def update_weights_ipc(self, handles: dict, version: int) -> int:
-        """The trainer's CUDA tensors, opened from their IPC handles inside the engine's worker and copied in place."""
+        """The trainer's CUDA tensors from their IPC handles, copied in place: opened by the strict engine's worker, or
+        here for stock vLLM and handed to its own reload_weights."""
         self.engine.update_weights_ipc(handles, version)
         return self.engine.weight_version
 

@@ -39,7 +39,9 @@ class StrictWorkerExtension:
         return out
 
     def rlkernel_take_provenance(self) -> dict:
-        """rlkernel op calls since the last take: {op: [{backend, contract_id, device, calls}]}."""
+        """rlkernel op calls since the last take: {op: [{backend, contract_id, device, calls}]}. Under CUDA graphs the
+        calls of replayed decode steps are not counted (a replay runs no Python); the ops and contracts are those the
+        eager steps and the capture recorded."""
         return self.model_runner.get_model().provenance.take()
 
     def rlkernel_weight_version(self) -> int:
