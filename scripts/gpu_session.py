@@ -56,7 +56,7 @@ STEPS: dict[str, tuple[int, str]] = {
                            "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 1 "
                            "--engines stock_graphs,stock,strict --out {out}/h200_rollout_bench.json"),
     "rollout_bench_graphs": (540, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
-                                  "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 1 "
+                                  "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 2 "
                                   "--engines stock_graphs,strict_graphs --out {out}/h200_rollout_bench_graphs.json"),
     # FA3 with num_splits=1 (inside vLLM) vs rlkernel's Triton attention: speed and the bit properties a contract needs
     "fa3_compare": (300, "python3 scripts/gpu_fa3_compare.py --out {out}"),
