@@ -161,7 +161,8 @@ import json, sys
 from safetensors.torch import load_file
 from vime.records import SamplingSpec
 from vime.rollout import RolloutConfig, VLLMRollout
-start, target, reload = sys.argv[1], sys.argv[2], sys.argv[3] == "reload"
+start, target, how = sys.argv[1], sys.argv[2], sys.argv[3]
+reload = how in ("reload", "handles")
 eng = VLLMRollout(RolloutConfig(model=start if reload else target, engine="stock", mode="native", block_size=32, max_model_len=128))
 specs = [SamplingSpec(temperature=1.0, top_p=1.0, max_tokens=8, seed=40 + i) for i in range(6)]
 def run():
@@ -169,21 +170,28 @@ def run():
     return [[c.response_ids, c.logprobs.tobytes().hex()] for c in out]
 if reload:
     before = run()  # the start weights, from the engine that then reloads (as the loop does: generate, sync, generate)
-    eng.update_weights(load_file(target + "/model.safetensors"), 1)  # HF tensors as the trainer exports them (no tied head)
+    new = load_file(target + "/model.safetensors")  # HF tensors as the trainer exports them (no tied head)
+    if how == "handles":  # the colocated GPU path: handles opened beside the engine, CUDA tensors kept where they are;
+        # on the CPU there is no CUDA IPC, so each "handle" rebuilds to the tensor itself
+        eng.update_weights_ipc({k: ((lambda t: t), (v,)) for k, v in new.items()}, 1)
+    else:
+        eng.update_weights(new, 1)
     print(json.dumps([before, run()]))
 else:
     print(json.dumps(run()))
 '''
 
 
-@pytest.mark.parametrize("arch,tied", [("qwen3", True), ("llama", False)])
-def test_stock_engine_reloads_in_place_like_a_fresh_engine(tmp_path, arch, tied):
+@pytest.mark.parametrize("arch,tied,how", [("qwen3", True, "reload"), ("llama", False, "reload"), ("qwen3", True, "handles")])
+def test_stock_engine_reloads_in_place_like_a_fresh_engine(tmp_path, arch, tied, how):
     """The native arm's engine is stock vLLM; its weights change in place through vLLM's own reload_weights
-    (rlkernel.integrations.vllm_compat): tokens and logprob bits equal a fresh engine of the new weights.
-    The new weights differ enough to move every token's logprob (checked), so an update that did not land fails."""
+    (rlkernel.integrations.vllm_compat): tokens and logprob bits equal a fresh engine of the new weights — also through
+    update_weights_ipc's stock branch ("handles": the tensors opened beside the engine and handed over where they are,
+    the tied head added). The new weights differ enough to move every token's logprob (checked), so an update that did
+    not land fails."""
     a = make_tiny_checkpoint(tmp_path / "a", arch=arch, tie_word_embeddings=tied, head_dim=32, init_std=0.08, seed=11)
     b = make_tiny_checkpoint(tmp_path / "b", arch=arch, tie_word_embeddings=tied, head_dim=32, init_std=0.08, seed=12)
-    before, reloaded = _run([sys.executable, "-c", _STOCK_RELOAD, str(a), str(b), "reload"], timeout=600)
+    before, reloaded = _run([sys.executable, "-c", _STOCK_RELOAD, str(a), str(b), how], timeout=600)
     fresh = _run([sys.executable, "-c", _STOCK_RELOAD, str(a), str(b), "fresh"], timeout=600)
     assert reloaded == fresh
     assert all(x[1] != y[1] for x, y in zip(fresh, before))  # not vacuous: the weights changed every sequence's bits

@@ -294,7 +294,8 @@ class VLLMRollout:
 
             tensors = {name: rebuild(*args) for name, (rebuild, args) in handles.items()}
             vllm_compat.reload_weights_from_tensors(self.llm, tensors, self._tied, on_device=True)
-            torch.cuda.synchronize()  # copied before the sender may free or overwrite its tensors
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # copied before the sender may free or overwrite its tensors
             del tensors
         self._now_at(version)
 
