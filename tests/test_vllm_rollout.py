@@ -53,7 +53,7 @@ def _assert_strict(report, min_tokens):
 def test_strict_rollout_matches_scorer_before_and_after_weight_update(models):
     r = _parity(models["qwen3-tied"], "--num-prompts", "64", "--max-tokens", "24", "--max-num-seqs", "4", "--max-num-batched-tokens", "40",
                 "--block-size", "16", "--temperature", "0.8", "--dtype", "bfloat16", "--update-weights")
-    assert set(r["phases"]) == {"v0", "v1"}
+    assert set(r["phases"]) == {"v0", "v1"} and r["cuda_graphs"] is False  # auto: eager on the CPU, as `vime train`
     _assert_strict(r, 2 * 64 * 6)
 
 
@@ -206,3 +206,6 @@ def test_cuda_graphs_flag_needs_a_gpu(models):
     proc = subprocess.run([sys.executable, "-m", "vime.cli", "parity", "--model", str(models["qwen3-tied"]), "--cuda-graphs"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--cuda-graphs needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "vime.cli", "parity", "--model", str(models["qwen3-tied"]), "--cuda-graphs", "maybe"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "invalid choice: 'maybe'" in proc.stderr, proc.stderr[-2000:]

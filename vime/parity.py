@@ -94,17 +94,21 @@ def run(args) -> dict:
     from .records import SamplingSpec
     from .rollout import RolloutConfig, VLLMRollout
 
-    if args.cuda_graphs and not torch.cuda.is_available():
+    if args.cuda_graphs == "on" and not torch.cuda.is_available():
         raise SystemExit("vime parity: --cuda-graphs needs a CUDA GPU (vLLM on the CPU runs eager)")
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     kind = args.engine or ("rlkernel" if args.mode == "strict" else "stock")
+    # auto: what `vime train` runs (roles.default_enforce_eager): graphs on a GPU, the strict engine's at TP=1 only
+    graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and torch.cuda.is_available() and (kind == "stock" or args.tp == 1))
+    if graphs and kind == "rlkernel" and args.tp > 1:
+        raise SystemExit("vime parity: the strict engine's CUDA graphs are proved at TP=1 only; use --cuda-graphs off with --tp > 1")
     # stock vLLM-CPU's attention needs blocks of a multiple of 32; the strict backend and stock vLLM on a GPU take 16
     block = args.block_size or (32 if kind == "stock" and not torch.cuda.is_available() else 16)
     engine = VLLMRollout(RolloutConfig(
         model=args.model, engine=kind, mode=args.mode, dtype=args.dtype, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=block, seed=args.seed, tp=args.tp,
-        max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True, enforce_eager=not args.cuda_graphs,
+        max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True, enforce_eager=not graphs,
     ))
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     scorer = (_ReferenceScorer if args.scorer == "reference" else _MegatronScorer)(args.model, dtype, args.mode, device)
@@ -160,8 +164,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="on a GPU: the engine with CUDA graphs (stock: compiled + graphs; strict: decode-only graphs)")
+    p.add_argument("--cuda-graphs", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                   help="the engine's CUDA graphs (stock: compiled + graphs; strict: decode-only graphs). auto (default): as "
+                        "`vime train` runs it — on a GPU, except the strict engine at --tp > 1; eager on the CPU. "
+                        "A bare --cuda-graphs means on")
     p.add_argument("--update-weights", action="store_true", help="also perturb the weights, push them as version 1, compare again")
 
 
