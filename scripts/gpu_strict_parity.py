@@ -299,14 +299,9 @@ def kernels(res):
     w2 = torch.randn(4096, 12288, device=DEV, dtype=torch.bfloat16) * 0.02  # down_proj, 4 canonical segments
     a2 = torch.randn(2000, 12288, device=DEV, dtype=torch.bfloat16)
     base2 = gemm.matmul(a2, w2, k_segments=4)
-    def seg_equal(c, sc):  # a schedule that fails to build (a new one) is recorded, not fatal to the rest
-        try:
-            return bool(torch.equal(gemm.matmul(a2, w2, config=c, k_segments=4, schedule=sc), base2))
-        except Exception as e:  # noqa: BLE001
-            return f"error: {type(e).__name__}: {str(e)[:200]}"
-
-    out["gemm_segments_bits_vs_config"] = {f"{k}_{sc}": seg_equal(c, sc) for k, c in variants.items()
-                                           for sc in ("launches", "split", "registers", "stream")}
+    out["gemm_segments_bits_vs_config"] = {
+        f"{k}_{sc}": _recorded(lambda: bool(torch.equal(gemm.matmul(a2, w2, config=c, k_segments=4, schedule=sc), base2)))
+        for k, c in variants.items() for sc in gemm.SCHEDULES}
     out["gemm_fp32_out_then_cast_equal"] = bool(torch.equal(gemm.matmul(a, w, out_dtype=torch.float32).bfloat16(), base))
     ms = (1, 7, 64, 65, 129, 1024, 1025)
     out["gemm_row_invariance_across_m_classes"] = all(bool(torch.equal(gemm.matmul(a[:m], w), base[:m])) for m in ms)
@@ -393,6 +388,15 @@ def top_kernels(fn, n=15):
             for e in rows[:n]]
 
 
+def _recorded(fn):
+    """fn()'s value, or its error as a string: a variant that fails to build (a new schedule) is recorded in the JSON and
+    the other variants still run."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        return f"error: {type(e).__name__}: {str(e)[:200]}"
+
+
 def bench(fn, ms=None):
     import triton.testing
     return triton.testing.do_bench(fn, warmup=10, rep=ms or 50)
@@ -415,12 +419,9 @@ def timing(args, res, model):
                                           "strict_tflops": round(2 * m * n * k / t_s / 1e9, 1),
                                           "ratio_tflops": round(t_n / t_s, 3)}
             if name in ("o", "down"):  # the row-parallel layers: 4 canonical K segments, each schedule
-                for sc in ("launches", "split", "registers", "stream"):
-                    try:
-                        t_seg = bench(lambda: gemm.matmul(a, w, k_segments=4, schedule=sc))
-                        out["gemm"][f"{name}_M{m}"][f"segments4_{sc}_ratio"] = round(t_n / t_seg, 3)
-                    except Exception as e:  # noqa: BLE001 - recorded; the other schedules still run
-                        out["gemm"][f"{name}_M{m}"][f"segments4_{sc}_ratio"] = f"error: {type(e).__name__}: {str(e)[:200]}"
+                for sc in gemm.SCHEDULES:
+                    out["gemm"][f"{name}_M{m}"][f"segments4_{sc}_ratio"] = _recorded(
+                        lambda: round(t_n / bench(lambda: gemm.matmul(a, w, k_segments=4, schedule=sc)), 3))
         del w
     log("gemm:", json.dumps(out["gemm"]))
     # attention prefill: 8 x 4096 causal, 32 q heads / 8 kv heads, D=128

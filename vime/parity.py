@@ -92,16 +92,16 @@ def run(args) -> dict:
 
     from .metrics import compare_logprobs
     from .records import SamplingSpec
-    from .rollout import RolloutConfig, VLLMRollout
+    from .rollout import RolloutConfig, VLLMRollout, graphs_proved
 
     if args.cuda_graphs == "on" and not torch.cuda.is_available():
         raise SystemExit("vime parity: --cuda-graphs needs a CUDA GPU (vLLM on the CPU runs eager)")
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     kind = args.engine or ("rlkernel" if args.mode == "strict" else "stock")
-    # auto: what `vime train` runs (roles.default_enforce_eager): graphs on a GPU, the strict engine's at TP=1 only
-    graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and torch.cuda.is_available() and (kind == "stock" or args.tp == 1))
-    if graphs and kind == "rlkernel" and args.tp > 1:
+    # auto: what `vime train` runs (roles.default_enforce_eager): graphs on a GPU where they are proved
+    graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and torch.cuda.is_available() and graphs_proved(kind, args.tp))
+    if graphs and not graphs_proved(kind, args.tp):
         raise SystemExit("vime parity: the strict engine's CUDA graphs are proved at TP=1 only; use --cuda-graphs off with --tp > 1")
     # stock vLLM-CPU's attention needs blocks of a multiple of 32; the strict backend and stock vLLM on a GPU take 16
     block = args.block_size or (32 if kind == "stock" and not torch.cuda.is_available() else 16)

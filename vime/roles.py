@@ -56,9 +56,9 @@ def gpu_memory_utilization(cfg: VimeConfig) -> float | None:
 def default_enforce_eager(cfg: VimeConfig) -> bool:
     """rollout.enforce_eager when the recipe leaves it null: CUDA graphs on a GPU (stock: vLLM's compile + graphs;
     strict: decode-only graphs at rollout TP=1, the layout they are proved at), eager on the CPU."""
-    if not cfg.resources.gpus:
-        return True
-    return cfg.rlkernel.rollout_engine() == "rlkernel" and cfg.rollout.tp > 1
+    from .rollout import graphs_proved
+
+    return not cfg.resources.gpus or not graphs_proved(cfg.rlkernel.rollout_engine(), cfg.rollout.tp)
 
 
 def ipc_weight_sync(cfg: VimeConfig) -> bool:

@@ -39,6 +39,13 @@ class StaleWeightsError(RuntimeError):
     """A request named a weight version the engine does not hold."""
 
 
+def graphs_proved(engine: str, tp: int) -> bool:
+    """Whether an engine may run with CUDA graphs: stock vLLM always (its production default); the strict engine's
+    decode graphs at rollout TP=1, the layout they are proved at. The one rule behind rollout.enforce_eager=null
+    (roles.default_enforce_eager), `vime parity --cuda-graphs auto` and the refusal below."""
+    return engine == "stock" or tp == 1
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
     model: str  # local HF checkpoint directory
@@ -73,7 +80,7 @@ class RolloutConfig:
             raise ValueError("temperature must be > 0")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
-        if self.engine == "rlkernel" and not self.enforce_eager and self.tp > 1:
+        if not self.enforce_eager and not graphs_proved(self.engine, self.tp):
             raise ValueError("the strict engine's CUDA graphs are proved at rollout TP=1 only; set enforce_eager "
                              "(rollout.enforce_eager=true) for TP>1")
 
@@ -291,8 +298,9 @@ class VLLMRollout:
             if not self.config.in_process:
                 raise ValueError("IPC weight updates of the stock engine need its engine core in this process")
             from rlkernel.integrations import vllm_compat
+            from rlkernel.integrations.vllm_worker import open_ipc_handles
 
-            tensors = {name: rebuild(*args) for name, (rebuild, args) in handles.items()}
+            tensors = open_ipc_handles(handles)
             vllm_compat.reload_weights_from_tensors(self.llm, tensors, self._tied, on_device=True)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # copied before the sender may free or overwrite its tensors

@@ -12,6 +12,13 @@ takes the trainer's CUDA tensors as IPC handles instead: a device-to-device copy
 from __future__ import annotations
 
 
+def open_ipc_handles(handles: dict) -> dict:
+    """HF name -> tensor from torch's IPC reductions (rebuild function, args) of another process's CUDA tensors: what
+    the strict worker loads, and what vime hands a stock engine's reload. The caller synchronises after copying, before
+    the sender may free or overwrite them."""
+    return {name: rebuild(*args) for name, (rebuild, args) in handles.items()}
+
+
 class StrictWorkerExtension:
     def _load(self, tensors: dict, version: int) -> dict:
         """Copy HF-named tensors into the model's parameters in place and stamp the version."""
@@ -34,7 +41,7 @@ class StrictWorkerExtension:
         IPC reduction (rebuild function, args); each tensor is opened, copied into the model, and released."""
         import torch
 
-        out = self._load({name: rebuild(*args) for name, (rebuild, args) in handles.items()}, version)
+        out = self._load(open_ipc_handles(handles), version)
         torch.cuda.synchronize()  # the copies are done before the sender may free or overwrite its tensors
         return out
 

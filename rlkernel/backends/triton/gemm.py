@@ -321,6 +321,9 @@ def _tma_ok(cfg, *tensors) -> bool:
     return True
 
 
+SCHEDULES = ("launches", "split", "registers", "stream")  # how k segments run (matmul's docstring): the same bits
+
+
 def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, config: C.TileConfig | None = None,
            num_progs: int | None = None, k_segments: int = 1, schedule: str | None = None,
@@ -360,7 +363,7 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     if K % k_segments:
         raise ValueError(f"matmul: K={K} is not divisible into {k_segments} segments")
     schedule = (schedule or "launches") if k_segments > 1 else None
-    if schedule not in (None, "launches", "split", "registers", "stream"):
+    if schedule not in (None, *SCHEDULES):
         raise ValueError(f"matmul: unknown schedule {schedule!r}")
     if out is None:
         out = torch.empty((M, N), device=a.device, dtype=out_dtype or a.dtype)
