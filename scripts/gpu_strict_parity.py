@@ -2,7 +2,7 @@
 """The GPU strict path at Qwen3-8B dimensions: rollout == training bit for bit, and what it costs.
 
     python scripts/gpu_strict_parity.py [--layers 4] [--seqs 512] [--concurrency 256] [--out DIR]
-                                        [--only kernels,parity,native,timing,train]
+                                        [--only kernels,parity,native,timing,train,sweep,reduce]
 
 One process, one H200, random weights (no hub here), the rlkernel model definition
 (rlkernel.models.decoder.StrictDecoder) with the dispatch choosing the "triton"
@@ -18,6 +18,8 @@ implementation under the GPU contracts (rlkernel/contracts/gpu.py):
   timing   strict / native ratios in this process: GEMM vs cuBLAS, attention prefill vs SDPA,
            decode step (64 sequences), scoring forward
   train    forward + backward of the layer stack, strict / native
+  sweep    candidate tile configs (not in the default list)
+  reduce   the strict update's launch savers against their definitions, bit for bit (not in the default list)
 
 Writes DIR/h200_strict_parity.json (DIR: $OUT, else benchmarks/). Without CUDA it writes
 {"skipped": reason} and exits 0.
@@ -663,6 +665,60 @@ def sweep(args, res):
     res["sweep"] = out
 
 
+def reduce_checks(res):
+    """The strict update's launch savers on this GPU, bit for bit against their definitions: rlkernel.tree_sum's
+    kernel (backends/triton/reduce.py) against the torch composition, and the vocab-parallel backward's chunked
+    tiles against the per-tile loop; with the time of each against the old way."""
+    import torch
+    from rlkernel.backends.reference import primitives as P
+    from rlkernel.backends.triton import reduce as R
+    from rlkernel.backends.triton.ops import TRITON
+    from rlkernel.contracts.logprob import VOCAB_TILE
+    from rlkernel.parallel import vocab_parallel as vp
+    out = {"tree_sum_equal": {}, "tree_sum_ms": {}}
+    torch.manual_seed(0)
+    for n, m in ((1, 5), (3, 1), (1000, 1), (4097, 3), (37, 4096), (1152, 1024), (9000, 130), (300_000, 1), (1 << 22, 1)):
+        x = torch.randn(n, m, device=DEV) * torch.exp(torch.randn(n, m, device=DEV) * 8)
+        x[torch.rand(n, m, device=DEV) < 0.05] = -0.0
+        got, want = R.tree_sum_rows(x), P.tree_sum_composition(x, dim=0)
+        hook = P.tree_sum(x.t(), dim=-1)  # through the registered CUDA path (movedim + the kernel)
+        out["tree_sum_equal"][f"{n}x{m}"] = bool(torch.equal(got.view(torch.int32), want.view(torch.int32))
+                                                 and torch.equal(hook.view(torch.int32), want.view(torch.int32)))
+        if (n, m) in ((1152, 1024), (1 << 22, 1), (37, 4096)):
+            t_k, t_c = bench(lambda: R.tree_sum_rows(x)), bench(lambda: P.tree_sum_composition(x, dim=0))
+            out["tree_sum_ms"][f"{n}x{m}"] = {"kernel": round(t_k, 4), "composition": round(t_c, 4),
+                                              "speedup": round(t_c / t_k, 2)}
+    log("tree_sum:", out)
+    T, H, tiles = 1152, 1024, 32
+    weight = (torch.randn(tiles * VOCAB_TILE, H, device=DEV) * 0.02).bfloat16()
+    h32 = torch.randn(T, H, device=DEV)
+    start = 3 * tiles * VOCAB_TILE
+    targets = torch.randint(start - 1000, start + tiles * VOCAB_TILE + 1000, (T,), device=DEV)
+    lse = torch.randn(T, device=DEV) + 9.0
+    grad = torch.randn(T, device=DEV)
+    span = (start, start + tiles * VOCAB_TILE)
+    segments = [(start + j * 8 * VOCAB_TILE, start + (j + 1) * 8 * VOCAB_TILE) for j in range(4)]
+    args = (h32, weight, targets, lse, grad, start, span, segments, 1.0, TRITON)
+    a, b = vp.local_backward(*args), vp.local_backward_per_tile(*args)
+    out["vocab_backward_chunks_equal_tiles"] = bool(all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and torch.equal(a[1], b[1]))
+    t_c, t_t = bench(lambda: vp.local_backward(*args), 200), bench(lambda: vp.local_backward_per_tile(*args), 200)
+    out["vocab_backward_ms"] = {"chunks": round(t_c, 3), "per_tile": round(t_t, 3), "speedup": round(t_t / t_c, 2),
+                                "shape": [T, H, tiles * VOCAB_TILE]}
+    log("vocab backward:", {k: out[k] for k in ("vocab_backward_chunks_equal_tiles", "vocab_backward_ms")})
+    from rlkernel.ops.linear import linear_segment_partials
+    from rlkernel.parallel.collectives import tree_all_reduce
+    from rlkernel.parallel.tp_backward import RowParallelLinearFn
+    x = torch.randn(T, 3072, device=DEV).bfloat16()
+    w = (torch.randn(H, 3072, device=DEV) * 0.02).bfloat16()
+    gy = torch.randn(T, H, device=DEV).bfloat16()
+    xa, wa, xb, wb = (t.clone().requires_grad_() for t in (x, w, x, w))
+    tree_all_reduce(linear_segment_partials(xa, wa, 4)).bfloat16().backward(gy)
+    RowParallelLinearFn.apply(xb, wb, None, 4).bfloat16().backward(gy)
+    out["row_parallel_two_gemm_backward_equal"] = bool(torch.equal(xa.grad, xb.grad) and torch.equal(wa.grad, wb.grad))
+    log("row-parallel backward:", out["row_parallel_two_gemm_backward_equal"])
+    res["reduce"] = out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
@@ -691,10 +747,11 @@ def main(argv=None):
            "contracts": {op: rk.contract_for(op, device=DEV).contract_id for op in rk.OPS}})
     log(res["contracts"])
     todo = args.only.split(",")
-    model = build_model(args.layers) if set(todo) - {"kernels", "sweep"} else None
+    model = build_model(args.layers) if set(todo) - {"kernels", "sweep", "reduce"} else None
     steps = {"kernels": lambda: kernels(res), "parity": lambda: parity(args, res, model),
              "native": lambda: native_control(args, res, model), "timing": lambda: timing(args, res, model),
-             "train": lambda: train_timing(args, res, model), "sweep": lambda: sweep(args, res)}
+             "train": lambda: train_timing(args, res, model), "sweep": lambda: sweep(args, res),
+             "reduce": lambda: reduce_checks(res)}
     for name in todo:
         try:
             steps[name]()

@@ -267,3 +267,76 @@ def test_contracts_predict_the_difference():
     assert [d.field for d in diff(CC.ALL_REDUCE_REFERENCE, CC.ALL_REDUCE_NATIVE)] == ["domain", "partition", "merge", "precision", "rounding"]
     # The vocab-parallel op is numerically the single-process linear-logprob contract.
     assert diff(dataclasses.replace(CC.VOCAB_PARALLEL_LOGPROB_REFERENCE, op="linear_logprob"), LP.STRICT) == []
+
+
+@pytest.mark.parametrize("prims_name", ["strict_cpu", "reference"])
+def test_vocab_parallel_backward_chunks_equal_the_per_tile_definition(prims_name, monkeypatch):
+    """The backward's chunked tiles (one logits GEMM and one dW GEMM per chunk, the target's +1 by a mask) give the
+    per-tile loop's bits: dh partials per canonical segment and dW, for a shard that starts mid-vocab, chunks that
+    cut a segment (2 tiles per chunk, 3 tiles per segment) and one chunk per segment (the default size)."""
+    from rlkernel.backends.reference.primitives import REFERENCE
+    from rlkernel.contracts.logprob import VOCAB_TILE
+    from rlkernel.parallel import vocab_parallel as vp
+    from rlkernel.parallel.collectives import strict_prims
+
+    prims = strict_prims(torch.device("cpu")) if prims_name == "strict_cpu" else REFERENCE
+    g = torch.Generator().manual_seed(5)
+    T, H, start, tiles = 7, 24, 6 * VOCAB_TILE, 6  # this rank: vocab rows [start, start + 6 tiles) of 9 tiles
+    weight = (torch.randn(tiles * VOCAB_TILE, H, generator=g) * 0.3).to(torch.bfloat16)
+    h32 = torch.randn(T, H, generator=g)
+    targets = torch.tensor([0, start + 3, start + VOCAB_TILE + 1, start + 5 * VOCAB_TILE - 1, start + 4 * VOCAB_TILE, 100,
+                            start + 2 * VOCAB_TILE])
+    lse = torch.randn(T, generator=g) + 4.0
+    grad = torch.randn(T, generator=g)
+    span = (start, start + tiles * VOCAB_TILE)
+    segments = [(start + 3 * VOCAB_TILE * j, start + 3 * VOCAB_TILE * (j + 1)) for j in range(2)]
+    want = vp.local_backward_per_tile(h32, weight, targets, lse, grad, start, span, segments, 1.3, prims)
+    for chunk_elements in (vp.CHUNK_ELEMENTS, 2 * T * VOCAB_TILE):
+        monkeypatch.setattr(vp, "CHUNK_ELEMENTS", chunk_elements)
+        got = vp.local_backward(h32, weight, targets, lse, grad, start, span, segments, 1.3, prims)
+        assert all(torch.equal(a, b) for a, b in zip(got[0], want[0])) and len(got[0]) == 2
+        assert torch.equal(got[1], want[1])
+    assert want[1].abs().sum() > 0 and all(p.abs().sum() > 0 for p in want[0])
+
+
+@pytest.mark.parametrize("dim,stride,n", [(0, 1, 4), (0, 2, 4), (1, 1, 2), (1, 2, 8)])
+def test_grad_norm_segment_trees_equal_the_gathered_definition(dim, stride, n):
+    """canonical_grad_norm's per-segment sums of squares of a sharded gradient ("chunks" spec), all segments in one
+    batched tree, equal the definition: gather segment j's rows (segment_rows), then its own tree — bit for bit."""
+    from rlkernel.backends.reference.primitives import tree_sum
+    from rlkernel.parallel.tp_backward import _segment_values, segment_rows
+
+    g = torch.Generator().manual_seed(dim * 100 + stride * 10 + n)
+    shape = [3, 5]
+    shape.insert(dim, stride * n * 3)
+    grad = (torch.randn(*shape, generator=g) * torch.exp(torch.randn(*shape, generator=g) * 4)).to(torch.bfloat16)
+    rows = grad.movedim(dim, 0)
+    want = [tree_sum(rows[idx].float().square().reshape(-1), dim=0) for idx in segment_rows(rows.shape[0], stride, n)]
+    got = _segment_values(grad, ("chunks", dim, stride, n))
+    assert len(got) == n and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len({float(v) for v in want}) == n  # the segments differ: rows given to the wrong segment would show
+    with pytest.raises(ValueError, match="do not split"):
+        _segment_values(grad.narrow(dim, 0, stride * n * 3 - 1), ("chunks", dim, stride, n))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_parallel_backward_in_two_gemms_equals_per_segment_autograd(dtype):
+    """RowParallelLinearFn (one node: dX = g W, dW = (X^T g)^T) against autograd through every K-segment partial and
+    the tree: forward, dX and dW bit for bit, on the CPU's strict implementation (the H200's: the loop's TP tests and
+    scripts/gpu_strict_parity.py --only reduce)."""
+    from rlkernel.ops.linear import linear_segment_partials
+    from rlkernel.parallel.collectives import tree_all_reduce
+    from rlkernel.parallel.tp_backward import RowParallelLinearFn
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(37, 64, generator=g).to(dtype)
+    w = (torch.randn(24, 64, generator=g) * 0.1).to(dtype)
+    gy = torch.randn(37, 24, generator=g).to(dtype)
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ya = tree_all_reduce(linear_segment_partials(xa, wa, 4)).to(dtype)
+    ya.backward(gy)
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    yb = RowParallelLinearFn.apply(xb, wb, None, 4).to(dtype)
+    yb.backward(gy)
+    assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad) and torch.equal(wa.grad, wb.grad)
+    assert xa.grad.abs().sum() > 0 and wa.grad.abs().sum() > 0

@@ -433,8 +433,11 @@ class MegatronTrainer:
             return norm.item()  # update() raises before anything is stepped
         if self.config.grad_clip is not None:
             coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
+            by_kind: dict[tuple, list[torch.Tensor]] = {}
             for g in grads:
-                g.mul_(coef.to(g.dtype))
+                by_kind.setdefault((g.dtype, g.device), []).append(g)
+            for (dtype, device), gs in by_kind.items():  # one multiply per element either way: the same bits, fewer launches
+                torch._foreach_mul_(gs, coef.to(device=device, dtype=dtype))
         self.optimizer.step()
         return norm.item()
 

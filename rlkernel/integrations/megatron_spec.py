@@ -64,10 +64,10 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 import rlkernel as rk
 from rlkernel.models.decoder import DecoderConfig
-from rlkernel.ops.linear import canonical_segments, linear_segment_partials
+from rlkernel.ops.linear import canonical_segments
 from rlkernel.parallel import vocab_parallel_logprob_fn
 from rlkernel.parallel.context_parallel import cp_attention
-from rlkernel.parallel.tp_backward import ColumnParallelLinearFn, SharedWeightFanout
+from rlkernel.parallel.tp_backward import ColumnParallelLinearFn, RowParallelLinearFn, SharedWeightFanout
 
 # (offset, CP group) while a context-parallel forward runs (StrictGPTModel.hidden_states sets it for StrictCoreAttention)
 _CP: contextvars.ContextVar = contextvars.ContextVar("rlkernel_megatron_cp", default=None)
@@ -221,19 +221,6 @@ class StrictColumnParallelLinear(torch.nn.Module):
         return y, (self.bias if self.skip_bias_add else None)
 
 
-class _SegmentTreeSum(torch.autograd.Function):
-    """Forward: rk.tree_all_reduce of every rank's K-segment partials. Backward: d(sum)/d(partial) = 1."""
-
-    @staticmethod
-    def forward(ctx, group, *partials):
-        ctx.n = len(partials)
-        return rk.tree_all_reduce(list(partials), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (None,) + (grad,) * ctx.n
-
-
 class StrictRowParallelLinear(torch.nn.Module):
     """RowParallelLinear's interface (input_is_parallel=True), reduced over canonical K-segments."""
 
@@ -260,8 +247,7 @@ class StrictRowParallelLinear(torch.nn.Module):
         if rk.current_policy().choice("linear") == "native":
             y = rk.linear(x, self.weight)  # dispatches to F.linear (and records provenance)
             return (reduce_from_tensor_model_parallel_region(y, group=self.tp_group) if world > 1 else y), None
-        parts = linear_segment_partials(x, self.weight, self.segments // world)
-        y = _SegmentTreeSum.apply(self.tp_group, *parts)
+        y = RowParallelLinearFn.apply(x.reshape(-1, x.shape[-1]), self.weight, self.tp_group, self.segments // world)
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1]), None
 
 

@@ -13,8 +13,11 @@ rank or the same on every rank.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .. import dispatch
 from ..backends.reference.primitives import tree_sum
 from ..ops.linear import linear, linear_segment_partials
 from .collectives import _gather, tree_all_reduce
@@ -27,6 +30,16 @@ def segment_rows(rows: int, stride: int, segments: int) -> list[torch.Tensor]:
         raise ValueError(f"{rows} rows do not split into stride {stride} x {segments} segments")
     c = rows // (stride * segments)
     return [torch.cat([torch.arange((t * segments + j) * c, (t * segments + j + 1) * c) for t in range(stride)]) for j in range(segments)]
+
+
+@functools.lru_cache(maxsize=256)
+def _segment_perm(rows: int, stride: int, segments: int, device: torch.device) -> torch.Tensor | None:
+    """The rows of every canonical segment in segment order, on `device` (None when that is the identity: stride 1)."""
+    if stride == 1:
+        if rows % segments:
+            raise ValueError(f"{rows} rows do not split into stride 1 x {segments} segments")
+        return None
+    return torch.cat(segment_rows(rows, stride, segments)).to(device)
 
 
 class ColumnParallelLinearFn(torch.autograd.Function):
@@ -45,14 +58,38 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]).to(x.dtype)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            perm = torch.cat(segment_rows(weight.shape[0], ctx.stride, ctx.segments)).to(x.device)
-            parts = linear_segment_partials(dy2[:, perm], weight[perm].t().contiguous(), ctx.segments)  # [M, K] float32 each
+            perm = _segment_perm(weight.shape[0], ctx.stride, ctx.segments, x.device)
+            dy_s, w_s = (dy2, weight) if perm is None else (dy2[:, perm], weight[perm])
+            parts = linear_segment_partials(dy_s, w_s.t().contiguous(), ctx.segments)  # [M, K] float32 each
             dx = tree_all_reduce(parts, ctx.group).to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
             dw = linear(dy2.t().contiguous(), x2.t().contiguous(), backend="strict").to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = tree_sum(dy2.float(), dim=0).to(weight.dtype)
         return dx, dw, db, None, None, None
+
+
+class RowParallelLinearFn(torch.autograd.Function):
+    """y = the canonical tree over every rank's K-segment partials of x_local @ w_local^T (float32, the forward of
+    `linear_segment_partials` + `tree_all_reduce`). Backward in two GEMMs with the bits of differentiating each
+    partial on its own: dX = g @ W_local (a column's sum over N does not depend on the other columns: the GEMM is
+    column invariant) and dW = (X^T g)^T (a row's likewise: row invariant), each under the strict implementation's
+    matmul, as the per-segment GEMMs were; one autograd node instead of a slice, a GEMM pair and a cast per segment."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, segments: int):
+        impl = dispatch.resolve("linear", x.device, "strict")
+        ctx.save_for_backward(x, weight)
+        ctx.prims = impl.prims
+        return tree_all_reduce(linear_segment_partials(x, weight, segments), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        mm, x2 = ctx.prims.matmul, x.reshape(-1, x.shape[-1])
+        dx = mm(g, weight).to(x.dtype).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        dw = mm(x2.t(), g).to(weight.dtype).t() if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
 
 
 class SharedWeightFanout(torch.autograd.Function):
@@ -78,7 +115,11 @@ def _segment_values(grad: torch.Tensor, spec) -> list[torch.Tensor]:
     if kind == "chunks":  # ("chunks", dim, stride, n_local)
         _, dim, stride, n = spec
         g = grad.movedim(dim, 0)
-        return [tree_sum(g[idx.to(g.device)].float().square().reshape(-1), dim=0) for idx in segment_rows(g.shape[0], stride, n)]
+        if g.shape[0] % (stride * n):
+            raise ValueError(f"{g.shape[0]} rows do not split into stride {stride} x {n} segments")
+        # segment j = chunk j of every stride block (segment_rows), its elements in that order: all n trees at once
+        sq = g.float().square().reshape(stride, n, -1).transpose(0, 1).reshape(n, -1)
+        return list(tree_sum(sq, dim=-1).unbind(0))
     if kind == "rows":  # ("rows", rows_per_segment, n_local): vocab segments (the last ones may be short or empty)
         _, per, n = spec
         return [tree_sum(grad[j * per:(j + 1) * per].float().square().reshape(-1), dim=0) for j in range(n)]

@@ -36,24 +36,64 @@ class VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, targets, lse = ctx.saved_tensors
-        (lo, hi), start, t = ctx.span, ctx.start, ctx.temperature
-        h32, g, prims = hidden.float(), grad.float(), ctx.prims
-        gw = torch.zeros_like(weight, dtype=torch.float32)
-        partials = []
-        for seg_lo, seg_hi in ctx.segments or [(lo, hi)]:
-            gh = torch.zeros_like(h32)
-            for a in range(max(seg_lo, lo), min(seg_hi, hi), VOCAB_TILE):  # fixed tile order inside a segment
-                b = min(a + VOCAB_TILE, hi)
-                z = _lp.tile_logits(h32, weight, a - start, b - start, t, prims)
-                gz = -prims.exp(z - lse[:, None])
-                rows = ((targets >= a) & (targets < b)).nonzero()[:, 0]
-                gz[rows, targets[rows] - a] += 1.0
-                gz = gz * g[:, None] / t
-                gh = gh + prims.matmul(gz, weight[a - start:b - start])
-                gw[a - start:b - start] = prims.matmul(gz.t(), h32)
-            partials.append(gh)
+        partials, gw = local_backward(hidden.float(), weight, targets, lse, grad.float(), ctx.start, ctx.span,
+                                      ctx.segments, ctx.temperature, ctx.prims)
         gh = tree_all_reduce(partials, ctx.group)  # every rank's vocab segments contribute to dL/dhidden, one tree
         return gh.to(hidden.dtype), gw.to(weight.dtype), None, None, None, None, None, None
+
+
+CHUNK_ELEMENTS = 1 << 24  # float32 grad-logits per chunk (64 MiB): how many tiles run at once, never their bits
+
+
+def local_backward(h32, weight, targets, lse, g, start, span, segments, temperature, prims):
+    """(dL/dhidden partial of each of this rank's vocab segments [T, H] float32, dL/dweight [shard, H] float32).
+
+    The contract, per segment: dz of each VOCAB_TILE tile (z recomputed by the strict GEMM, p = exp(z - lse),
+    dz = (onehot - p) * g / T), dh = ((0 + dz_0 W_0) + dz_1 W_1) + ... in tile order, dW_tile = dz_tile^T h. The
+    tiles run in chunks: one GEMM gives a chunk's logits (each column's bits are its tile's: the GEMM is column
+    invariant), the element-wise steps act on the chunk at once (the target's +1 by a mask, no host sync), one GEMM
+    gives the chunk's dW rows (row invariant); only dh's partials stay per tile, in order."""
+    lo, hi = span
+    gw = torch.zeros_like(weight, dtype=torch.float32)
+    tiles_per_chunk = max(1, min(64, CHUNK_ELEMENTS // max(1, h32.shape[0] * VOCAB_TILE)))
+    partials = []
+    for seg_lo, seg_hi in segments or [(lo, hi)]:
+        gh = torch.zeros_like(h32)
+        a0, a1 = max(seg_lo, lo), min(seg_hi, hi)
+        for c0 in range(a0, a1, tiles_per_chunk * VOCAB_TILE):
+            c1 = min(c0 + tiles_per_chunk * VOCAB_TILE, a1)
+            z = _lp.tile_logits(h32, weight, c0 - start, c1 - start, temperature, prims)
+            gz = -prims.exp(z - lse[:, None])
+            hit = targets[:, None] == torch.arange(c0, c1, device=targets.device)[None, :]
+            gz = torch.where(hit, gz + 1.0, gz)
+            gz = gz * g[:, None] / temperature
+            gw[c0 - start:c1 - start] = prims.matmul(gz.t(), h32)
+            for a in range(c0, c1, VOCAB_TILE):  # fixed tile order inside a segment
+                b = min(a + VOCAB_TILE, c1)
+                gh = gh + prims.matmul(gz[:, a - c0:b - c0], weight[a - start:b - start])
+        partials.append(gh)
+    return partials, gw
+
+
+def local_backward_per_tile(h32, weight, targets, lse, g, start, span, segments, temperature, prims):
+    """`local_backward`'s definition, one VOCAB_TILE tile at a time (slow: tests and scripts/gpu_strict_parity.py
+    compare the chunked one with it, bit for bit)."""
+    lo, hi = span
+    gw = torch.zeros_like(weight, dtype=torch.float32)
+    partials = []
+    for seg_lo, seg_hi in segments or [(lo, hi)]:
+        gh = torch.zeros_like(h32)
+        for a in range(max(seg_lo, lo), min(seg_hi, hi), VOCAB_TILE):
+            b = min(a + VOCAB_TILE, hi)
+            z = _lp.tile_logits(h32, weight, a - start, b - start, temperature, prims)
+            gz = -prims.exp(z - lse[:, None])
+            rows = ((targets >= a) & (targets < b)).nonzero()[:, 0]
+            gz[rows, targets[rows] - a] += 1.0
+            gz = gz * g[:, None] / temperature
+            gh = gh + prims.matmul(gz, weight[a - start:b - start])
+            gw[a - start:b - start] = prims.matmul(gz.t(), h32)
+        partials.append(gh)
+    return partials, gw
 
 
 def vocab_parallel_logprob_fn(hidden, weight, targets, start, vocab_size, temperature, group, segment_rows=None):

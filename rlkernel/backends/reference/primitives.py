@@ -128,6 +128,15 @@ def strict_silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1.0 + strict_exp(-x))
 
 
+_DEVICE_TREE: dict[str, tuple[Callable, Callable[[], bool]]] = {}
+
+
+def register_tree_sum(device_type: str, impl: Callable, ready: Callable[[], bool]) -> None:
+    """A device's kernel for `tree_sum` (float32, outside autograd): impl(x [n, m]) -> [m], the tree over dim 0 with
+    this function's bits exactly (the same adds of the same operands); used when ready() (e.g. triton imports)."""
+    _DEVICE_TREE[device_type] = (impl, ready)
+
+
 def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Sum over `dim` by a balanced binary tree of element-wise adds.
 
@@ -135,8 +144,21 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     are added (a[0::2] + a[1::2]) until one element is left, so any aligned
     power-of-two block of summands (a rank's block of canonical segments) is a
     subtree. Adding +0.0 never changes a value's bits, so the result depends
-    only on the summands and their index.
+    only on the summands and their index. On a device with a registered kernel
+    (`register_tree_sum`: the Triton backend on CUDA) a float32 sum outside autograd runs
+    there in a few launches, with the same adds and so the same bits.
     """
+    fast = _DEVICE_TREE.get(x.device.type)
+    if fast is not None and x.dtype == torch.float32 and x.dim() and not (torch.is_grad_enabled() and x.requires_grad):
+        impl, ready = fast
+        if ready():
+            y = x.movedim(dim, 0)
+            return impl(y.reshape(y.shape[0], -1)).reshape(y.shape[1:])
+    return tree_sum_composition(x, dim)
+
+
+def tree_sum_composition(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """`tree_sum` as element-wise torch ops on any device (the definition a device kernel is checked against)."""
     x = x.movedim(dim, -1)
     n = x.shape[-1]
     if n == 0:

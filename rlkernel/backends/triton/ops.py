@@ -11,6 +11,7 @@ tree, the bias, the fused-logprob kinds) and how gradients are computed on the G
   linear_logprob / entropy   vocab chunks in fixed order: the chunk's logits recomputed with
                the forward's tile config, dz in fp32 cast to the weight dtype, dh summed
                over chunks in fp32 left to right, dW written per chunk
+rlkernel.tree_sum on CUDA runs `reduce.tree_sum_rows` (the same tree in a few launches).
 Every backward is deterministic for fixed shapes (no atomics, no split chosen by load);
 only the forwards claim batch invariance (the rollout never differentiates).
 Nothing here imports triton at module level: registration is cheap on a CPU-only machine,
@@ -28,9 +29,16 @@ from ...contracts.logprob import VOCAB_TILE
 from ..reference import norm as _ref_norm
 from ..reference import swiglu as _ref_swiglu
 from ..reference.linear import wants_grad
+from ..reference import primitives as _ref_prims
 from ..reference.primitives import Prims, tree_sum
 
 VOCAB_CHUNK = 8192  # backward/entropy vocab chunk (a multiple of VOCAB_TILE and of every logprob tile's block_n)
+
+
+@functools.cache
+def _reduce():
+    from . import reduce
+    return reduce
 
 
 @functools.cache
@@ -315,6 +323,8 @@ def linear_logprob(kind, hidden, weight, targets, temperature, vocab_size):
         return _LogprobFn.apply(h, weight, targets, temperature, vocab_size)
     return _k()[3].linear_logprob(h, weight, targets, temperature, vocab_size=vocab_size)
 
+
+_ref_prims.register_tree_sum("cuda", lambda x2: _reduce().tree_sum_rows(x2), functools.cache(available))
 
 for _op, _fn in (("linear", linear), ("rms_norm", rms_norm), ("swiglu", swiglu), ("attention", attention),
                  ("linear_logprob", linear_logprob)):
