@@ -7,7 +7,8 @@ Each arm is a real `vime train` run (Ray actors: vLLM on CUDA, the Megatron-core
 on the recipe's GPUs), in RUNS/<recipe>_<arm>. Afterwards, to DIR ($OUT, else benchmarks/): <tag>.json with
 per-step mismatch_count, max_abs_diff, contracts_match, step / rollout / score / update / sync times and
 tokens/s per arm, and the ratios strict/native (median over the steps after the first, which include
-compilation and caches); <tag>_curves.png (`vime plot` of both runs); <tag>_<arm>_metrics.jsonl. Prints
+compilation and caches); <tag>_curves.png (`vime plot` of both runs); <tag>_<arm>_metrics.jsonl (copied while
+the arm runs, with its output in <tag>_<arm>.log: a call cut short keeps both). Prints
 the summary JSON last. Exit status 1 when the strict arm had any mismatch or a step was not comparable.
 """
 from __future__ import annotations
@@ -37,14 +38,26 @@ def _reused(recipe: str, arm: str, runs: Path) -> dict:
             "lines": [json.loads(x) for x in metrics.read_text().splitlines()], "log_tail": ""}
 
 
-def _arm(recipe: str, arm: str, steps: int, runs: Path, overrides: list[str]) -> dict:
+def _arm(recipe: str, arm: str, steps: int, runs: Path, overrides: list[str], log_path: Path) -> dict:
+    """One arm as a real `vime train` run. Its output goes to `log_path` (under --out) as it runs, and its metrics
+    lines are copied beside it every few seconds (`<log>_metrics.jsonl`, the name the report then rewrites), so a
+    device call cut short (the 10-minute limit, the session's budget) still brings back how far the run got."""
     run_dir = runs / f"{recipe}_{arm}"
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = ["vime", "train", "--config-name", recipe, f"rlkernel.mode={arm}", f"trainer.total_steps={steps}",
            f"run.output_dir={run_dir}", "logging.progress=false", *overrides]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(log_path, "w") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+        partial = log_path.with_name(log_path.stem + "_metrics.jsonl")
+        while (rc := proc.poll()) is None:
+            time.sleep(5)
+            if (run_dir / "metrics.jsonl").exists():
+                shutil.copyfile(run_dir / "metrics.jsonl", partial)
     wall = time.perf_counter() - t0
+    p = subprocess.CompletedProcess(cmd, rc, stdout=log_path.read_text(errors="replace"))
     print(p.stdout[-4000:], flush=True)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if (run_dir / "metrics.jsonl").exists() else []
     if run_dir.exists():
@@ -128,7 +141,8 @@ def main() -> int:
     arms: dict = {}
     for arm in args.arms.split(","):  # the report is rewritten after each arm: a device call cut short keeps what ran
         reuse = arm in args.reuse.split(",")
-        arms[arm] = _reused(args.config_name, arm, runs) if reuse else _arm(args.config_name, arm, args.steps, runs, args.overrides)
+        arms[arm] = (_reused(args.config_name, arm, runs) if reuse else
+                     _arm(args.config_name, arm, args.steps, runs, args.overrides, out / f"{tag}_{arm}.log"))
         report, strict_ok = _report(args, arms, out, tag, torch)
     print(json.dumps({k: v for k, v in report.items() if k != "failures"}))
     return 0 if strict_ok else 1
