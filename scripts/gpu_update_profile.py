@@ -6,7 +6,8 @@ strict update at 0.82 s against native's 0.25-0.31 s, while a 4-layer Qwen3-8B-d
 costs 1.32x: at the loop's size the strict update looks launch-bound. This script times `MegatronTrainer.update` for
 both modes on the same model and batches (warm-up first, then the median of timed updates), then profiles one update
 of each with torch.profiler: wall time, device-kernel time and count, kernel-launch calls on the host, and the top ops
-by host and by device time. JSON to --out (`h200_update_profile.json`). On a machine without CUDA it exits at once
+by host and by device time; then counts one more update's tensor ops by the line of this repository that issued them
+(`op_sites`). JSON to --out (`h200_update_profile.json`). On a machine without CUDA it exits at once
 unless `--device cpu` (a smoke run at tiny size: what CI runs).
 """
 from __future__ import annotations
@@ -74,6 +75,38 @@ def _profile(tr, batch, device: str, top: int) -> dict:
             "top_by_device": rows("self_device_time_total") if device == "cuda" else []}
 
 
+_VIEWS = {"view", "_unsafe_view", "as_strided", "t", "transpose", "expand", "permute", "unsqueeze", "squeeze", "detach",
+          "alias", "select", "slice", "reshape", "_reshape_alias", "unbind", "split", "split_with_sizes", "chunk",
+          "movedim", "empty", "empty_like", "empty_strided", "lift_fresh", "sym_size", "is_same_size", "_local_scalar_dense"}
+
+
+def _op_sites(tr, batch, top: int) -> dict:
+    """Which lines of this repository issue the update's tensor ops (views and allocations left out: they launch no
+    kernel), by a TorchDispatchMode over one update: torch.profiler's stacks stay empty for autograd's backward nodes,
+    and a launch-bound update is fixed where its ops come from. Each op is counted at its two innermost frames in
+    rlkernel/ or vime/ (outside both, e.g. inside Megatron: the innermost frames of this repository that led there)."""
+    import collections
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    root, counts, total = str(ROOT) + "/", collections.Counter(), [0]
+
+    class Sites(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in _VIEWS:
+                total[0] += 1
+                frames = [f for f in traceback.extract_stack(limit=48)
+                          if f.filename.startswith(root) and "/scripts/" not in f.filename and "/.venv/" not in f.filename
+                          and not f.filename.endswith("reference/primitives.py")]
+                counts[" < ".join(f"{f.filename[len(root):]}:{f.lineno}" for f in frames[-2:][::-1]) or "(outside)"] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Sites():
+        tr.update(batch)
+    return {"ops": total[0], "top": [{"site": k, "ops": v} for k, v in counts.most_common(top)]}
+
+
 def run(args) -> dict:
     import torch
 
@@ -112,6 +145,8 @@ def run(args) -> dict:
                     times.append(time.perf_counter() - t0)
                 step += 1
                 prof = _profile(tr, _batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"]), args.device, args.top)
+                step += 1
+                prof["op_sites"] = _op_sites(tr, _batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"]), args.top)
                 report["modes"][mode] = {"update_seconds": [round(t, 4) for t in times], "median_seconds": round(statistics.median(times), 4),
                                          "profile": prof}
             print(f"{mode}: median update {report['modes'][mode]['median_seconds']} s, {prof['device_kernels']} device kernels, "

@@ -91,6 +91,8 @@ def test_gpu_harness_skips_without_cuda(tmp_path):
     for mode in ("strict", "native"):
         m = rep["modes"][mode]
         assert m["median_seconds"] > 0 and m["profile"]["wall_seconds"] > 0 and m["profile"]["top_by_host"], (mode, m)
+        sites = m["profile"]["op_sites"]
+        assert sites["ops"] >= sum(x["ops"] for x in sites["top"]) > 0 and all(":" in x["site"] for x in sites["top"][:3])
     assert rep["ratio_strict_over_native"] > 0 and rep["code"]["source_sha256"]
 
 
