@@ -158,8 +158,12 @@ def register(op: str, impl: str, contract: Contract, devices=("cpu", "cuda"), av
 
 def _choice(op: str, policy: ExecutionPolicy, explicit: str | None) -> str:
     choice = explicit or policy.choice(op)
-    if choice == "strict" and policy.impl:
-        return policy.impl
+    if choice == "strict":
+        per_op = policy.choice(op)
+        if per_op not in _CHOICES:  # a per-op override naming an implementation ("fa3"): that op's strict one
+            return per_op
+        if policy.impl:
+            return policy.impl
     return choice
 
 

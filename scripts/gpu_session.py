@@ -60,6 +60,12 @@ STEPS: dict[str, tuple[int, str]] = {
                                   "--engines stock_graphs,strict_graphs --out {out}/h200_rollout_bench_graphs.json"),
     # FA3 with num_splits=1 (inside vLLM) vs rlkernel's Triton attention: speed and the bit properties a contract needs
     "fa3_compare": (300, "python3 scripts/gpu_fa3_compare.py --out {out}"),
+    # the FA3 attention contract (rlkernel/backends/fa3.py): its probe, the golden bits recorded for this GPU and vLLM (the
+    # file comes back in {out}: commit it as rlkernel/contracts/fa3_golden.json), then rollout == trainer with FA3 on both
+    # sides (graphs, bf16, a weight update; the Megatron trainer as the scorer)
+    "fa3_golden": (240, "python3 -m rlkernel.backends.fa3 --record && cp rlkernel/contracts/fa3_golden.json {out}/"),
+    "parity_fa3": (300, f"vime parity --model {TQ} --num-prompts 64 --max-tokens 48 --max-num-seqs 32 --max-num-batched-tokens 256 "
+                        "--dtype bfloat16 --update-weights --cuda-graphs --attention fa3 --scorer megatron"),
     # where the strict update's time goes at the loop's size (Qwen3-0.6B shape, 128 short samples), strict vs native
     "update_profile": (300, "python3 scripts/gpu_update_profile.py --out {out}"),
     "loop_tiny": (400, "python3 scripts/gpu_loop.py --config-name grpo_tiny --steps 20 --out {out} --tag h200_loop_grpo_tiny resources.gpus=1"),

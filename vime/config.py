@@ -223,7 +223,10 @@ class AlgorithmSection:
 
 @dataclass(kw_only=True, slots=True)
 class OpOverrides:
-    """Per-op P/R ablations: "" follows rlkernel.mode; "strict" or "native" overrides it."""
+    """Per-op P/R ablations: "" follows rlkernel.mode; "strict" or "native" overrides it. attention also takes "fa3":
+    the strict path with FlashAttention 3 (vLLM's build, one KV split) instead of the Triton kernels, GPU only, bf16/fp16,
+    checked at load (rlkernel/backends/fa3.py); set it in `ops`, so both engines run it (on one side only the two sides
+    run different contracts: an ablation)."""
 
     rms_norm: str = ""
     linear: str = ""
@@ -237,7 +240,7 @@ class OpOverrides:
 
         assert set(OPS) == {f for f in self.__slots__}, "OpOverrides must list exactly rlkernel.OPS"
         for op in OPS:
-            _choice(f"rlkernel.ops.{op}", getattr(self, op), ("", "strict", "native"))
+            _choice(f"rlkernel.ops.{op}", getattr(self, op), ("", "strict", "native", "fa3") if op == "attention" else ("", "strict", "native"))
 
     def as_dict(self) -> dict[str, str]:
         return {op: getattr(self, op) for op in self.__slots__ if getattr(self, op)}

@@ -38,15 +38,15 @@ def _prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list[int]]
 class _ReferenceScorer:
     """rlkernel's standalone packed scorer (StrictDecoder)."""
 
-    def __init__(self, model_dir: str, dtype: torch.dtype, mode: str, device: str):
+    def __init__(self, model_dir: str, dtype: torch.dtype, mode: str, device: str, ops: dict):
         from rlkernel.models import StrictDecoder
 
-        self.model, self.mode = StrictDecoder.from_pretrained(model_dir, dtype=dtype, device=device), mode
+        self.model, self.mode, self.ops = StrictDecoder.from_pretrained(model_dir, dtype=dtype, device=device), mode, ops
 
     def response_logprobs(self, comps, temperature):
         import rlkernel as rk
 
-        with torch.no_grad(), rk.mode(self.mode):
+        with torch.no_grad(), rk.mode(self.mode, ops=self.ops):
             full = self.model.score([c.prompt_ids + c.response_ids for c in comps], temperature)
         return [lp[len(c.prompt_ids) - 1:].cpu() for lp, c in zip(full, comps)]
 
@@ -60,10 +60,11 @@ class _ReferenceScorer:
 class _MegatronScorer:
     """The Megatron-core training engine's `score`."""
 
-    def __init__(self, model_dir: str, dtype: torch.dtype, mode: str, device: str):
+    def __init__(self, model_dir: str, dtype: torch.dtype, mode: str, device: str, ops: dict):
         from .trainer import MegatronTrainer, TrainerConfig
 
-        self.trainer = MegatronTrainer(TrainerConfig(mode=mode, dtype=str(dtype).removeprefix("torch."), device=device))
+        self.trainer = MegatronTrainer(TrainerConfig(mode=mode, dtype=str(dtype).removeprefix("torch."), device=device,
+                                                     ops=tuple(sorted(ops.items()))))
         self.trainer.load_hf(model_dir)
 
     def response_logprobs(self, comps, temperature):
@@ -99,6 +100,9 @@ def run(args) -> dict:
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     kind = args.engine or ("rlkernel" if args.mode == "strict" else "stock")
+    ops = {"attention": "fa3"} if args.attention == "fa3" else {}
+    if ops and (args.mode != "strict" or kind != "rlkernel"):
+        raise SystemExit("vime parity: --attention fa3 is the strict path's (--mode strict with the rlkernel engine)")
     # auto: what `vime train` runs (roles.default_enforce_eager): graphs on a GPU where they are proved
     graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and torch.cuda.is_available() and graphs_proved(kind, args.tp))
     if graphs and not graphs_proved(kind, args.tp):
@@ -109,9 +113,10 @@ def run(args) -> dict:
         model=args.model, engine=kind, mode=args.mode, dtype=args.dtype, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=block, seed=args.seed, tp=args.tp,
         max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True, enforce_eager=not graphs,
+        ops=tuple(sorted(ops.items())),
     ))
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    scorer = (_ReferenceScorer if args.scorer == "reference" else _MegatronScorer)(args.model, dtype, args.mode, device)
+    scorer = (_ReferenceScorer if args.scorer == "reference" else _MegatronScorer)(args.model, dtype, args.mode, device, ops)
     from pathlib import Path
 
     vocab = DecoderConfig.from_hf(json.loads(Path(args.model, "config.json").read_text())).vocab_size
@@ -135,7 +140,7 @@ def run(args) -> dict:
                      versions_ok=all(c.weight_version == version for c in comps))
         phases[f"v{version}"] = stats
     last = phases[f"v{versions[-1]}"]
-    report = dict(mode=args.mode, engine=engine.config.engine, cuda_graphs=not engine.config.enforce_eager, scorer=args.scorer, scorer_device=device, engine_tp=args.tp, engine_workers=engine.provenance.engine_args.get("worker", {}).get("workers"), engine_tp_ranks=engine.provenance.engine_args.get("worker", {}).get("tp_ranks"), model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
+    report = dict(mode=args.mode, attention=args.attention, engine=engine.config.engine, cuda_graphs=not engine.config.enforce_eager, scorer=args.scorer, scorer_device=device, engine_tp=args.tp, engine_workers=engine.provenance.engine_args.get("worker", {}).get("workers"), engine_tp_ranks=engine.provenance.engine_args.get("worker", {}).get("tp_ranks"), model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
                   temperature=args.temperature, engine_start_seconds=round(engine.provenance.start_seconds, 2),
                   total_seconds=round(time.perf_counter() - t0, 2), phases=phases,
                   mismatch_count=sum(p["mismatch_count"] for p in phases.values()),
@@ -150,6 +155,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["rlkernel", "stock"], default=None,
                    help="vLLM with the rlkernel plugin, or stock vLLM (default: rlkernel for strict, stock for native)")
     p.add_argument("--scorer", choices=["reference", "megatron"], default="reference")
+    p.add_argument("--attention", choices=["strict", "fa3"], default="strict",
+                   help="fa3: both sides' attention by FlashAttention 3 (vLLM's build, one KV split; GPU, bf16; checked at load)")
     p.add_argument("--tp", type=int, default=1, help="the engine's tensor parallelism (the scorer stays at TP=1)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="the scorer's device (auto: cuda where there is one, as vLLM does); both sides must share a contract family")

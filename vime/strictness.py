@@ -13,7 +13,7 @@ from __future__ import annotations
 import rlkernel as rk
 from rlkernel.dispatch import first_strict
 
-VERIFIED = ("cpu", "reference", "triton")  # rlkernel's strict implementations (golden/self-checked, tested)
+VERIFIED = ("cpu", "reference", "triton", "fa3")  # rlkernel's strict implementations (golden/self-checked, tested)
 
 
 def strict_status(mode: str, side_ops: dict[str, tuple], provenance: dict) -> dict:

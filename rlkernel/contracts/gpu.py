@@ -172,6 +172,29 @@ ATTENTION = Contract(
     version=1,
 )
 
+# FlashAttention 3 inside vLLM's build, with one KV split: a second GPU attention contract, opt-in
+# (`rlkernel.ops.attention=fa3`, both engines). Its order is FA3's (its tiles and walk, chosen by its build), not
+# written here; what rlkernel owns is the pin and the check: the implementation (rlkernel/backends/fa3.py) loads only
+# where vLLM is this version, the chip this arch, and a probe reproduces the committed golden bits of that build
+# (FA3_GOLDEN) with prefill == decode == chunked prefill == a sequence alone, bit for bit. Measured on an H200
+# (benchmarks/h200_fa3_compare.json): those properties at 22,501 tokens and 1.78x the Triton kernel's prefill.
+FA3_VLLM = "0.25.0"
+FA3_ATTENTION = Contract(
+    op="attention",
+    backend="fa3-sm90",
+    domain="visible keys",
+    partition=(("arch", ARCH), ("kernel", f"vllm {FA3_VLLM} vllm_flash_attn, fa_version=3"), ("num_splits", 1),
+               ("q,k,v", "bf16 or fp16 (no fp32 kernel)")),
+    merge="FA3's: one program walks a query tile's keys in its fixed block order; no split, no combine",
+    precision=(("q,k,v", "bf16/fp16"), ("scores, m, l, o", "float32"), ("output", "q.dtype")),
+    rounding=("FA3's (its build)", "backward (training only): rlkernel's Triton recompute kernels fed FA3's out and "
+              "log-sum-exp, no atomics, fixed loops"),
+    primitives=(("exp2", "FA3's"),),
+    invariant=("batch", "prefill == decode == chunked prefill", "block table placement", "run to run",
+               "checked at load against the committed golden bits of this build (FA3_GOLDEN)"),
+    version=1,
+)
+
 LOGPROB = Contract(
     op="linear_logprob",
     backend=FAMILY,

@@ -186,8 +186,9 @@ def attention(kind, *args, max_query_len=None, max_seq_len=None):
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> bool:
     """The KV write without a host sync (the kernel skips negative slots itself) where the
-    triton implementation is the strict one on this device; False elsewhere."""
-    if k_cache.device.type != "cuda" or dispatch.resolve("attention", k_cache.device, "strict").name != "triton":
+    triton or fa3 implementation is the strict one on this device (an exact copy: the cache
+    layout is the same); False elsewhere."""
+    if k_cache.device.type != "cuda" or dispatch.resolve("attention", k_cache.device, "strict").name not in ("triton", "fa3"):
         return False
     if not _k()[2].write_kv_supported(k, v, k_cache, v_cache):
         return False  # rk.write_kv_cache's indexed copies serve

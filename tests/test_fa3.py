@@ -1,0 +1,73 @@
+"""The opt-in FlashAttention 3 attention (rlkernel/backends/fa3.py) on a CPU-only machine: registered under its own
+contract, refused here with the reason, selectable per op (also by the building blocks that ask for "strict"), accepted
+by the config for attention only, and judged strict by a run's verdict. Its bits are checked on the GPU at load against
+the committed golden (`python -m rlkernel.backends.fa3 --record` on an H200; benchmarks/h200_fa3_compare.json has the
+properties at 22,501 tokens)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlkernel as rk
+from rlkernel import dispatch
+from rlkernel.backends import fa3
+from rlkernel.contracts import gpu as G
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_registered_under_its_own_pinned_contract():
+    impl = dispatch._REGISTRY[("attention", "fa3")]
+    assert impl.contract is G.FA3_ATTENTION and impl.devices == ("cuda",)
+    c = G.FA3_ATTENTION
+    assert c.contract_id.startswith("attention/fa3-sm90/v1/") and c.contract_id != G.ATTENTION.contract_id
+    assert ("num_splits", 1) in c.partition and any(G.FA3_VLLM in str(v) for _, v in c.partition)
+    assert {d.field for d in rk.diff(G.ATTENTION, c)} >= {"partition", "merge"}  # predicted to differ from Triton's bits
+    assert json.loads(fa3.GOLDEN.read_text()) is not None  # shipped with the package (filled on a GPU)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_refused_without_cuda_with_the_reason():
+    assert fa3.unavailable_reason() == "no CUDA device" and not fa3.available()
+    with rk.mode(ops={"attention": "fa3"}):
+        with pytest.raises(rk.BackendUnavailable, match="'fa3'"):
+            dispatch.resolve("attention", torch.device("cuda"))
+    out = subprocess.run([sys.executable, "-m", "rlkernel.backends.fa3"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1]) == {"skipped": "needs a CUDA device and vLLM"}
+
+
+def test_a_per_op_implementation_is_what_strict_building_blocks_get():
+    """Building blocks (the CP attention, the vLLM backend's KV write) ask dispatch for "strict"; a per-op override that
+    names an implementation pins that op's strict implementation for them too — here "reference" on the CPU, which runs."""
+    cpu = torch.device("cpu")
+    assert dispatch.resolve("attention", cpu, "strict").name == "cpu"
+    with rk.mode(ops={"attention": "reference"}):
+        assert dispatch.resolve("attention", cpu, "strict").name == "reference"
+        assert dispatch.resolve("attention", cpu).name == "reference"
+        assert dispatch.resolve("linear", cpu, "strict").name == "cpu"  # other ops keep theirs
+        assert dispatch.resolve("attention", cpu, "native").name == "native"
+    with rk.mode(ops={"attention": "fa3"}):
+        with pytest.raises(rk.BackendUnavailable, match="does not run on cpu"):
+            dispatch.resolve("attention", cpu, "strict")
+
+
+def test_config_takes_fa3_for_attention_only():
+    from vime.config import load_config
+
+    cfg, _ = load_config("grpo_tiny", ["rlkernel.ops.attention=fa3"])
+    assert dict(cfg.rlkernel.side_ops("rollout")) == dict(cfg.rlkernel.side_ops("trainer")) == {"attention": "fa3"}
+    with pytest.raises(Exception, match=r"rlkernel\.ops\.linear"):
+        load_config("grpo_tiny", ["rlkernel.ops.linear=fa3"])
+
+
+def test_a_step_on_fa3_is_strict():
+    from vime.strictness import strict_status
+
+    e = [{"backend": "fa3-sm90", "impl": "fa3", "contract_id": G.FA3_ATTENTION.contract_id, "device": "cuda", "calls": 3}]
+    ops = {"rollout": (("attention", "fa3"),), "trainer": (("attention", "fa3"),)}
+    assert strict_status("strict", ops, {"rollout": {"attention": e}, "trainer": {"attention": e}}) == {"strict_ok": True, "strict_violations": []}
