@@ -21,7 +21,6 @@ bf16/fp16 only (FA3 has no fp32 kernel): an fp32 call raises.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
@@ -155,33 +154,11 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
-@functools.cache
-def _triton_backward():
-    from .triton.attention_bwd import attention_varlen_backward
-    return attention_varlen_backward
-
-
 def _need_half(*ts):
     for t in ts:
         if t.dtype not in (torch.bfloat16, torch.float16):
             raise dispatch.BackendUnavailable(f"rlkernel fa3: FA3 has no {t.dtype} kernel (bf16/fp16 only); use the triton "
                                               "implementation (rlkernel.ops.attention=strict) for this dtype")
-
-
-class _VarlenFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu, scale, max_len):
-        out, lse = _run(q, k, v, cu, max_len, scale, cu_k=cu, lse=True)
-        lse = lse.transpose(0, 1).contiguous().float()  # [T, Hq], the Triton backward's layout
-        ctx.save_for_backward(q, k, v, out, lse, cu)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse, cu = ctx.saved_tensors
-        dq, dk, dv = _triton_backward()(q, k, v, out, lse, dout.contiguous(), cu, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
 
 
 def attention(kind, *args, max_query_len=None, max_seq_len=None):
@@ -193,7 +170,13 @@ def attention(kind, *args, max_query_len=None, max_seq_len=None):
         cu = cu.to(torch.int32)
         max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            return _VarlenFn.apply(q, k, v, cu, scale, max_len)
+            from .triton.ops import VarlenFn
+
+            def fwd(q, k, v, cu, scale):  # FA3's out and lse, the lse as [T, Hq] float32 (the Triton backward's layout)
+                out, lse = _run(q, k, v, cu, max_len, scale, cu_k=cu, lse=True)
+                return out, lse.transpose(0, 1).contiguous().float()
+
+            return VarlenFn.apply(q, k, v, cu, scale, fwd)
         return _run(q, k, v, cu, max_len, scale, cu_k=cu)
     q, kc, vc, bt, seq_lens, qsl, scale = args
     _need_half(q, kc, vc)

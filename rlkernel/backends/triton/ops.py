@@ -153,11 +153,13 @@ def swiglu(gate, up):
 
 # ---- attention ----------------------------------------------------------------------------
 
-class _VarlenFn(torch.autograd.Function):
+class VarlenFn(torch.autograd.Function):
+    """forward(q, k, v, cu_seqlens, scale, fwd): the forward's bits from fwd(q, k, v, cu, scale) -> (out, lse [T, Hq]
+    float32) — the Triton kernel, or FA3 (backends/fa3.py); the backward: the Triton recompute kernels on that out/lse."""
+
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale):
-        att = _k()[2]
-        out, lse = att.attention_varlen(q, k, v, cu_seqlens, scale=scale, return_lse=True)
+    def forward(ctx, q, k, v, cu_seqlens, scale, fwd):
+        out, lse = fwd(q, k, v, cu_seqlens, scale)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
         ctx.scale = scale
         return out
@@ -167,7 +169,11 @@ class _VarlenFn(torch.autograd.Function):
         from .attention_bwd import attention_varlen_backward
         q, k, v, out, lse, cu = ctx.saved_tensors
         dq, dk, dv = attention_varlen_backward(q, k, v, out, lse, dout.contiguous(), cu, scale=ctx.scale)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
+
+
+def _varlen_fwd(q, k, v, cu_seqlens, scale):
+    return _k()[2].attention_varlen(q, k, v, cu_seqlens, scale=scale, return_lse=True)
 
 
 def attention(kind, *args, max_query_len=None, max_seq_len=None):
@@ -175,7 +181,7 @@ def attention(kind, *args, max_query_len=None, max_seq_len=None):
     if kind == "varlen":
         q, k, v, cu, scale = args
         if wants_grad(q, k, v):
-            return _VarlenFn.apply(q, k, v, cu, scale)
+            return VarlenFn.apply(q, k, v, cu, scale, _varlen_fwd)
         return att.attention_varlen(q, k, v, cu, scale=scale)
     q, kc, vc, bt, seq_lens, qsl, scale = args
     if wants_grad(q, kc, vc):
