@@ -74,7 +74,9 @@ class RowParallelLinearFn(torch.autograd.Function):
     `linear_segment_partials` + `tree_all_reduce`). Backward in two GEMMs with the bits of differentiating each
     partial on its own: dX = g @ W_local (a column's sum over N does not depend on the other columns: the GEMM is
     column invariant) and dW = (X^T g)^T (a row's likewise: row invariant), each under the strict implementation's
-    matmul, as the per-segment GEMMs were; one autograd node instead of a slice, a GEMM pair and a cast per segment."""
+    matmul, as the per-segment GEMMs were; one autograd node instead of a slice, a GEMM pair and a cast per segment.
+    (Equal values; only an exact zero's sign can differ from the per-segment graph, which added every other segment's
+    zero gradient to each slice: -0.0 + 0.0 = +0.0.)"""
 
     @staticmethod
     def forward(ctx, x, weight, group, segments: int):
