@@ -44,7 +44,7 @@ def _arm(recipe: str, arm: str, steps: int, runs: Path, overrides: list[str], lo
     device call cut short (the 10-minute limit, the session's budget) still brings back how far the run got."""
     run_dir = runs / f"{recipe}_{arm}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = ["vime", "train", "--config-name", recipe, f"rlkernel.mode={arm}", f"trainer.total_steps={steps}",
+    cmd = [sys.executable, "-m", "vime.cli", "train", "--config-name", recipe, f"rlkernel.mode={arm}", f"trainer.total_steps={steps}",
            f"run.output_dir={run_dir}", "logging.progress=false", *overrides]
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
@@ -106,7 +106,7 @@ def _report(args, arms: dict, out: Path, tag: str, torch):
             (out / f"{tag}_{arm}_metrics.jsonl").write_text("\n".join(json.dumps(x) for x in a["lines"]) + "\n")
     dirs = [a["run_dir"] for a in arms.values() if a["lines"]]
     if dirs:
-        p = subprocess.run(["vime", "plot", *dirs, "--out", str(out / f"{tag}_curves.png")], cwd=ROOT, stdout=subprocess.PIPE,
+        p = subprocess.run([sys.executable, "-m", "vime.cli", "plot", *dirs, "--out", str(out / f"{tag}_curves.png")], cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
         report["plot"] = p.stdout.strip().splitlines()[-3:]
     strict_ok = bool(s and s["rc"] == 0 and s["steps"] == args.steps and s["comparable"] and not any(s["mismatch_count"])

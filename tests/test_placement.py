@@ -76,3 +76,25 @@ def test_ray_actor_gets_its_own_environment():
         assert b.call("env", "CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
     finally:
         ex.shutdown()
+
+
+def test_gpu_loop_script_streams_each_arm_to_its_out_dir(tmp_path):
+    """scripts/gpu_loop.py (the H200 loop's driver) on the CPU recipe: the arm's output and metrics lines land in --out
+    as the arm runs (a device call cut short keeps them), and the report reads them: 2 strict steps at mismatch 0."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "gpu_loop.py"), "--allow-cpu", "--config-name", "grpo_tiny",
+                           "--steps", "2", "--arms", "strict", "--out", str(out), "--runs", str(tmp_path / "runs")],
+                          capture_output=True, text=True, timeout=900, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (out / "h200_loop_grpo_tiny_strict.log").read_text()
+    assert log.startswith("$ ") and "vime.cli train --config-name grpo_tiny rlkernel.mode=strict" in log
+    lines = [json.loads(x) for x in (out / "h200_loop_grpo_tiny_strict_metrics.jsonl").read_text().splitlines()]
+    assert [x["mismatch_count"] for x in lines] == [0, 0]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["arms"]["strict"]["steps"] == 2 and report["strict_zero_mismatch_every_step"] is True
