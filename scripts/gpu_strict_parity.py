@@ -716,6 +716,20 @@ def reduce_checks(res):
     RowParallelLinearFn.apply(xb, wb, None, 4).bfloat16().backward(gy)
     out["row_parallel_two_gemm_backward_equal"] = bool(torch.equal(xa.grad, xb.grad) and torch.equal(wa.grad, wb.grad))
     log("row-parallel backward:", out["row_parallel_two_gemm_backward_equal"])
+    import rlkernel as rk
+    from rlkernel.backends.reference.norm import weight_grad_reducer
+    from rlkernel.parallel.tp_backward import head_segment_weight_grad
+    x = (torch.randn(T, 1, 16, 128, device=DEV) * 3).bfloat16()  # a q norm of 16 heads in 4 canonical segments
+    w = (1 + 0.1 * torch.randn(128, device=DEV)).bfloat16()
+    gy = torch.randn(T, 1, 16, 128, device=DEV).bfloat16()
+    xa, xb, wb = x.clone().requires_grad_(), x.clone().requires_grad_(), w.clone().requires_grad_()
+    wa = [w.clone().requires_grad_() for _ in range(4)]
+    torch.cat([rk.rms_norm(p, wj, 1e-6) for p, wj in zip(xa.chunk(4, dim=-2), wa)], dim=-2).backward(gy)
+    with weight_grad_reducer(head_segment_weight_grad(16, 4, None, torch.bfloat16)):
+        yb = rk.rms_norm(xb, wb, 1e-6)
+    yb.backward(gy)
+    out["head_norm_one_call_equal"] = bool(torch.equal(xa.grad, xb.grad) and torch.equal(wb.grad, tree_all_reduce([wj.grad for wj in wa])))
+    log("head norm in one call:", out["head_norm_one_call_equal"])
     res["reduce"] = out
 
 

@@ -340,3 +340,33 @@ def test_row_parallel_backward_in_two_gemms_equals_per_segment_autograd(dtype):
     yb.backward(gy)
     assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad) and torch.equal(wa.grad, wb.grad)
     assert xa.grad.abs().sum() > 0 and wa.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_head_norm_in_one_call_equals_one_call_per_head_segment(dtype):
+    """A q/k norm weight shared by 8 heads in 4 canonical segments (StrictHeadRMSNorm): one rms_norm call with the
+    per-segment weight-gradient reducer gives the outputs, dX and dW of the definition — one call per segment with its
+    own weight leaf, their weight gradients merged by the canonical tree — bit for bit; the plain one-call weight
+    gradient (one tree over every row) is another sum (it differs here)."""
+    import rlkernel as rk
+    from rlkernel.backends.reference.norm import weight_grad_reducer
+    from rlkernel.parallel.collectives import tree_all_reduce
+    from rlkernel.parallel.tp_backward import head_segment_weight_grad
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, 1, 8, 16, generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(16, generator=g)).to(dtype)
+    gy = torch.randn(37, 1, 8, 16, generator=g).to(dtype)
+    xa = x.clone().requires_grad_()
+    wa = [w.clone().requires_grad_() for _ in range(4)]
+    ya = torch.cat([rk.rms_norm(part, wj, 1e-6) for part, wj in zip(xa.chunk(4, dim=-2), wa)], dim=-2)
+    ya.backward(gy)
+    want_w = tree_all_reduce([wj.grad for wj in wa])
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with weight_grad_reducer(head_segment_weight_grad(8, 4, None, dtype)):
+        yb = rk.rms_norm(xb, wb, 1e-6)
+    yb.backward(gy)
+    assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad) and torch.equal(wb.grad, want_w)
+    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+    rk.rms_norm(xc, wc, 1e-6).backward(gy)
+    assert torch.equal(xc.grad, xb.grad) and not torch.equal(wc.grad, want_w)

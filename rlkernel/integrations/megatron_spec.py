@@ -67,7 +67,8 @@ from rlkernel.models.decoder import DecoderConfig
 from rlkernel.ops.linear import canonical_segments
 from rlkernel.parallel import vocab_parallel_logprob_fn
 from rlkernel.parallel.context_parallel import cp_attention
-from rlkernel.parallel.tp_backward import ColumnParallelLinearFn, RowParallelLinearFn, SharedWeightFanout
+from rlkernel.backends.reference.norm import weight_grad_reducer
+from rlkernel.parallel.tp_backward import ColumnParallelLinearFn, RowParallelLinearFn, head_segment_weight_grad
 
 # (offset, CP group) while a context-parallel forward runs (StrictGPTModel.hidden_states sets it for StrictCoreAttention)
 _CP: contextvars.ContextVar = contextvars.ContextVar("rlkernel_megatron_cp", default=None)
@@ -177,8 +178,8 @@ class StrictHeadRMSNorm(StrictRMSNorm):
             return rk.rms_norm(x, self.weight, self.eps)
         world, heads = self.tp_group.size(), x.shape[-2]
         n = canonical_segments(heads * world, self.row_segments) // world
-        weights = SharedWeightFanout.apply(self.weight, self.tp_group, n)
-        return torch.cat([rk.rms_norm(part, w, self.eps) for part, w in zip(x.chunk(n, dim=-2), weights)], dim=-2)
+        with weight_grad_reducer(head_segment_weight_grad(heads, n, self.tp_group, self.weight.dtype)):
+            return rk.rms_norm(x, self.weight, self.eps)  # one call; the weight gradient per head segment, then one tree
 
 
 class StrictColumnParallelLinear(torch.nn.Module):

@@ -94,21 +94,20 @@ class RowParallelLinearFn(torch.autograd.Function):
         return dx, dw, None, None
 
 
-class SharedWeightFanout(torch.autograd.Function):
-    """`n` aliases of one replicated weight, one per canonical segment of its uses; backward: the tree over every
-    rank's segment gradients (so each rank holds the full, TP-invariant gradient — no further TP reduction)."""
+def head_segment_weight_grad(heads: int, n: int, group, dtype: torch.dtype):
+    """The weight-gradient reducer (backends.reference.norm.weight_grad_reducer) of a norm weight shared by `heads`
+    local heads in `n` canonical segments: rows [tokens * heads, D] in (token, head) order -> each segment's tree over
+    its rows cast to `dtype`, then the tree over every rank's segments — the adds of one norm call per segment whose
+    weight gradients the tree merges, so every rank holds the full, TP-invariant gradient in one call."""
+    if heads % n:
+        raise ValueError(f"{heads} heads do not split into {n} canonical segments")
 
-    @staticmethod
-    def forward(ctx, weight, group, n: int):
-        ctx.group = group
-        return tuple(weight.view_as(weight) for _ in range(n))
+    def reduce(rows: torch.Tensor) -> torch.Tensor:
+        d = rows.shape[-1]
+        segs = rows.view(-1, n, heads // n, d).transpose(0, 1).reshape(n, -1, d)
+        return tree_all_reduce(list(tree_sum(segs, dim=1).to(dtype).unbind(0)), group)
 
-    @staticmethod
-    def backward(ctx, *grads):
-        if any(g is None for g in grads):
-            like = next(g for g in grads if g is not None)
-            grads = [torch.zeros_like(like) if g is None else g for g in grads]
-        return tree_all_reduce(grads, ctx.group), None, None
+    return reduce
 
 
 def _segment_values(grad: torch.Tensor, spec) -> list[torch.Tensor]:

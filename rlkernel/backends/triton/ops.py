@@ -136,7 +136,7 @@ class _RmsNormFn(_ref_norm.RmsNormFn):
     def backward(ctx, gy, gh_out=None):
         h, w = ctx.saved_tensors
         gx, pw = _k()[1].rms_norm_backward(h, w, gy, ctx.eps, gh_out)
-        gw = tree_sum(pw, dim=0).to(w.dtype) if ctx.needs_input_grad[1] else None
+        gw = _ref_norm.reduce_weight_grad(ctx, pw, w.dtype) if ctx.needs_input_grad[1] else None
         return gx, gw, None, (gx if ctx.has_residual else None), None
 
 
