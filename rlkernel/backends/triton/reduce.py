@@ -32,10 +32,12 @@ def _fold(x, C: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _tree_rows_kernel(x_ptr, y_ptr, n, m, C: tl.constexpr, R: tl.constexpr, LOG2R: tl.constexpr):
-    """x [n, m] row-major float32 -> y [ceil(n/R), m]: y[i, c] = the tree over x[i*R:(i+1)*R, c]."""
-    pid_r = tl.program_id(0).to(tl.int64)
-    pid_c = tl.program_id(1).to(tl.int64)
+def _tree_rows_kernel(x_ptr, y_ptr, n, m, col_blocks, C: tl.constexpr, R: tl.constexpr, LOG2R: tl.constexpr):
+    """x [n, m] row-major float32 -> y [ceil(n/R), m]: y[i, c] = the tree over x[i*R:(i+1)*R, c]. One grid axis (a
+    second one is capped at 65,535 programs: an 8B model's embedding alone has 152k blocks of rows)."""
+    pid = tl.program_id(0).to(tl.int64)
+    pid_r = pid // col_blocks
+    pid_c = pid % col_blocks
     rows = pid_r * R + tl.arange(0, R)
     cols = pid_c * C + tl.arange(0, C)
     mask = (cols[:, None] < m) & (rows[None, :] < n)
@@ -89,6 +91,7 @@ def tree_sum_rows(x: torch.Tensor) -> torch.Tensor:
         r = 1 << log2r
         rows_out = triton.cdiv(n, r)
         y = torch.empty((rows_out, m), dtype=x.dtype, device=x.device)
-        _tree_rows_kernel[(rows_out, triton.cdiv(m, c))](x, y, n, m, C=c, R=r, LOG2R=log2r, num_warps=4)
+        col_blocks = triton.cdiv(m, c)
+        _tree_rows_kernel[(rows_out * col_blocks,)](x, y, n, m, col_blocks, C=c, R=r, LOG2R=log2r, num_warps=4)
         x, n = y, rows_out
     return x[0]
