@@ -32,9 +32,11 @@ def main() -> int:
         elif stamp.get("source_sha256") == now:
             state = "fresh"
         else:
-            state = f"stale (measured at {str(stamp.get('commit'))[:10]}{' dirty' if stamp.get('dirty') else ''})"
+            # the source hash identifies the code; the device machine's git metadata can lag the tree it was sent
+            state = (f"stale (sources {str(stamp.get('source_sha256'))[:10]}, git {str(stamp.get('commit'))[:10]}"
+                     f"{' dirty' if stamp.get('dirty') else ''})")
         stale += state != "fresh"
-        print(f"{state:40s} {f.relative_to(ROOT)}")
+        print(f"{state:52s} {f.relative_to(ROOT)}")
     print(f"{stale} result file(s) not measured with these sources")
     return 1 if args.strict and stale else 0
 
