@@ -31,7 +31,7 @@ def _fold(x, C: tl.constexpr, HALF: tl.constexpr):
     return a + b
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "m", "col_blocks"])  # few compiled variants: the shapes vary every step
 def _tree_rows_kernel(x_ptr, y_ptr, n, m, col_blocks, C: tl.constexpr, R: tl.constexpr, LOG2R: tl.constexpr):
     """x [n, m] row-major float32 -> y [ceil(n/R), m]: y[i, c] = the tree over x[i*R:(i+1)*R, c]. One grid axis (a
     second one is capped at 65,535 programs: an 8B model's embedding alone has 152k blocks of rows)."""
@@ -71,10 +71,11 @@ def _tree_rows_kernel(x_ptr, y_ptr, n, m, col_blocks, C: tl.constexpr, R: tl.con
 
 
 def _shape(n: int, m: int) -> tuple[int, int]:
-    """(log2 R, C) for one launch: about 4,096 summands per program, R never past the padded length."""
+    """(log2 R, C) for one launch: about 4,096 summands per program, R never past the padded length. C is 1 or 64
+    (masked columns cost little), so a run compiles few variants: a cold H200 compiles each in every process."""
     log2p = max(n - 1, 0).bit_length()
-    c = 1 if m == 1 else min(64, triton.next_power_of_2(m))
-    log2r = min(log2p, MAX_LOG2_ROWS, max((4096 // c).bit_length() - 1, 1))
+    c = 1 if m == 1 else 64
+    log2r = min(log2p, MAX_LOG2_ROWS, (4096 // c).bit_length() - 1)
     return log2r, c
 
 
