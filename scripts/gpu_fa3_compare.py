@@ -45,40 +45,23 @@ def _bench(fn):
 
 
 def _paged(k, v, cu, block, shuffle_seed, layout):
-    """K/V of every packed sequence copied into a paged cache with shuffled pages; returns (k_cache, v_cache, table)."""
+    """K/V of every packed sequence in a paged cache with randomly shuffled pages (rlkernel.backends.fa3.paged_cache);
+    returns (k_cache, v_cache, table)."""
     import torch
 
-    lens = (cu[1:] - cu[:-1]).tolist()
-    need = [-(-n // block) for n in lens]
-    nb = sum(need) + 1
-    g = torch.Generator().manual_seed(shuffle_seed)
-    perm = (torch.randperm(nb - 1, generator=g) + 1).tolist()  # block 0 unused (vLLM's null block)
-    table = torch.zeros((len(lens), max(need)), dtype=torch.int32)
-    i = 0
-    for s, m in enumerate(need):
-        table[s, :m] = torch.tensor(perm[i:i + m], dtype=torch.int32)
-        i += m
-    if layout == "contiguous":
-        kc = torch.zeros((nb, block, HKV, D), dtype=k.dtype, device=k.device)
-        vc = torch.zeros_like(kc)
-    else:  # rlkernel's vLLM backend: [blocks, kv_heads, 2*block, D], K page then V page per (block, head)
-        raw = torch.zeros((nb, HKV, 2 * block, D), dtype=k.dtype, device=k.device)
-        kc, vc = raw.chunk(2, dim=2)
-        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
-    for s, n in enumerate(lens):
-        pos = torch.arange(n)
-        blocks = table[s, pos // block].long().to(k.device)
-        offs = (pos % block).to(k.device)
-        kc[blocks, offs] = k[int(cu[s]):int(cu[s]) + n]
-        vc[blocks, offs] = v[int(cu[s]):int(cu[s]) + n]
-    return kc, vc, table.to(k.device)
+    from rlkernel.backends.fa3 import paged_cache
+
+    pages = sum(-(-n // block) for n in (cu[1:] - cu[:-1]).tolist())
+    perm = (torch.randperm(pages, generator=torch.Generator().manual_seed(shuffle_seed)) + 1).tolist()
+    return paged_cache(k, v, cu, block, perm, layout)
 
 
 def run(args) -> dict:
     import torch
     import torch.nn.functional as F
-    from vllm.vllm_flash_attn import flash_attn_varlen_func, is_fa_version_supported
+    from vllm.vllm_flash_attn import is_fa_version_supported
 
+    from rlkernel.backends import fa3 as F3
     from rlkernel.backends.triton import attention as A
     from rlkernel.backends.triton.attention_bwd import attention_varlen_backward
 
@@ -94,9 +77,8 @@ def run(args) -> dict:
     scale = D ** -0.5
 
     def fa3(q, k, v, cu_q, max_q, *, cu_k=None, seqused=None, max_k=None, table=None, splits=1, lse=False):
-        return flash_attn_varlen_func(q, k, v, max_seqlen_q=max_q, cu_seqlens_q=cu_q, max_seqlen_k=max_k or max_q,
-                                      cu_seqlens_k=cu_k, seqused_k=seqused, block_table=table, softmax_scale=scale,
-                                      causal=True, num_splits=splits, fa_version=3, return_softmax_lse=lse)
+        return F3.run(q, k, v, cu_q, max_q, scale, cu_k=cu_k, seqused_k=seqused, max_k=max_k, table=table, lse=lse,
+                      num_splits=splits)
 
     # ---- speed: prefill 8 x 4096
     def prefill_speed():

@@ -52,18 +52,20 @@ def _arm(recipe: str, arm: str, steps: int, runs: Path, overrides: list[str], lo
         log.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
         partial = log_path.with_name(log_path.stem + "_metrics.jsonl")
-        while (rc := proc.poll()) is None:
-            time.sleep(5)
-            if (run_dir / "metrics.jsonl").exists():
-                shutil.copyfile(run_dir / "metrics.jsonl", partial)
+        while True:
+            try:
+                rc = proc.wait(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                if (run_dir / "metrics.jsonl").exists():
+                    shutil.copyfile(run_dir / "metrics.jsonl", partial)
     wall = time.perf_counter() - t0
-    p = subprocess.CompletedProcess(cmd, rc, stdout=log_path.read_text(errors="replace"))
-    print(p.stdout[-4000:], flush=True)
+    text = log_path.read_text(errors="replace")
+    print(text[-4000:], flush=True)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if (run_dir / "metrics.jsonl").exists() else []
     if run_dir.exists():
-        (run_dir / "gpu_loop_arm.json").write_text(json.dumps({"rc": p.returncode, "wall_seconds": round(wall, 1)}))
-    return {"run_dir": str(run_dir), "rc": p.returncode, "wall_seconds": round(wall, 1), "lines": lines,
-            "log_tail": p.stdout[-6000:] if p.returncode else ""}
+        (run_dir / "gpu_loop_arm.json").write_text(json.dumps({"rc": rc, "wall_seconds": round(wall, 1)}))
+    return {"run_dir": str(run_dir), "rc": rc, "wall_seconds": round(wall, 1), "lines": lines, "log_tail": text[-6000:] if rc else ""}
 
 
 def _summary(a: dict) -> dict:

@@ -21,6 +21,7 @@ bf16/fp16 only (FA3 has no fp32 kernel): an fp32 call raises.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -34,7 +35,6 @@ from ..contracts import gpu as G
 GOLDEN = Path(__file__).resolve().parents[1] / "contracts" / "fa3_golden.json"
 PROBE_LENS = (1, 16, 17, 200, 513)  # a single token, a page, a page + 1, a few pages, past 512
 PROBE_HEADS, PROBE_KV_HEADS, PROBE_DIM, PROBE_BLOCK = 4, 2, 128, 16
-_REASON: list[str | None] = []
 
 
 def _vllm_version() -> str | None:
@@ -45,6 +45,7 @@ def _vllm_version() -> str | None:
     return getattr(vllm, "__version__", None)
 
 
+@functools.cache
 def _fa3():
     from vllm.vllm_flash_attn import flash_attn_varlen_func, is_fa_version_supported
 
@@ -58,10 +59,39 @@ def _key() -> str:
     return f"sm_{major}{minor}|vllm {_vllm_version()}"
 
 
-def _run(q, k, v, cu_q, max_q, scale, *, cu_k=None, seqused_k=None, max_k=None, table=None, lse=False):
+def run(q, k, v, cu_q, max_q, scale, *, cu_k=None, seqused_k=None, max_k=None, table=None, lse=False, num_splits=1):
+    """Causal FA3 (vLLM's build): packed (cu_k) or against a paged cache (seqused_k, table); the contract's one KV split
+    unless num_splits says otherwise (the comparison script also times FA3's default)."""
     return _fa3()(q, k, v, max_seqlen_q=max_q, cu_seqlens_q=cu_q, max_seqlen_k=max_k or max_q, cu_seqlens_k=cu_k,
-                  seqused_k=seqused_k, block_table=table, softmax_scale=scale, causal=True, num_splits=1, fa_version=3,
-                  return_softmax_lse=lse)
+                  seqused_k=seqused_k, block_table=table, softmax_scale=scale, causal=True, num_splits=num_splits,
+                  fa_version=3, return_softmax_lse=lse)
+
+
+def paged_cache(k, v, cu, block: int, order, layout: str = "rlkernel_view"):
+    """(k_cache, v_cache, block_table) holding every packed sequence's K/V, its pages taken from `order` (a permutation
+    of pages 1.., page 0 left unused as vLLM's null block). layout "rlkernel_view": [blocks, kv_heads, 2 * block, D]
+    read as strided K and V views (rlkernel's vLLM backend); "contiguous": [blocks, block, kv_heads, D] each (vLLM's)."""
+    lens = (cu[1:] - cu[:-1]).tolist()
+    need = [-(-n // block) for n in lens]
+    nb, (hkv, d) = sum(need) + 1, k.shape[1:]
+    table = torch.zeros((len(lens), max(need)), dtype=torch.int32)
+    i = 0
+    for s, m in enumerate(need):
+        table[s, :m] = torch.tensor(list(order[i:i + m]), dtype=torch.int32)
+        i += m
+    table = table.to(k.device)
+    if layout == "contiguous":
+        kc = torch.zeros((nb, block, hkv, d), dtype=k.dtype, device=k.device)
+        vc = torch.zeros_like(kc)
+    else:
+        raw = torch.zeros((nb, hkv, 2 * block, d), dtype=k.dtype, device=k.device)
+        kc, vc = (x.transpose(1, 2) for x in raw.chunk(2, dim=2))
+    for s, n in enumerate(lens):
+        pos = torch.arange(n, device=k.device)
+        a = int(cu[s])
+        kc[table[s, pos // block].long(), pos % block] = k[a:a + n]
+        vc[table[s, pos // block].long(), pos % block] = v[a:a + n]
+    return kc, vc, table
 
 
 def probe() -> tuple[str, dict]:
@@ -73,43 +103,31 @@ def probe() -> tuple[str, dict]:
     T, hq, hkv, d, blk = int(cu[-1]), PROBE_HEADS, PROBE_KV_HEADS, PROBE_DIM, PROBE_BLOCK
     q, k, v = (ints(T, h, d, seed=s, scale=1 / 256).to(dev, torch.bfloat16) for s, h in ((1, hq), (2, hkv), (3, hkv)))
     scale = d ** -0.5
-    packed = _run(q, k, v, cu, max(lens), scale, cu_k=cu)
+    packed = run(q, k, v, cu, max(lens), scale, cu_k=cu)
     bad = {"alone": 0, "decode_batch": 0, "decode_one_long_max": 0, "chunked_prefill": 0}
     for s, n in enumerate(lens):
         a = int(cu[s])
         one = torch.tensor([0, n], dtype=torch.int32, device=dev)
-        bad["alone"] += int((_run(q[a:a + n], k[a:a + n], v[a:a + n], one, n, scale, cu_k=one) != packed[a:a + n]).any(dim=(1, 2)).sum())
-    # a paged cache in the layout rlkernel's vLLM backend reads: [blocks, kv_heads, 2 * block, D] as strided K and V views
-    need = [-(-n // blk) for n in lens]
-    nb = sum(need) + 1
-    order = [(i * 7 + 3) % (nb - 1) + 1 for i in range(nb - 1)]  # a fixed shuffle of pages 1.. (7 and nb-1 coprime below)
-    if len(set(order)) != nb - 1:
-        order = list(range(1, nb))[::-1]
-    table = torch.zeros((len(lens), max(need)), dtype=torch.int32)
-    i = 0
-    for s, m in enumerate(need):
-        table[s, :m] = torch.tensor(order[i:i + m], dtype=torch.int32)
-        i += m
-    table = table.to(dev)
-    raw = torch.zeros((nb, hkv, 2 * blk, d), dtype=torch.bfloat16, device=dev)
-    kc, vc = (x.transpose(1, 2) for x in raw.chunk(2, dim=2))
-    for s, n in enumerate(lens):
-        pos = torch.arange(n, device=dev)
-        kc[table[s, pos // blk].long(), pos % blk] = k[int(cu[s]):int(cu[s]) + n]
-        vc[table[s, pos // blk].long(), pos % blk] = v[int(cu[s]):int(cu[s]) + n]
+        bad["alone"] += int((run(q[a:a + n], k[a:a + n], v[a:a + n], one, n, scale, cu_k=one) != packed[a:a + n]).any(dim=(1, 2)).sum())
+    # a paged cache in the layout rlkernel's vLLM backend reads, pages in a fixed shuffled order
+    pages = sum(-(-n // blk) for n in lens)
+    order = [(i * 7 + 3) % pages + 1 for i in range(pages)]  # a permutation of 1..pages when 7 and pages are coprime
+    if len(set(order)) != pages:
+        order = list(range(pages, 0, -1))
+    kc, vc, table = paged_cache(k, v, cu, blk, order)
     last = (cu[1:] - 1).long()
     seq_lens = (cu[1:] - cu[:-1]).to(torch.int32)
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=dev)
-    dec = _run(q[last], kc, vc, qsl, 1, scale, seqused_k=seq_lens, max_k=max(lens), table=table)
+    dec = run(q[last], kc, vc, qsl, 1, scale, seqused_k=seq_lens, max_k=max(lens), table=table)
     bad["decode_batch"] = int((dec != packed[last]).any(dim=(1, 2)).sum())
     one_q = torch.tensor([0, 1], dtype=torch.int32, device=dev)
     for s in range(len(lens)):
-        o = _run(q[last[s:s + 1]], kc, vc, one_q, 1, scale, seqused_k=seq_lens[s:s + 1], max_k=4096, table=table[s:s + 1])
+        o = run(q[last[s:s + 1]], kc, vc, one_q, 1, scale, seqused_k=seq_lens[s:s + 1], max_k=4096, table=table[s:s + 1])
         bad["decode_one_long_max"] += int((o != packed[last[s:s + 1]]).any(dim=(1, 2)).sum())
     for s, n in enumerate(lens):
         for a in range(0, n, 64):
             b = min(n, a + 64)
-            o = _run(q[int(cu[s]) + a:int(cu[s]) + b], kc, vc, torch.tensor([0, b - a], dtype=torch.int32, device=dev), b - a, scale,
+            o = run(q[int(cu[s]) + a:int(cu[s]) + b], kc, vc, torch.tensor([0, b - a], dtype=torch.int32, device=dev), b - a, scale,
                      seqused_k=torch.tensor([b], dtype=torch.int32, device=dev), max_k=b, table=table[s:s + 1])
             bad["chunked_prefill"] += int((o != packed[int(cu[s]) + a:int(cu[s]) + b]).any(dim=(1, 2)).sum())
     digest = hashlib.sha256(packed.float().cpu().numpy().tobytes()).hexdigest()[:24]
@@ -143,11 +161,10 @@ def _check() -> str | None:
     return None
 
 
+@functools.cache
 def unavailable_reason() -> str | None:
     """None when "fa3" may run here, else why not (computed once per process: the probe runs at first use)."""
-    if not _REASON:
-        _REASON.append(_check())
-    return _REASON[0]
+    return _check()
 
 
 def available() -> bool:
@@ -173,11 +190,11 @@ def attention(kind, *args, max_query_len=None, max_seq_len=None):
             from .triton.ops import VarlenFn
 
             def fwd(q, k, v, cu, scale):  # FA3's out and lse, the lse as [T, Hq] float32 (the Triton backward's layout)
-                out, lse = _run(q, k, v, cu, max_len, scale, cu_k=cu, lse=True)
+                out, lse = run(q, k, v, cu, max_len, scale, cu_k=cu, lse=True)
                 return out, lse.transpose(0, 1).contiguous().float()
 
             return VarlenFn.apply(q, k, v, cu, scale, fwd)
-        return _run(q, k, v, cu, max_len, scale, cu_k=cu)
+        return run(q, k, v, cu, max_len, scale, cu_k=cu)
     q, kc, vc, bt, seq_lens, qsl, scale = args
     _need_half(q, kc, vc)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, kc, vc)):
@@ -188,7 +205,7 @@ def attention(kind, *args, max_query_len=None, max_seq_len=None):
         max_query_len = int((qsl[1:] - qsl[:-1]).max())
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    return _run(q, kc, vc, qsl, max_query_len, scale, seqused_k=seq_lens.to(torch.int32), max_k=max_seq_len,
+    return run(q, kc, vc, qsl, max_query_len, scale, seqused_k=seq_lens.to(torch.int32), max_k=max_seq_len,
                 table=bt.to(torch.int32))
 
 
