@@ -114,6 +114,7 @@ class Implementation:
     devices: tuple  # device types it runs on ("cpu", "cuda")
     available: Callable[[], bool]  # whether it can run in this process (built, self-checked)
     prims: object = None  # its primitives (backends.reference.primitives.Prims) for strict building blocks
+    why: Callable[[], str | None] | None = None  # why it is not available here (None: no reason given)
 
 
 _REGISTRY: dict[tuple[str, str], Implementation] = {}
@@ -142,7 +143,8 @@ def _always() -> bool:
     return True
 
 
-def register(op: str, impl: str, contract: Contract, devices=("cpu", "cuda"), available: Callable[[], bool] = _always, prims=None):
+def register(op: str, impl: str, contract: Contract, devices=("cpu", "cuda"), available: Callable[[], bool] = _always, prims=None,
+             why: Callable[[], str | None] | None = None):
     """Decorator: register `fn` as implementation `impl` of `op` under `contract`."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}")
@@ -150,7 +152,7 @@ def register(op: str, impl: str, contract: Contract, devices=("cpu", "cuda"), av
         raise ValueError(f"contract of {contract.op!r} registered for {op!r}")
 
     def deco(fn):
-        _REGISTRY[(op, impl)] = Implementation(impl, fn, contract, tuple(devices), available, prims)
+        _REGISTRY[(op, impl)] = Implementation(impl, fn, contract, tuple(devices), available, prims, why)
         return fn
 
     return deco
@@ -184,7 +186,9 @@ def resolve(op: str, device: torch.device, backend: str | None = None) -> Implem
     if device.type not in impl.devices:
         raise BackendUnavailable(f"rlkernel: implementation {choice!r} of {op!r} does not run on {device.type}; strict mode never falls back")
     if not impl.available():
-        raise BackendUnavailable(f"rlkernel: implementation {choice!r} of {op!r} is not available here; strict mode never falls back")
+        reason = impl.why() if impl.why is not None else None
+        raise BackendUnavailable(f"rlkernel: implementation {choice!r} of {op!r} is not available here"
+                                 f"{f' ({reason})' if reason else ''}; strict mode never falls back")
     return impl
 
 

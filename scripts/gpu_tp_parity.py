@@ -401,6 +401,7 @@ def main(argv=None):
         n2 = trainer_scores(str(ckpt), 1, "native", dev, seqs[:sub], plens[:sub], args.pack_tokens, cp=2)
         res["cp"] = {"strict_cp1_vs_cp2": gsp.compare(c1, c2), "native_cp1_vs_cp2": gsp.compare(n1, n2),
                      "seconds": round(time.time() - t, 1)}
+        log(rank, "cp_scores", res["cp"])  # before the update, so a failing update keeps the scoring comparison
         from vime.trainer import MegatronTrainer, TrainerConfig
 
         batch = _update_batch(seqs[:8], plens[:8])  # an update at CP=2 runs, and both ranks agree on it

@@ -209,7 +209,8 @@ def attention(kind, *args, max_query_len=None, max_seq_len=None):
                 table=bt.to(torch.int32))
 
 
-dispatch.register("attention", "fa3", G.FA3_ATTENTION, devices=("cuda",), available=available)(attention)
+dispatch.register("attention", "fa3", G.FA3_ATTENTION, devices=("cuda",), available=available,
+                  why=unavailable_reason)(attention)
 
 
 def main(argv=None) -> int:

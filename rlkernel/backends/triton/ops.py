@@ -59,8 +59,19 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """float32 a @ b under the GEMM contract (Prims.matmul): a transposed weight view goes
-    through the weight path, so a row-parallel partial equals the k-segment of `linear`."""
+    through the weight path, so a row-parallel partial equals the k-segment of `linear`.
+    Batched operands ([..., M, K] @ [..., K, N], broadcast like torch.matmul) run one GEMM per
+    batch item: the kernel's bits depend on the row and column alone, so each item has the bits
+    it has alone (context parallelism's attention backward multiplies per head this way)."""
     gemm = _k()[0]
+    if a.dim() > 2 or b.dim() > 2:
+        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+        b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+        out = torch.empty((a3.shape[0], a.shape[-2], b.shape[-1]), dtype=torch.float32, device=a.device)
+        for i in range(a3.shape[0]):
+            out[i] = _mm32(a3[i], b3[i])
+        return out.reshape(*batch, a.shape[-2], b.shape[-1])
     if b.dtype != a.dtype:
         b = b.to(a.dtype)
     if b.dim() == 2 and b.stride(0) == 1 and b.stride(1) != 1:
