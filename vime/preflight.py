@@ -19,11 +19,6 @@ def check_resources(cfg) -> None:
         if have < need:
             problems.append(f"recipe {cfg.run.name!r} needs {need} GPUs (trainer TP{cfg.trainer.tp}/CP{cfg.trainer.cp}/PP{cfg.trainer.pp}, "
                             f"{cfg.rollout.num_engines} vLLM engines at TP{cfg.rollout.tp}); this machine has {have}")
-    # layouts the code does not run yet: listed with the rest (the recipe still composes, so its other gaps show too)
-    if cfg.trainer.cp > 1 and cfg.resources.gpus:
-        problems.append(f"trainer.cp={cfg.trainer.cp}: context parallelism on GPUs is not proven yet (the code runs there: pieces "
-                        "through the paged Triton kernel, the explicit step's CP sum; proved on the CPU only — the GPU proof is "
-                        "`torchrun --nproc_per_node=2 scripts/gpu_tp_parity.py --only cp`); set trainer.cp=1 on GPUs")
     hf = Path(cfg.model.path) / "config.json"
     if cfg.model.init == "existing" and not hf.exists():
         problems.append(f"model.path {cfg.model.path!r} is not an HF checkpoint directory (no config.json)")
