@@ -1,7 +1,13 @@
 #!/usr/bin/env python3
 """The whole loop on a GPU, both arms of one recipe, side by side: `vime train` strict, then native.
 
-    python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu [--steps 20] [--out DIR] [override ...]
+    python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu [--steps 20] [--out DIR] [--parallel] [override ...]
+
+An override `key=value` goes to every arm (`rlkernel.ops.attention=fa3` in the native arm too makes that arm the
+ablation "native but FA3 attention on both sides", not production); `ARM:key=value` to that arm only
+(`strict:rlkernel.ops.attention=fa3`). --parallel runs the arms at the same time, arm i alone on GPU i
+(CUDA_VISIBLE_DEVICES, its own Ray temp dir), after the recipe's model is built once: two arms in the time of one
+on a two-GPU machine; the report says so (`parallel`), as the arms then share the host's CPUs.
 
 Each arm is a real `vime train` run (Ray actors: vLLM on CUDA, the Megatron-core trainer on CUDA, colocated
 on the recipe's GPUs), in RUNS/<recipe>_<arm>. Afterwards, to DIR ($OUT, else benchmarks/): <tag>.json with
@@ -38,27 +44,52 @@ def _reused(recipe: str, arm: str, runs: Path) -> dict:
             "lines": [json.loads(x) for x in metrics.read_text().splitlines()], "log_tail": ""}
 
 
+def arm_overrides(overrides: list[str], arm: str) -> list[str]:
+    """The overrides one arm runs: every plain `key=value`, and `ARM:key=value` of this arm (without the prefix)."""
+    mine = []
+    for o in overrides:
+        head, sep, rest = o.partition(":")
+        if sep and "=" not in head:  # "strict:key=value" (a plain value may hold a colon: "key=a:b")
+            if head not in ("strict", "native"):
+                raise SystemExit(f"override {o!r}: the prefix must be an arm (strict: or native:), got {head!r}")
+            if head == arm:
+                mine.append(rest)
+        else:
+            mine.append(o)
+    return mine
+
+
+def _start(recipe: str, arm: str, steps: int, runs: Path, overrides: list[str], log_path: Path, env: dict | None = None) -> dict:
+    """Start one arm as a real `vime train` run (`_wait` follows it)."""
+    run_dir = runs / f"{recipe}_{arm}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "vime.cli", "train", "--config-name", recipe, f"rlkernel.mode={arm}", f"trainer.total_steps={steps}",
+           f"run.output_dir={run_dir}", "logging.progress=false", *arm_overrides(overrides, arm)]
+    log = open(log_path, "w")
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    return {"proc": proc, "log": log, "log_path": log_path, "run_dir": run_dir, "t0": time.perf_counter()}
+
+
 def _arm(recipe: str, arm: str, steps: int, runs: Path, overrides: list[str], log_path: Path) -> dict:
     """One arm as a real `vime train` run. Its output goes to `log_path` (under --out) as it runs, and its metrics
     lines are copied beside it every few seconds (`<log>_metrics.jsonl`, the name the report then rewrites), so a
     device call cut short (the 10-minute limit, the session's budget) still brings back how far the run got."""
-    run_dir = runs / f"{recipe}_{arm}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "vime.cli", "train", "--config-name", recipe, f"rlkernel.mode={arm}", f"trainer.total_steps={steps}",
-           f"run.output_dir={run_dir}", "logging.progress=false", *overrides]
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        log.write(f"$ {' '.join(cmd)}\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
-        partial = log_path.with_name(log_path.stem + "_metrics.jsonl")
-        while True:
-            try:
-                rc = proc.wait(timeout=5)
-                break
-            except subprocess.TimeoutExpired:
-                if (run_dir / "metrics.jsonl").exists():
-                    shutil.copyfile(run_dir / "metrics.jsonl", partial)
+    return _wait(_start(recipe, arm, steps, runs, overrides, log_path))
+
+
+def _wait(started: dict) -> dict:
+    proc, log, log_path, run_dir, t0 = (started[k] for k in ("proc", "log", "log_path", "run_dir", "t0"))
+    partial = log_path.with_name(log_path.stem + "_metrics.jsonl")
+    while True:
+        try:
+            rc = proc.wait(timeout=5)
+            break
+        except subprocess.TimeoutExpired:
+            if (run_dir / "metrics.jsonl").exists():
+                shutil.copyfile(run_dir / "metrics.jsonl", partial)
+    log.close()
     wall = time.perf_counter() - t0
     text = log_path.read_text(errors="replace")
     print(text[-4000:], flush=True)
@@ -66,6 +97,22 @@ def _arm(recipe: str, arm: str, steps: int, runs: Path, overrides: list[str], lo
     if run_dir.exists():
         (run_dir / "gpu_loop_arm.json").write_text(json.dumps({"rc": rc, "wall_seconds": round(wall, 1)}))
     return {"run_dir": str(run_dir), "rc": rc, "wall_seconds": round(wall, 1), "lines": lines, "log_tail": text[-6000:] if rc else ""}
+
+
+def _await_model(recipe: str, overrides: list[str], first: dict) -> None:
+    """The arms share the recipe's model directory: when the first arm builds it (model.init=tiny_sft), the others
+    start only once it is complete (its vime_warmstart.json written last), so none reads it half-written."""
+    from vime.config import load_config
+
+    cfg, _ = load_config(recipe, overrides)
+    if cfg.model.init != "tiny_sft":
+        return
+    model = Path(cfg.model.path)
+    done = (model if model.is_absolute() else ROOT / model) / "vime_warmstart.json"
+    while not done.exists():
+        if first["proc"].poll() is not None:
+            raise SystemExit(f"the first arm ended (rc {first['proc'].returncode}) before building {cfg.model.path}: see {first['log_path']}")
+        time.sleep(2)
 
 
 def _summary(a: dict) -> dict:
@@ -90,7 +137,8 @@ def _summary(a: dict) -> dict:
 def _report(args, arms: dict, out: Path, tag: str, torch):
     from vime.stamp import code_stamp
 
-    report = {"recipe": args.config_name, "overrides": args.overrides, "steps_asked": args.steps, "code": code_stamp(),
+    report = {"recipe": args.config_name, "overrides": {arm: arm_overrides(args.overrides, arm) for arm in arms},
+              "parallel": bool(args.parallel), "steps_asked": args.steps, "code": code_stamp(),
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
               "arms": {arm: _summary(a) for arm, a in arms.items()},
               "failures": {arm: a["log_tail"] for arm, a in arms.items() if a["rc"]}}
@@ -129,6 +177,7 @@ def main() -> int:
     ap.add_argument("--reuse", default="", help="arms a previous call ran on this machine: read their run directories "
                     "instead of running them again (the two arms in two device calls)")
     ap.add_argument("--allow-cpu", action="store_true", help="run without a GPU (a CPU recipe; for smoke tests)")
+    ap.add_argument("--parallel", action="store_true", help="run the arms at the same time, arm i on GPU i (one GPU per arm)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     import torch
@@ -141,7 +190,27 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     tag = args.tag or f"h200_loop_{args.config_name}"
     arms: dict = {}
-    for arm in args.arms.split(","):  # the report is rewritten after each arm: a device call cut short keeps what ran
+    names = args.arms.split(",")
+    for arm in names:
+        arm_overrides(args.overrides, arm)  # a bad prefix is refused before anything runs
+    if args.parallel:
+        fresh = [a for a in names if a not in args.reuse.split(",")]
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < len(fresh):
+            raise SystemExit(f"--parallel runs each arm on its own GPU: {len(fresh)} arms to run, {have} GPUs here")
+        started = {}
+        for i, arm in enumerate(fresh):
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i), RAY_TMPDIR=f"/tmp/ray_{arm}")
+            started[arm] = _start(args.config_name, arm, args.steps, runs, args.overrides, out / f"{tag}_{arm}.log", env)
+            if i == 0:
+                _await_model(args.config_name, arm_overrides(args.overrides, arm), started[arm])
+        done = {arm: _wait(st) for arm, st in started.items()}
+        for arm in names:
+            arms[arm] = done[arm] if arm in done else _reused(args.config_name, arm, runs)
+        report, strict_ok = _report(args, arms, out, tag, torch)
+        print(json.dumps({k: v for k, v in report.items() if k != "failures"}))
+        return 0 if strict_ok else 1
+    for arm in names:  # the report is rewritten after each arm: a device call cut short keeps what ran
         reuse = arm in args.reuse.split(",")
         arms[arm] = (_reused(args.config_name, arm, runs) if reuse else
                      _arm(args.config_name, arm, args.steps, runs, args.overrides, out / f"{tag}_{arm}.log"))

@@ -48,6 +48,10 @@ STEPS: dict[str, tuple[int, str]] = {
     "loop_qwen3_native": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native --out {out}"),
     "loop_qwen3_strict": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
                                "--reuse native --out {out}"),
+    # both arms at once on two GPUs (x2), one arm per GPU: production native vs strict, and vs strict with FA3 attention
+    "loop_qwen3_parallel": (580, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --parallel --out {out}"),
+    "loop_qwen3_fa3_parallel": (580, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --parallel "
+                                     "--tag h200_loop_grpo_qwen3_gpu_fa3 --out {out} strict:rlkernel.ops.attention=fa3"),
     # rollout tokens/s at the Qwen3-0.6B shape (random weights, bf16), 256 prompts x 128 tokens: strict (eager) vs stock
     # vLLM eager and with CUDA graphs
     "qwen06_ckpt": (180, "python3 scripts/make_tiny_checkpoint.py /tmp/q06 --vocab-size 151936 --hidden-size 1024 --intermediate-size 3072 "

@@ -89,12 +89,23 @@ def test_gpu_loop_script_streams_each_arm_to_its_out_dir(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(root / "scripts" / "gpu_loop.py"), "--allow-cpu", "--config-name", "grpo_tiny",
-                           "--steps", "2", "--arms", "strict", "--out", str(out), "--runs", str(tmp_path / "runs")],
+                           "--steps", "2", "--arms", "strict", "--out", str(out), "--runs", str(tmp_path / "runs"),
+                           "strict:run.seed=7", "native:run.seed=9"],  # an override for one arm only
                           capture_output=True, text=True, timeout=900, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = (out / "h200_loop_grpo_tiny_strict.log").read_text()
     assert log.startswith("$ ") and "vime.cli train --config-name grpo_tiny rlkernel.mode=strict" in log
+    command = log.splitlines()[0]
+    assert command.endswith(" run.seed=7") and "run.seed=9" not in command and "strict:" not in command
     lines = [json.loads(x) for x in (out / "h200_loop_grpo_tiny_strict_metrics.jsonl").read_text().splitlines()]
     assert [x["mismatch_count"] for x in lines] == [0, 0]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["arms"]["strict"]["steps"] == 2 and report["strict_zero_mismatch_every_step"] is True
+    assert report["overrides"] == {"strict": ["run.seed=7"]} and report["parallel"] is False
+    # --parallel needs a GPU per arm, and an arm prefix must name an arm: both refused before anything runs
+    for extra, why in ((["--parallel"], "2 arms to run, 0 GPUs here"), (["strcit:run.seed=7"], "the prefix must be an arm")):
+        bad = subprocess.run([sys.executable, str(root / "scripts" / "gpu_loop.py"), "--allow-cpu", "--config-name", "grpo_tiny",
+                              "--arms", "strict,native", "--out", str(tmp_path / "bad"), "--runs", str(tmp_path / "runs"), *extra],
+                             capture_output=True, text=True, timeout=300, cwd=root)
+        assert bad.returncode != 0 and why in bad.stderr, bad.stderr[-2000:]
+        assert not (tmp_path / "bad" / "h200_loop_grpo_tiny_strict.log").exists()  # nothing started
