@@ -132,3 +132,19 @@ def test_a_fallback_is_judged_per_op_and_device():
     assert ok == {"strict_ok": True, "strict_violations": []}
     bad = strict_status("strict", {}, {"rollout": {"linear": entry("reference")}, "trainer": {}})
     assert bad["strict_ok"] is False and bad["strict_violations"] == ["rollout ran linear on 'reference': a fallback from 'triton' on cuda"]
+
+
+def test_native_packed_attention_off_cuda_is_sdpa_per_request():
+    """The native op takes torch's varlen flash attention only on CUDA in half precision; on the CPU it returns None and
+    the per-request SDPA composition runs (its result is the op's, bit for bit: the same function)."""
+    from rlkernel.backends import native
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(12, 4, 8, dtype=torch.bfloat16), torch.randn(12, 2, 8, dtype=torch.bfloat16), torch.randn(12, 2, 8, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 5, 12])
+    assert native.flash_varlen(q, k, v, cu, 8 ** -0.5) is None
+    with rk.mode("native"):
+        out = rk.attention_varlen(q, k, v, cu)
+    assert torch.equal(out, native.varlen(native._sdpa, q, k, v, cu, 8 ** -0.5))
+    api = native._varlen_api()  # a record of this torch's API shape, not a claim
+    print("torch varlen_attn:", None if api is None else sorted(api[1] & {"is_causal", "window_size", "enable_gqa", "scale"}))

@@ -3,8 +3,15 @@
 What this module decides: what "native" means in every ablation (the P side of the P/R
 matrix) and in every negative control — F.linear (MKL/oneDNN/cuBLAS), F.rms_norm, F.silu,
 HF's RoPE formula, scaled_dot_product_attention, log_softmax. Nothing here is strict.
+Packed (varlen) causal attention on CUDA in half precision runs torch's varlen flash attention
+(`torch.nn.attention.varlen.varlen_attn`, forward and backward in one call each), the kernel a
+production trainer uses; elsewhere, and where that API is missing, SDPA per request.
 """
 from __future__ import annotations
+
+import functools
+import inspect
+import math
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +66,43 @@ def _sdpa(q, qpos, k, v, scale):
     return out.transpose(1, 2)
 
 
+@functools.cache
+def _varlen_api():
+    """torch's varlen flash attention and the keywords its version takes (None where torch has none). Two shapes
+    exist: (..., max_q, max_k, is_causal=...) without GQA, and the later (..., *, scale, window_size, enable_gqa)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def flash_varlen(q, k, v, cu_seqlens, scale, api=None):
+    """Packed causal attention by torch's varlen flash attention, or None where it does not apply (not CUDA, not
+    half precision, no such API, or an API without a `scale` for a non-default scale). `api`: (fn, its keywords)."""
+    api = api or _varlen_api()
+    if api is None or q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    fn, params = api
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    default = scale is None or math.isclose(scale, q.shape[-1] ** -0.5, rel_tol=1e-6)
+    if "window_size" in params:  # (-1, 0): every earlier key, no later one
+        return fn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0), enable_gqa=k.shape[1] != q.shape[1])
+    if "is_causal" in params and (default or "scale" in params):
+        groups = q.shape[1] // k.shape[1]
+        kx, vx = (k, v) if groups == 1 else (k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
+        extra = {} if default else {"scale": scale}
+        return fn(q, kx, vx, cu, cu, max_len, max_len, is_causal=True, **extra)
+    return None
+
+
 @dispatch.register("attention", "native", c_attention.NATIVE)
 def attention(kind, *args, max_query_len=None, max_seq_len=None):
+    if kind == "varlen":
+        out = flash_varlen(*args)
+        if out is not None:
+            return out
     return (varlen if kind == "varlen" else paged)(_sdpa, *args)
 
 
