@@ -130,8 +130,7 @@ def strict_preference(device_type: str) -> tuple:
 
 def first_strict(op: str, device_type: str) -> str:
     """The strict implementation `op` should run on a device type: the most preferred one registered for that op and
-    device (whether or not it can load here). A run that shows another one fell back. (rope on CUDA, an elementwise op
-    with no reduction, has no Triton kernel: its reference composition is its first choice there, not a fallback.)"""
+    device (whether or not it can load here). A run that shows another one fell back."""
     for name in strict_preference(device_type):
         impl = _REGISTRY.get((op, name))
         if impl is not None and device_type in impl.devices:

@@ -730,6 +730,20 @@ def reduce_checks(res):
     yb.backward(gy)
     out["head_norm_one_call_equal"] = bool(torch.equal(xa.grad, xb.grad) and torch.equal(wb.grad, tree_all_reduce([wj.grad for wj in wa])))
     log("head norm in one call:", out["head_norm_one_call_equal"])
+    from rlkernel.backends.reference import rope as ref_rope
+    from rlkernel.backends.triton import rope as tri_rope
+    cos, sin = ref_rope.rope_table(128, 4096, 1e6, DEV)
+    pos = torch.randint(0, 4096, (T,), device=DEV)
+    rope_equal = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # bf16's rounding is checked here, not in the interpreter
+        q = (torch.randn(T, 32, 128, device=DEV) * 3).to(dtype)[:, ::2]  # 16 heads, a strided view
+        rope_equal[str(dtype)] = bool(torch.equal(ref_rope.forward(q, pos, cos, sin), tri_rope.forward(q, pos, cos, sin))
+                                      and torch.equal(ref_rope.forward(q, pos, cos, -sin), tri_rope.forward(q, pos, cos, -sin)))
+    out["rope_kernel_equal"] = rope_equal
+    q = torch.randn(T, 16, 128, device=DEV).bfloat16()
+    t_k, t_c = bench(lambda: tri_rope.forward(q, pos, cos, sin)), bench(lambda: ref_rope.forward(q, pos, cos, sin))
+    out["rope_ms"] = {"kernel": round(t_k, 4), "composition": round(t_c, 4), "speedup": round(t_c / t_k, 2)}
+    log("rope:", out["rope_kernel_equal"], out["rope_ms"])
     res["reduce"] = out
 
 

@@ -117,21 +117,21 @@ def test_provenance_counter_and_contract_match():
 
 
 def test_a_fallback_is_judged_per_op_and_device():
-    """rope has no Triton kernel (elementwise, no reduction): its reference composition is its first strict choice on
-    CUDA, not a fallback (the first H200 loop flagged it as one); linear on the reference composition there is one."""
+    """Every op has a Triton kernel, its first strict choice on CUDA (rope since session 8: before, its reference
+    composition was the first choice there and was not a fallback); an op on the reference composition there is one."""
     from rlkernel.dispatch import first_strict
     from vime.strictness import strict_status
 
-    assert first_strict("rope", "cuda") == "reference" and first_strict("linear", "cuda") == "triton"
+    assert all(first_strict(op, "cuda") == "triton" for op in rk.OPS)
     assert all(first_strict(op, "cpu") == "cpu" for op in rk.OPS)
 
     def entry(impl):
         return [{"backend": "strict", "impl": impl, "contract_id": "x", "device": "cuda", "calls": 1}]
 
-    ok = strict_status("strict", {}, {"rollout": {"rope": entry("reference"), "linear": entry("triton")}, "trainer": {}})
+    ok = strict_status("strict", {}, {"rollout": {"rope": entry("triton"), "linear": entry("triton")}, "trainer": {}})
     assert ok == {"strict_ok": True, "strict_violations": []}
-    bad = strict_status("strict", {}, {"rollout": {"linear": entry("reference")}, "trainer": {}})
-    assert bad["strict_ok"] is False and bad["strict_violations"] == ["rollout ran linear on 'reference': a fallback from 'triton' on cuda"]
+    bad = strict_status("strict", {}, {"rollout": {"rope": entry("reference")}, "trainer": {}})
+    assert bad["strict_ok"] is False and bad["strict_violations"] == ["rollout ran rope on 'reference': a fallback from 'triton' on cuda"]
 
 
 def test_native_packed_attention_off_cuda_is_sdpa_per_request():

@@ -7,6 +7,7 @@ tree, the bias, the fused-logprob kinds) and how gradients are computed on the G
                fp32 accumulate); db by a balanced tree over rows
   rms_norm     one row per program (dx and the row's dw share), dw by a balanced tree over rows
   swiglu       the shared explicit backward (reference.swiglu.SwigluFn) with torch.exp
+  rope         one launch (rope.py), the composition's bits; backward: the same kernel, sine negated
   attention    FlashAttention-2-style recompute kernels, no atomics (attention_bwd.py)
   linear_logprob / entropy   vocab chunks in fixed order: the chunk's logits recomputed with
                the forward's tile config, dz in fp32 cast to the weight dtype, dh summed
@@ -27,6 +28,7 @@ from ... import dispatch
 from ...contracts import gpu as G
 from ...contracts.logprob import VOCAB_TILE
 from ..reference import norm as _ref_norm
+from ..reference import rope as _ref_rope
 from ..reference import swiglu as _ref_swiglu
 from ..reference.linear import wants_grad
 from ..reference import primitives as _ref_prims
@@ -342,8 +344,14 @@ def linear_logprob(kind, hidden, weight, targets, temperature, vocab_size):
     return _k()[3].linear_logprob(h, weight, targets, temperature, vocab_size=vocab_size)
 
 
+def rope(x, positions, theta, max_position=None):
+    from . import rope as _rope_kernel
+
+    return _ref_rope.rope(x, positions, theta, fwd=_rope_kernel.forward, max_position=max_position)
+
+
 _ref_prims.register_tree_sum("cuda", lambda x2: _reduce().tree_sum_rows(x2), functools.cache(available))
 
-for _op, _fn in (("linear", linear), ("rms_norm", rms_norm), ("swiglu", swiglu), ("attention", attention),
+for _op, _fn in (("linear", linear), ("rms_norm", rms_norm), ("swiglu", swiglu), ("rope", rope), ("attention", attention),
                  ("linear_logprob", linear_logprob)):
     dispatch.register(_op, "triton", G.BY_OP[_op], devices=("cuda",), available=available, prims=TRITON)(_fn)
