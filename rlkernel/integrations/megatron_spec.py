@@ -268,13 +268,17 @@ class StrictCoreAttention(torch.nn.Module):
         cp = _CP.get()
         if cp is not None:  # this CP rank holds tokens [offset, offset + T_local) of the stream cu describes
             offset, group = cp
-            pos = positions_from_cu_seqlens(cu, query.device)[offset:offset + query.shape[0]]
-            q, k = rk.rope(query, pos, self.rope_theta), rk.rope(key, pos, self.rope_theta)
+            total = query.shape[0] * (group.size() if group is not None else 1)  # the stream, padded to cp x T_local
+            pos = positions_from_cu_seqlens(cu, query.device, total)[offset:offset + query.shape[0]]
+            bound = offset + query.shape[0]  # a token's position is at most its index in the stream: no read-back
+            q, k = rk.rope(query, pos, self.rope_theta, max_position=bound), rk.rope(key, pos, self.rope_theta, max_position=bound)
             out = cp_attention(q, k, value, cu, offset, group, scale=self.softmax_scale)
             return out.reshape(out.shape[0], -1)
-        pos = positions_from_cu_seqlens(cu, query.device)
-        q = rk.rope(query, pos, self.rope_theta)
-        k = rk.rope(key, pos, self.rope_theta)
+        pos = positions_from_cu_seqlens(cu, query.device, query.shape[0])
+        # positions are below the stream's length: the table is sized from it, not from pos.max() read back (a host sync
+        # per call, two a layer); the table's rows do not depend on its size (rope_table), so neither do the bits
+        q = rk.rope(query, pos, self.rope_theta, max_position=query.shape[0])
+        k = rk.rope(key, pos, self.rope_theta, max_position=query.shape[0])
         out = rk.attention_varlen(q, k, value, cu, scale=self.softmax_scale)
         return out.reshape(out.shape[0], -1)
 
@@ -297,12 +301,22 @@ class StrictMLP(MegatronModule):
         return self.linear_fc2(rk.swiglu(gate, up))
 
 
-def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, device=None) -> torch.Tensor:
-    """int64 position of every packed token inside its own sequence."""
+_POSITIONS: list = [None]  # (cu_seqlens, its version, device, total, positions): every layer of a forward asks for the same
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, device=None, total: int | None = None) -> torch.Tensor:
+    """int64 position of every packed token inside its own sequence. `total` (= cu_seqlens[-1], when the caller knows
+    it) spares the two host read-backs; the last stream's positions are kept, so the layers of one forward compute them
+    once (the cache holds the cu_seqlens tensor itself, so its identity cannot be reused while cached)."""
+    hit = _POSITIONS[0]
+    if hit is not None and hit[0] is cu_seqlens and hit[1] == cu_seqlens._version and hit[2] == device and hit[3] == total:
+        return hit[4]
     cu = cu_seqlens.long().to(device)
     lens = cu[1:] - cu[:-1]
-    start = torch.repeat_interleave(cu[:-1], lens)
-    return torch.arange(int(cu[-1]), device=cu.device) - start
+    n = int(cu[-1]) if total is None else int(total)
+    pos = torch.arange(n, device=cu.device) - torch.repeat_interleave(cu[:-1], lens, output_size=n)
+    _POSITIONS[0] = (cu_seqlens, cu_seqlens._version, device, total, pos)
+    return pos
 
 
 def layer_spec(cfg: MegatronSpecConfig) -> ModuleSpec:
