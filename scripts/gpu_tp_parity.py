@@ -413,6 +413,24 @@ def main(argv=None):
         res["cp"]["update_cp2"] = {"loss": m["loss"], "grad_norm": m["grad_norm"], "ranks_agree": all(e == every[0] for e in every)}
         log(rank, "cp", res["cp"])
         _free(dev)
+        # the token-segmented backward (trainer token_segments=2): two updates at CP=2 against CP=1 (each rank a
+        # data-parallel replica of the same batch there: the mean of two equal gradients is exact), every weight
+        # tensor compared bit for bit; and the same without token segments as the control
+        res["cp"]["token_segments"] = {}
+        for s in (2, 1):
+            runs, t = {}, time.time()
+            for cp in (1, 2):
+                with MegatronTrainer(TrainerConfig(tp=1, cp=cp, mode="strict", dtype="bfloat16", device=dev, lr=1e-4,
+                                                   token_segments=s)) as trainer:
+                    trainer.load_hf(str(ckpt))
+                    ms = [trainer.update(batch), trainer.update(batch)]
+                    runs[cp] = ([(x["loss"], x["grad_norm"]) for x in ms], {k: v.cpu() for k, v in trainer.export_weights(2).items()})
+                _free(dev)
+            differ = [k for k in runs[1][1] if not torch.equal(runs[1][1][k], runs[2][1][k])]
+            res["cp"]["token_segments"][f"S={s}"] = {"losses_grad_norms_equal": runs[1][0] == runs[2][0], "tensors": len(runs[1][1]),
+                                                     "tensors_differ": len(differ), "first_differ": differ[:3],
+                                                     "seconds": round(time.time() - t, 1)}
+            log(rank, "cp token segments", s, res["cp"]["token_segments"][f"S={s}"])
     if "grads" in only:  # per-parameter gradient sums of squares at TP=1 vs TP=2, strict (diagnosis)
         # TP=1 under Megatron DDP is the reference (its grad norms equal the CPU's); TP=2 with and without DDP (the
         # explicit step) separates DDP from the autograd graph

@@ -208,11 +208,13 @@ def test_two_gpu_script_runs_its_claims_on_cpu(tmp_path):
     assert res["rollout_setup"]["rollout_tp"] == 2 and r["compared_tokens"] > 0 and r["mismatch_count"] == 0
     assert res["cp"]["strict_cp1_vs_cp2"]["mismatch_count"] == 0 and res["cp"]["native_cp1_vs_cp2"]["mismatch_count"] > 0
     assert res["cp"]["update_cp2"]["ranks_agree"] and res["cp"]["update_cp2"]["grad_norm"] > 0
+    seg = res["cp"]["token_segments"]["S=2"]  # the script's token-segmented check, as the x2 run will make it
+    assert seg["losses_grad_norms_equal"] and seg["tensors"] > 0 and seg["tensors_differ"] == 0, seg
 
 
-def _cp_body(rank: int, checkpoint: str, tp: int, cp: int) -> dict:
+def _cp_body(rank: int, checkpoint: str, tp: int, cp: int, token_segments: int = 1, dtype: str = "float32") -> dict:
     out = {}
-    with MegatronTrainer(TrainerConfig(tp=tp, cp=cp, lr=LR)) as trainer:
+    with MegatronTrainer(TrainerConfig(tp=tp, cp=cp, lr=LR, token_segments=token_segments, dtype=dtype)) as trainer:
         trainer.load_hf(checkpoint)
         scored = trainer.score_with_digest(_batch())
         out["score"], out["digest"] = scored.logprobs, dataclasses.asdict(scored.digest)
@@ -227,7 +229,15 @@ def cp_runs(checkpoints, tmp_path_factory) -> dict:
     ck = checkpoints["qwen3-tied"]
     return {"cp1": _cp_body(0, ck, 1, 1),
             "cp2": run_gloo_ranks(2, _cp_body, (ck, 1, 2), str(tmp_path_factory.mktemp("cp2"))),
-            "tp2cp2": run_gloo_ranks(4, _cp_body, (ck, 2, 2), str(tmp_path_factory.mktemp("tp2cp2")), timeout=400)}
+            "tp2cp2": run_gloo_ranks(4, _cp_body, (ck, 2, 2), str(tmp_path_factory.mktemp("tp2cp2")), timeout=400),
+            # the token-segmented backward (trainer token_segments=S): the same S at every layout
+            "cp1/s2": _cp_body(0, ck, 1, 1, 2),
+            "cp2/s2": run_gloo_ranks(2, _cp_body, (ck, 1, 2, 2), str(tmp_path_factory.mktemp("cp2s2"))),
+            "tp2cp2/s2": run_gloo_ranks(4, _cp_body, (ck, 2, 2, 2), str(tmp_path_factory.mktemp("tp2cp2s2")), timeout=400),
+            "cp1/s4/bf16": _cp_body(0, ck, 1, 1, 4, "bfloat16"),
+            "cp2/s4/bf16": run_gloo_ranks(2, _cp_body, (ck, 1, 2, 4, "bfloat16"), str(tmp_path_factory.mktemp("cp2s4"))),
+            "cp1/s1/bf16": _cp_body(0, ck, 1, 1, 1, "bfloat16"),
+            "cp2/s1/bf16": run_gloo_ranks(2, _cp_body, (ck, 1, 2, 1, "bfloat16"), str(tmp_path_factory.mktemp("cp2s1")))}
 
 
 @pytest.mark.parametrize("layout", ["cp2", "tp2cp2"])
@@ -251,3 +261,24 @@ def test_context_parallel_scores_like_cp1(checkpoints, cp_runs, layout):
         with torch.no_grad():
             want = [lp[p - 1:] for lp, p in zip(dec.score(b.sequences, b.temperature), b.prompt_lens)]
         assert _same(res["score_after"], want), (layout, rank)
+
+
+@pytest.mark.parametrize("one,layout", [("cp1/s2", "cp2/s2"), ("cp1/s2", "tp2cp2/s2"), ("cp1/s4/bf16", "cp2/s4/bf16")])
+def test_token_segmented_backward_is_cp_invariant(cp_runs, one, layout):
+    """trainer token_segments=S (rlkernel.parallel.token_segments): every sum over tokens in the backward — each weight
+    gradient (the linears, the norms, the tied embedding and lm head), the keys' and values' gradients in attention —
+    per canonical token segment in float32, merged by one tree over the rank's segments and the CP ranks. Two GRPO
+    updates at CP=2 (and TP=2 x CP=2; bf16 with S=4, two segments a rank) give CP=1's losses, grad norms and weights
+    bit for bit on every rank (torch.equal on every tensor), and the scores after them. Negative control: the same
+    updates without token segments (bf16, S=1) leave CP=2's weights off CP=1's — printed as a record (the sum order
+    differs by construction; that it rounds differently is this data's, not a claim)."""
+    base = cp_runs[one]
+    for rank, res in enumerate(cp_runs[layout]):
+        assert [(u["loss"], u["grad_norm"]) for u in res["updates"]] == [(u["loss"], u["grad_norm"]) for u in base["updates"]], (layout, rank)
+        assert res["export"].keys() == base["export"].keys()
+        differ = [k for k in base["export"] if not torch.equal(res["export"][k], base["export"][k])]
+        assert differ == [], (layout, rank, differ)
+        assert _same(res["score_after"], base["score_after"]), (layout, rank)
+    plain, plain2 = cp_runs["cp1/s1/bf16"], cp_runs["cp2/s1/bf16"][0]
+    control = sum(not torch.equal(plain["export"][k], plain2["export"][k]) for k in plain["export"])
+    print(f"record: without token segments (bf16), CP=2's weights differ from CP=1's in {control} of {len(plain['export'])} tensors")

@@ -180,6 +180,10 @@ class TrainerSection:
     cp: int = 1
     pp: int = 1
     threads: Optional[int] = None
+    # canonical token segments of the strict update's backward (rlkernel.parallel.token_segments): 1 = off; S (a power of
+    # two, a multiple of cp) = every sum over tokens per segment and one tree, so runs at CP=1, 2, ... S with the same S
+    # are bitwise equal (slower: attention's backward by pieces, one GEMM per segment for each weight gradient)
+    token_segments: int = 1
 
     def __post_init__(self):
         _positive("trainer.total_steps", self.total_steps, example=20)
@@ -190,6 +194,10 @@ class TrainerSection:
             _positive(f"trainer.{k}", getattr(self, k))
         if self.threads is not None:
             _positive("trainer.threads", self.threads, example="2 (or null: keep the process setting)")
+        s = self.token_segments
+        _require(isinstance(s, int) and s >= 1 and not s & (s - 1) and (s == 1 or s % self.cp == 0), "trainer.token_segments",
+                 f"must be a power of two and a multiple of trainer.cp={self.cp} (1: off), got {s}",
+                 f"set trainer.token_segments={max(2, self.cp)} (the same value in every run you compare across CP sizes)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -337,6 +345,10 @@ class VimeConfig:
         t, r, res = self.trainer, self.rollout, self.resources
         _require(t.pp == 1, "trainer.pp", f"pipeline parallelism is not supported yet (tied embeddings across stages), got {t.pp}",
                  "set trainer.pp=1")
+        _require(not (t.token_segments > 1 and self.rlkernel.mode != "strict"), "trainer.token_segments",
+                 f"the token-segmented backward is a strict contract; rlkernel.mode={self.rlkernel.mode}", "set trainer.token_segments=1")
+        _require(not (t.token_segments > 1 and self.algorithm.entropy_coef), "trainer.token_segments",
+                 "the entropy bonus's gradient is not token-segmented", "set algorithm.entropy_coef=0 or trainer.token_segments=1")
         _require(not (self.algorithm.entropy_coef and t.tp > 1), "algorithm.entropy_coef",
                  f"an entropy bonus needs the full-vocab entropy, implemented for trainer.tp=1 only (got trainer.tp={t.tp})",
                  "set algorithm.entropy_coef=0 or trainer.tp=1")

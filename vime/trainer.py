@@ -33,6 +33,7 @@ Why this shape:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -51,6 +52,7 @@ import torch.distributed as dist
 import rlkernel as rk
 from rlkernel.models.decoder import DecoderConfig, pack_sequences
 from rlkernel import tree_sum
+from rlkernel.parallel import token_segments
 
 from .batch import Scored, TrainBatch
 from .gate import ScoreDigest
@@ -73,6 +75,9 @@ class TrainerConfig:
     threads: int | None = None  # torch intra-op threads; None keeps the process setting
     deterministic: bool = True  # torch.use_deterministic_algorithms while the engine lives
     row_segments: int | None = None  # canonical K-segments of row-parallel GEMMs; None: DecoderConfig's default
+    # canonical token segments of the update's backward (rlkernel.parallel.token_segments): 1 = off; S (a power of two,
+    # a multiple of cp) = every sum over tokens per segment, merged by one tree, so CP=1, 2, ... S give the same bits
+    token_segments: int = 1
     lr: float = 1e-5
     betas: tuple = (0.9, 0.999)
     adam_eps: float = 1e-8
@@ -97,6 +102,14 @@ class TrainerConfig:
             raise ValueError(f"device must be cpu|cuda and dtype float32|bfloat16, got {self.device!r}, {self.dtype!r}")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError("grad_clip must be > 0 or None")
+        s = self.token_segments
+        if s < 1 or s & (s - 1) or (s > 1 and s % self.cp):
+            raise ValueError(f"token_segments must be a power of two and a multiple of cp={self.cp} (1: off), got {s}")
+        if s > 1 and self.mode != "strict":
+            raise ValueError("token_segments > 1 is the strict backward's contract: mode must be 'strict'")
+        if s > 1 and self.grpo.entropy_coef:
+            raise ValueError("token_segments > 1 with an entropy bonus (grpo.entropy_coef) is not supported: the entropy "
+                             "head's gradient is not token-segmented; set entropy_coef=0 or token_segments=1")
         if self.world_size > 1 and (not 0 <= self.rank < self.world_size or not (self.init_method or "").startswith("file://")):
             raise ValueError(f"a group of {self.world_size} trainer processes needs 0 <= rank < world_size and a file:// init_method, "
                              f"got rank {self.rank}, init_method {self.init_method!r}")
@@ -177,7 +190,7 @@ class MegatronTrainer:
         return {
             "python": platform.python_version(), "torch": torch.__version__, "megatron_core": megatron.core.__version__,
             "device": c.device, "backend": dist.get_backend(), "world_size": dist.get_world_size(),
-            "tp": self.tp_group.size(), "cp": c.cp, "dp": self.dp_group.size(), "threads": torch.get_num_threads(),
+            "tp": self.tp_group.size(), "cp": c.cp, "token_segments": c.token_segments, "dp": self.dp_group.size(), "threads": torch.get_num_threads(),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(), "seed": c.seed,
             "mode": c.mode, "ops": dict(c.ops), "dtype": c.dtype, "contracts": contracts,
             "cpu_kernels": _cpu_kernels_status(c.device),
@@ -284,7 +297,8 @@ class MegatronTrainer:
         of the policy at those positions (tp=1: the strict tile-by-tile linear_entropy)."""
         ids, cu, rows = packed if packed is not None else self._pack(batch)
         hidden, rows_l, local, gather = self._local_forward(model, ids, cu, rows)
-        lp = gather(model.logprobs(hidden[rows_l], ids[rows + 1][local], batch.temperature).float())
+        with self._head_rows(hidden.shape[0], rows_l):
+            lp = gather(model.logprobs(hidden[rows_l], ids[rows + 1][local], batch.temperature).float())
         lp = list(lp.split(batch.response_lens))
         if not entropy:
             return lp
@@ -304,21 +318,37 @@ class MegatronTrainer:
         per-row results of every CP rank in global row order). CP=1: the whole stream. CP>1: the stream padded
         to a multiple of cp (a padding sequence, never scored), rank r holding tokens [r*T_l, (r+1)*T_l)."""
         cp = self.config.cp
-        if cp == 1:
+        segmented = token_segments.current() is not None and torch.is_grad_enabled()
+        if cp == 1 and not segmented:
             return model.hidden_states(ids, cu), rows, torch.ones_like(rows, dtype=torch.bool), (lambda x: x)
         from rlkernel.parallel.context_parallel import GatherRows
 
         total = ids.shape[0]
-        per = -(-total // cp)
-        if per * cp > total:
-            ids = torch.cat([ids, torch.zeros(per * cp - total, dtype=ids.dtype, device=ids.device)])
-            cu = torch.cat([cu, cu.new_tensor([per * cp])])
+        mult = self.config.token_segments if segmented else cp  # token segments: S equal slices of the padded stream
+        padded = -(-total // mult) * mult
+        per = padded // cp
+        if padded > total:
+            ids = torch.cat([ids, torch.zeros(padded - total, dtype=ids.dtype, device=ids.device)])
+            cu = torch.cat([cu, cu.new_tensor([padded])])
+        if cp == 1:  # a token-segmented update at CP=1: the whole (padded) stream, attention by pieces
+            return model.hidden_states(ids, cu), rows, torch.ones_like(rows, dtype=torch.bool), (lambda x: x)
         rank = torch.distributed.get_rank(self.cp_group)
         offset = rank * per
         hidden = model.hidden_states(ids[offset:offset + per], cu, cp=(offset, self.cp_group))
         counts = tuple(int(((rows >= r * per) & (rows < (r + 1) * per)).sum()) for r in range(cp))
         local = (rows >= offset) & (rows < offset + per)
         return hidden, rows[local] - offset, local, (lambda x: GatherRows.apply(x, counts, self.cp_group))
+
+    def _head_rows(self, local_tokens: int, rows_l: torch.Tensor):
+        """Under token segments: the segments(...) block telling the logprob head how many of its rows (rows_l, local
+        token indices in order) fall in each of this rank's segments; else nothing."""
+        state = token_segments.current()
+        if state is None or not torch.is_grad_enabled():
+            return contextlib.nullcontext()
+        seg = local_tokens // state.n_local
+        edges = torch.arange(1, state.n_local, device=rows_l.device) * seg
+        splits = torch.bincount(torch.bucketize(rows_l, edges, right=True), minlength=state.n_local)
+        return token_segments.segments(state.n_local, splits.tolist())
 
     def score(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Per sample, float32 log p(response token | prefix) at batch.temperature, under the current weights."""
@@ -350,11 +380,14 @@ class MegatronTrainer:
         lens = torch.tensor(batch.response_lens)
         adv = torch.repeat_interleave(batch.advantages.float(), lens).to(dev)
         mask = torch.cat(batch.loss_mask).to(dev)
-        with self._policy(), self.op_provenance.collect():
+        s = self.config.token_segments
+        segmented = token_segments.segments(s // self.config.cp) if s > 1 else contextlib.nullcontext()
+        with self._policy(), self.op_provenance.collect(), segmented:
             self.model.train()
             if self._ddp is not None:
                 self._ddp.zero_grad_buffer()
             self.optimizer.zero_grad(set_to_none=True)
+            token_segments.clear(self.model.parameters())  # nothing pending from an update that raised
             lps, entropy = self._response_logprobs(self.model, batch, entropy=True)
             lp = torch.cat(lps)
             if entropy is not None and not g.entropy_coef:  # the bonus needs its gradient (TP=1); the metric is free of it
@@ -392,7 +425,7 @@ class MegatronTrainer:
         c = self.config
         # CP>1: the explicit step on every device (it sums each rank's token-partial grads over the CP group by the tree;
         # Megatron's DDP would average them over DP x CP instead)
-        if c.device == "cuda" and c.megatron_ddp and c.cp == 1:  # Megatron DDP + its optimizer (scripts/gpu_trainer_check.py)
+        if c.device == "cuda" and c.megatron_ddp and c.cp == 1 and c.token_segments == 1:  # Megatron DDP + its optimizer
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -452,6 +485,9 @@ class MegatronTrainer:
         layer), so a TP=2 step equals a TP=1 step bit for bit."""
         from rlkernel.parallel.tp_backward import canonical_grad_norm
 
+        # token segments: the weights' gradients wait as per-segment partials; merged here over the rank's segments and
+        # the CP ranks by one tree (already summed over CP: the loop below skips them)
+        merged = {id(p) for p in token_segments.finalize(self.model.parameters(), self.cp_group)}
         params = [p for p in self.model.parameters() if p.grad is not None]
         strict = self.config.mode == "strict"
         policy = rk.ExecutionPolicy(mode=self.config.mode, ops=dict(self.config.ops))
@@ -461,7 +497,8 @@ class MegatronTrainer:
                     p.grad = self._reduce(p.grad, self.tp_group)
         if self.cp_group is not None:  # each CP rank's grads cover its own tokens (and, through the key/value gather, the
             for p in params:           # others' queries): their sum over ranks, by the canonical tree on the strict path
-                p.grad = self._reduce(p.grad, self.cp_group)
+                if id(p) not in merged:
+                    p.grad = self._reduce(p.grad, self.cp_group)
         dp = self.dp_group.size()
         if dp > 1:
             for p in params:

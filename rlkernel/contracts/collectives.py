@@ -72,3 +72,25 @@ TP_BACKWARD_REFERENCE = Contract(
     primitives=(("add", "IEEE element-wise"), ("gemm", "the strict linear contract")),
     invariant=("tensor-parallel world size dividing S", "rank", "run to run"),
 )
+# The backward's sums over tokens, made independent of the context-parallel size: the packed stream (padded to a
+# multiple of S) cut into S canonical token segments (S = trainer.token_segments, a power of two; CP rank r holds
+# segments [r*S/CP, (r+1)*S/CP)). rlkernel/parallel/token_segments.py.
+TOKEN_SEGMENTS_BACKWARD = Contract(
+    op="token_segments_backward",
+    backend="strict",
+    domain="sums over tokens in the backward: weight gradients (linears, norms, embedding rows, lm head) and the key/value "
+           "gradients of attention (sums over the queries that see them)",
+    partition=(
+        ("segments", "S equal, contiguous slices of the padded stream; each computed alone (its tokens' GEMM, its rows' "
+                     "tree, its queries' attention backward by pieces, its ids' index_put accumulation)"),
+        ("ownership", "CP rank r: segments [r*S/CP, (r+1)*S/CP)"),
+        ("ties", "a weight used twice (embedding tied to the lm head): both uses' float32 partials added per segment, "
+                 "in backward order, before any tree"),
+    ),
+    merge="the balanced binary tree over the rank's segments, then ALL_REDUCE_REFERENCE's tree over the CP ranks (an aligned "
+          "subtree: the tree over all S segments)",
+    precision=(("partials", "float32"), ("output", "the parameter / key-value dtype, one cast after the trees")),
+    rounding=("one cast after the tree",),
+    primitives=(("add", "IEEE element-wise"), ("gemm", "the strict linear contract")),
+    invariant=("context-parallel size dividing S", "rank", "run to run"),
+)

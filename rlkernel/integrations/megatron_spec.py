@@ -269,6 +269,7 @@ class StrictCoreAttention(torch.nn.Module):
         if cp is not None:  # this CP rank holds tokens [offset, offset + T_local) of the stream cu describes
             offset, group = cp
             total = query.shape[0] * (group.size() if group is not None else 1)  # the stream, padded to cp x T_local
+            # (offset 0, no group: one rank running the CP path, for a token-segmented backward at CP=1)
             pos = positions_from_cu_seqlens(cu, query.device, total)[offset:offset + query.shape[0]]
             bound = offset + query.shape[0]  # a token's position is at most its index in the stream: no read-back
             q, k = rk.rope(query, pos, self.rope_theta, max_position=bound), rk.rope(key, pos, self.rope_theta, max_position=bound)
@@ -421,9 +422,20 @@ class StrictGPTModel(MegatronModule):
         cu = cu_seqlens.to(torch.int32)
         longest = int((cu[1:] - cu[:-1]).max())
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+        from rlkernel.parallel import token_segments
+
+        segmented = token_segments.current() is not None and torch.is_grad_enabled()
+        if segmented and cp is None:  # a token-segmented backward runs attention by pieces at CP=1 too (CPAttention)
+            cp = (0, None)
         token = _CP.set(cp) if cp is not None else None
         try:
-            h = self.gpt(input_ids[None], None, None, packed_seq_params=psp)  # [T, 1, H]
+            if segmented:  # the embedding's gradient per token segment too (Megatron's lookup, done here: exact)
+                tp = parallel_state.get_tensor_model_parallel_group()
+                w = self.gpt.embedding.word_embeddings.weight
+                emb = token_segments.embedding(w, input_ids, vocab_start=tp.rank() * w.shape[0], group=tp)
+                h = self.gpt(None, None, None, decoder_input=emb[:, None], packed_seq_params=psp)
+            else:
+                h = self.gpt(input_ids[None], None, None, packed_seq_params=psp)  # [T, 1, H]
         finally:
             if token is not None:
                 _CP.reset(token)

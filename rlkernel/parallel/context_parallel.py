@@ -35,93 +35,122 @@ def pieces(cu_seqlens: torch.Tensor, offset: int, length: int) -> tuple[torch.Te
     return a - offset, b - a, a - s, s, b - s
 
 
-class GatherTokens(torch.autograd.Function):
-    """[T_local, ...] per rank -> [world * T_local, ...] in rank order; backward: the canonical tree over ranks of the
-    full gradient, then this rank's rows."""
+def _piece_forward(q, k, v, geometry, scale):
+    """Causal attention of local queries q [T_l, Hq, D] against the gathered k/v [T, Hkv, D], piece by piece: the strict
+    op's paged form (`rk.attention_paged`, the implementation a rollout engine decodes with — CPU kernels, the Triton
+    kernel on CUDA, or the composition), on a page table of block size 1 over the gathered stream: each piece is a
+    chunked-prefill request whose keys are rows ks..ks+kl-1. Paged == packed is the attention contract's own
+    invariance, so every query row has its CP=1 bits on any device."""
+    from ..ops.attention import attention_paged
+
+    qs, ql, fp, ks, kl = (t.to(q.device) for t in geometry)
+    out = torch.zeros_like(q)
+    n = int(ql.sum()) if ql.numel() else 0
+    if n:
+        width = int(kl.max())
+        table = (ks[:, None] + torch.arange(width, device=q.device)[None, :]).clamp(max=k.shape[0] - 1).to(torch.int32)
+        qsl = torch.cat([qs[:1], qs + ql]).to(torch.int32)  # the pieces are the local rows' contiguous runs, in order
+        out[qs[0]:qs[0] + n] = attention_paged(q[qs[0]:qs[0] + n], k.reshape(k.shape[0], 1, *k.shape[1:]),
+                                               v.reshape(v.shape[0], 1, *v.shape[1:]), table, kl.to(torch.int32), qsl - qs[0],
+                                               scale=scale, backend="strict", max_query_len=int(ql.max()), max_seq_len=width)
+    return out
+
+
+def _piece_backward(q, k, v, out, g, geometry, scale, prims):
+    """(dq [T_l, Hq, D], dk, dv [T, Hkv, D]) float32 of the pieces `geometry` describes (rows of q outside them: zero):
+    the composition, the per-row log-sum-exp recomputed from the scores (exact in float32)."""
+    qs, ql, fp, ks, kl = (t.to(q.device) for t in geometry)
+    dq_full = torch.zeros(q.shape, device=q.device)
+    dk_full, dv_full = torch.zeros(k.shape, device=q.device), torch.zeros(v.shape, device=q.device)
+    if not ql.numel():
+        return dq_full, dk_full, dv_full
+    mm = prims.matmul
+    b, hq, hkv, d = ql.shape[0], q.shape[1], k.shape[1], q.shape[2]
+    groups, nq, nk = hq // hkv, int(ql.max()), int(kl.max())
+    jq, jk = torch.arange(nq, device=q.device), torch.arange(nk, device=q.device)
+    real_q, real_k = jq[None, :] < ql[:, None], jk[None, :] < kl[:, None]
+
+    def heads(x, starts, lens, n):  # [rows, H, ...] -> [B*H, n, ...]
+        p = gather_padded(x.float(), starts, lens, n)
+        return p.transpose(1, 2).reshape(b * x.shape[1], n, *x.shape[2:])
+
+    qh, oh, gh = heads(q, qs, ql, nq), heads(out, qs, ql, nq), heads(g, qs, ql, nq)
+    kx = expand_kv(gather_padded(k.float(), ks, kl, nk), groups).reshape(b * hq, nk, d)
+    vx = expand_kv(gather_padded(v.float(), ks, kl, nk), groups).reshape(b * hq, nk, d)
+    qpos = fp[:, None] + jq[None, :]
+    allowed = (jk[None, None, :] <= qpos[:, :, None]) & real_q[:, :, None] & real_k[:, None, :]
+    allowed = allowed[:, None].expand(b, hq, nq, nk).reshape(b * hq, nq, nk)
+    s = (mm(qh, kx.transpose(1, 2)) * scale).masked_fill(~allowed, -math.inf)
+    lse_h = torch.logsumexp(s, dim=-1).masked_fill(~real_q.repeat_interleave(hq, dim=0), 0.0)  # padded rows: no keys
+    p = prims.exp(s - lse_h[..., None]).masked_fill(~allowed, 0.0)
+    dv = mm(p.transpose(1, 2), gh)
+    dp = mm(gh, vx.transpose(1, 2))
+    ds = p * (dp - tree_sum(gh * oh, dim=-1)[..., None])
+    dq = mm(ds, kx) * scale
+    dk = mm(ds.transpose(1, 2), qh) * scale
+    rows_q = (qs[:, None] + jq[None, :])[real_q]
+    dq_full[rows_q] = dq.reshape(b, hq, nq, d).transpose(1, 2)[real_q]
+    dk = tree_sum(dk.reshape(b, hkv, groups, nk, d), dim=2).transpose(1, 2)[real_k]  # [rows, Hkv, D]
+    dv = tree_sum(dv.reshape(b, hkv, groups, nk, d), dim=2).transpose(1, 2)[real_k]
+    idx = (ks[:, None] + jk[None, :])[real_k]  # each sequence has one piece here: no key twice
+    dk_full[idx], dv_full[idx] = dk, dv
+    return dq_full, dk_full, dv_full
+
+
+class CPAttention(torch.autograd.Function):
+    """Strict causal attention of this CP rank's queries q [T_l, Hq, D] against the keys and values of the whole stream:
+    k/v [T_l, Hkv, D] of every rank gathered in rank order; the forward by pieces (`_piece_forward`). Backward, one
+    token segment at a time (`segs`: this rank's n equal slices of its tokens, each with its pieces): the queries of a
+    segment give their dq rows and float32 partials of every key's and value's gradient; the partials are merged by the
+    canonical tree over the rank's segments, then over the ranks (an aligned subtree: the same tree as one rank with
+    every segment), and cast once to k's dtype — so under token segments (token_segments.py) the gradients do not depend
+    on the CP size. Without them each rank is one segment (exact, not CP invariant)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.n = group, x.shape[0]
+    def forward(ctx, q, k_local, v_local, cu_seqlens, offset, group, scale, prims, n):
+        # group None: this process alone (CP=1 under token segments), never torch.distributed's default group
+        k = k_local.contiguous() if group is None else _gather(k_local, group).reshape(-1, *k_local.shape[1:])
+        v = v_local.contiguous() if group is None else _gather(v_local, group).reshape(-1, *v_local.shape[1:])
+        out = _piece_forward(q, k, v, pieces(cu_seqlens, offset, q.shape[0]), scale)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.cu, ctx.offset, ctx.group, ctx.scale, ctx.prims, ctx.n = cu_seqlens, offset, group, scale, prims, n
         ctx.rank = torch.distributed.get_rank(group) if group is not None and group.size() > 1 else 0
-        return _gather(x, group).reshape(-1, *x.shape[1:])
-
-    @staticmethod
-    def backward(ctx, g):
-        full = tree_all_reduce([g.contiguous()], ctx.group)
-        return full[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
-
-
-class PieceAttention(torch.autograd.Function):
-    """Causal attention of local queries q [T_l, Hq, D] against the gathered k/v [T, Hkv, D], piece by piece.
-
-    Forward: the strict op's paged form (`rk.attention_paged`, the implementation a rollout engine decodes with — CPU
-    kernels, the Triton kernel on CUDA, or the composition), on a page table of block size 1 over the gathered stream:
-    each piece is a chunked-prefill request whose keys are rows ks..ks+kl-1. Paged == packed is the attention
-    contract's own invariance, so every query row has its CP=1 bits on any device. Backward: the composition below,
-    the per-row log-sum-exp recomputed from the scores (exact in float32, not CP invariant)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, geometry, scale, prims):
-        from ..ops.attention import attention_paged
-
-        qs, ql, fp, ks, kl = (t.to(q.device) for t in geometry)
-        out = torch.zeros_like(q)
-        n = int(ql.sum()) if ql.numel() else 0
-        if n:
-            width = int(kl.max())
-            table = (ks[:, None] + torch.arange(width, device=q.device)[None, :]).clamp(max=k.shape[0] - 1).to(torch.int32)
-            qsl = torch.cat([qs[:1], qs + ql]).to(torch.int32)  # the pieces are the local rows' contiguous runs, in order
-            out[:n] = attention_paged(q[:n], k.reshape(k.shape[0], 1, *k.shape[1:]), v.reshape(v.shape[0], 1, *v.shape[1:]), table,
-                                      kl.to(torch.int32), qsl, scale=scale, backend="strict", max_query_len=int(ql.max()),
-                                      max_seq_len=width)
-        ctx.save_for_backward(q, k, v, out, qs, ql, fp, ks, kl)
-        ctx.scale, ctx.prims = scale, prims
         return out
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, out, qs, ql, fp, ks, kl = ctx.saved_tensors
-        prims, scale, mm = ctx.prims, ctx.scale, ctx.prims.matmul
-        b, hq, hkv, d = ql.shape[0], q.shape[1], k.shape[1], q.shape[2]
-        groups, nq, nk = hq // hkv, int(ql.max()), int(kl.max())
-        jq, jk = torch.arange(nq, device=q.device), torch.arange(nk, device=q.device)
-        real_q, real_k = jq[None, :] < ql[:, None], jk[None, :] < kl[:, None]
-
-        def heads(x, starts, lens, n):  # [rows, H, ...] -> [B*H, n, ...]
-            p = gather_padded(x.float(), starts, lens, n)
-            return p.transpose(1, 2).reshape(b * x.shape[1], n, *x.shape[2:])
-
-        qh, oh, gh = heads(q, qs, ql, nq), heads(out, qs, ql, nq), heads(g, qs, ql, nq)
-        kx = expand_kv(gather_padded(k.float(), ks, kl, nk), groups).reshape(b * hq, nk, d)
-        vx = expand_kv(gather_padded(v.float(), ks, kl, nk), groups).reshape(b * hq, nk, d)
-        qpos = fp[:, None] + jq[None, :]
-        allowed = (jk[None, None, :] <= qpos[:, :, None]) & real_q[:, :, None] & real_k[:, None, :]
-        allowed = allowed[:, None].expand(b, hq, nq, nk).reshape(b * hq, nq, nk)
-        s = (mm(qh, kx.transpose(1, 2)) * scale).masked_fill(~allowed, -math.inf)
-        lse_h = torch.logsumexp(s, dim=-1).masked_fill(~real_q.repeat_interleave(hq, dim=0), 0.0)  # padded rows: no keys
-        p = prims.exp(s - lse_h[..., None]).masked_fill(~allowed, 0.0)
-        dv = mm(p.transpose(1, 2), gh)
-        dp = mm(gh, vx.transpose(1, 2))
-        ds = p * (dp - tree_sum(gh * oh, dim=-1)[..., None])
-        dq = mm(ds, kx) * scale
-        dk = mm(ds.transpose(1, 2), qh) * scale
-        dq = dq.reshape(b, hq, nq, d).transpose(1, 2)[real_q]
-        dk = tree_sum(dk.reshape(b, hkv, groups, nk, d), dim=2).transpose(1, 2)[real_k]  # [rows, Hkv, D]
-        dv = tree_sum(dv.reshape(b, hkv, groups, nk, d), dim=2).transpose(1, 2)[real_k]
-        idx = (ks[:, None] + jk[None, :])[real_k]  # each sequence has one piece here: no key twice
-        dk_full, dv_full = torch.zeros(k.shape, device=q.device), torch.zeros(v.shape, device=q.device)
-        dk_full[idx], dv_full[idx] = dk, dv
-        return dq.to(q.dtype), dk_full.to(k.dtype), dv_full.to(v.dtype), None, None, None
+        q, k, v, out = ctx.saved_tensors
+        t_l, n = q.shape[0], ctx.n
+        seg = t_l // n
+        dq = torch.zeros(q.shape, device=q.device)
+        dks, dvs = [], []
+        for j in range(n):  # each segment alone: pieces relative to the rank's rows, so q/out/g are indexed as before
+            qs, ql, fp, ks, kl = pieces(ctx.cu, ctx.offset + j * seg, seg)
+            dq_j, dk_j, dv_j = _piece_backward(q, k, v, out, g, (qs + j * seg, ql, fp, ks, kl), ctx.scale, ctx.prims)
+            dq = dq + dq_j  # disjoint rows: each row's value from one segment, exactly
+            dks.append(dk_j)
+            dvs.append(dv_j)
+        dk, dv = tree_sum(torch.stack(dks), dim=0), tree_sum(torch.stack(dvs), dim=0)
+        if ctx.group is not None:
+            dk, dv = tree_all_reduce([dk], ctx.group), tree_all_reduce([dv], ctx.group)
+        rows = slice(ctx.rank * t_l, (ctx.rank + 1) * t_l)
+        return dq.to(q.dtype), dk[rows].to(k.dtype), dv[rows].to(v.dtype), None, None, None, None, None, None
 
 
 def cp_attention(q, k_local, v_local, cu_seqlens, offset: int, group, scale: float | None = None) -> torch.Tensor:
     """Strict causal attention of this CP rank's queries (tokens [offset, offset + T_l) of the packed stream described by
-    cu_seqlens) against every earlier key of their sequences; k/v of the whole stream are gathered from the group."""
+    cu_seqlens) against every earlier key of their sequences; k/v of the whole stream are gathered from the group. Under
+    token segments (rlkernel.parallel.token_segments) the backward runs segment by segment (CP invariant)."""
+    from .token_segments import current
+
     impl = dispatch.resolve("attention", q.device, "strict")
     dispatch.note_call("attention", impl, (q, k_local, v_local))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    k, v = GatherTokens.apply(k_local, group), GatherTokens.apply(v_local, group)
-    return PieceAttention.apply(q, k, v, pieces(cu_seqlens, offset, q.shape[0]), scale, impl.prims)
+    state = current()
+    n = 1 if state is None else state.n_local
+    if q.shape[0] % n:
+        raise ValueError(f"cp_attention: {q.shape[0]} local tokens do not split into {n} token segments")
+    return CPAttention.apply(q, k_local, v_local, cu_seqlens, offset, group, scale, impl.prims, n)
 
 
 class GatherRows(torch.autograd.Function):

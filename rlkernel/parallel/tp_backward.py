@@ -20,6 +20,7 @@ import torch
 from .. import dispatch
 from ..backends.reference.primitives import tree_sum
 from ..ops.linear import linear, linear_segment_partials
+from . import token_segments as _ts
 from .collectives import _gather, tree_all_reduce
 
 
@@ -50,6 +51,9 @@ class ColumnParallelLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, segments: int, stride: int):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.segments, ctx.stride, ctx.has_bias = group, segments, stride, bias is not None
+        ctx.tokens, ctx.param = _ts.current(), weight  # token-segmented weight gradient (token_segments.py), or None
+        if ctx.tokens is not None and bias is not None:
+            raise NotImplementedError("token-segmented backward: a linear with a bias (no Qwen3/Llama layer has one)")
         return linear(x, weight, bias, backend="strict")
 
     @staticmethod
@@ -62,7 +66,9 @@ class ColumnParallelLinearFn(torch.autograd.Function):
             dy_s, w_s = (dy2, weight) if perm is None else (dy2[:, perm], weight[perm])
             parts = linear_segment_partials(dy_s, w_s.t().contiguous(), ctx.segments)  # [M, K] float32 each
             dx = tree_all_reduce(parts, ctx.group).to(x.dtype).reshape(x.shape)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and ctx.tokens is not None:
+            _ts.deposit(ctx.param, _segment_weight_grads(dy2, x2, ctx.tokens.n_local))
+        elif ctx.needs_input_grad[1]:
             dw = linear(dy2.t().contiguous(), x2.t().contiguous(), backend="strict").to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = tree_sum(dy2.float(), dim=0).to(weight.dtype)
@@ -83,6 +89,7 @@ class RowParallelLinearFn(torch.autograd.Function):
         impl = dispatch.resolve("linear", x.device, "strict")
         ctx.save_for_backward(x, weight)
         ctx.prims = impl.prims
+        ctx.tokens, ctx.param = _ts.current(), weight
         return tree_all_reduce(linear_segment_partials(x, weight, segments), group)
 
     @staticmethod
@@ -90,8 +97,19 @@ class RowParallelLinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         mm, x2 = ctx.prims.matmul, x.reshape(-1, x.shape[-1])
         dx = mm(g, weight).to(x.dtype).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        dw = mm(x2.t(), g).to(weight.dtype).t() if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1] and ctx.tokens is not None:
+            _ts.deposit(ctx.param, _segment_weight_grads(g, x2, ctx.tokens.n_local))
+        elif ctx.needs_input_grad[1]:
+            dw = mm(x2.t(), g).to(weight.dtype).t()
         return dx, dw, None, None
+
+
+def _segment_weight_grads(dy: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, N, K] float32: dY_s^T X_s of each of n token segments (rows of dy [T, N] and x [T, K]), each one GEMM of the
+    strict implementation over the segment's tokens alone (the same computation at any CP size)."""
+    mm = dispatch.resolve("linear", x.device, "strict").prims.matmul
+    return torch.stack([mm(d.t().to(xs.dtype), xs) for d, xs in zip(_ts.split(dy, n), _ts.split(x, n))])  # dY in X's dtype
 
 
 def head_segment_weight_grad(heads: int, n: int, group, dtype: torch.dtype):

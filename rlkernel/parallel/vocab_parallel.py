@@ -31,15 +31,37 @@ class VocabParallelLogprob(torch.autograd.Function):
         # segments of `segment_rows` rows; None: one segment per rank (the sum then depends on the TP size)
         ctx.segments = None if segment_rows is None else [(start + j * segment_rows, start + (j + 1) * segment_rows)
                                                           for j in range(-(-weight.shape[0] // segment_rows))]
+        from .token_segments import current
+
+        ctx.tokens, ctx.param = current(), weight
+        if ctx.tokens is not None and (ctx.tokens.row_splits is None or sum(ctx.tokens.row_splits) != hidden.shape[0]):
+            raise ValueError(f"token-segmented logprob head: row splits {ctx.tokens.row_splits} do not cover its {hidden.shape[0]} rows")
         return lp
 
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, targets, lse = ctx.saved_tensors
-        partials, gw = local_backward(hidden.float(), weight, targets, lse, grad.float(), ctx.start, ctx.span,
-                                      ctx.segments, ctx.temperature, ctx.prims)
+        args = (ctx.start, ctx.span, ctx.segments, ctx.temperature, ctx.prims)
+        if ctx.tokens is None:
+            partials, gw = local_backward(hidden.float(), weight, targets, lse, grad.float(), *args)
+        else:  # one token segment's rows at a time (dL/dhidden is per row: the same bits joined), dW per segment
+            cuts = [sum(ctx.tokens.row_splits[:j]) for j in range(len(ctx.tokens.row_splits) + 1)]
+            pieces, gws = [], []
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                if b > a:
+                    p, g_w = local_backward(hidden[a:b].float(), weight, targets[a:b], lse[a:b], grad[a:b].float(), *args)
+                    pieces.append(p)
+                    gws.append(g_w)
+                else:
+                    gws.append(torch.zeros_like(weight, dtype=torch.float32))
+            partials = [torch.cat([p[j] for p in pieces]) for j in range(len(pieces[0]))] if pieces else \
+                [torch.zeros_like(hidden, dtype=torch.float32) for _ in (ctx.segments or [None])]
+            from .token_segments import deposit
+
+            deposit(ctx.param, torch.stack(gws))
+            gw = None
         gh = tree_all_reduce(partials, ctx.group)  # every rank's vocab segments contribute to dL/dhidden, one tree
-        return gh.to(hidden.dtype), gw.to(weight.dtype), None, None, None, None, None, None
+        return gh.to(hidden.dtype), (None if gw is None else gw.to(weight.dtype)), None, None, None, None, None, None
 
 
 CHUNK_ELEMENTS = 1 << 24  # float32 grad-logits per chunk (64 MiB): how many tiles run at once, never their bits
