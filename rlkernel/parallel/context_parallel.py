@@ -9,9 +9,11 @@ composition (rlkernel.backends.reference.attention.attend: the key chunks in the
 order, the same (m, l, o) chain per query row). So every query row gets the bits of CP=1
 — the chunked-prefill == packed-prefill invariance the attention tests prove — whatever the
 CP size. The forward runs the strict op's paged form (the CPU kernels, or the Triton kernel on CUDA:
-the rollout engine's own implementation), so the same code serves both devices. The backward is
-exact but not CP invariant: a key's gradient sums the rows of every rank's queries, merged by the
-tree over ranks (CP=1 sums them in one GEMM).
+the rollout engine's own implementation), so the same code serves both devices. The backward (one
+node, `CPAttention`) runs the rank's queries one token segment at a time: a key's gradient is the
+float32 tree over the segments' partials, then over the ranks, cast once. Each rank is one segment
+unless token segments are on (rlkernel.parallel.token_segments: S fixed by the run, CP=1 included,
+which then runs this path too) — then it is CP invariant; otherwise exact but not CP invariant.
 """
 from __future__ import annotations
 
