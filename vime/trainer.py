@@ -316,7 +316,8 @@ class MegatronTrainer:
         """(hidden states of this rank's tokens, the scored rows among them as local indices, the mask of those rows
         among all scored rows, a function joining
         per-row results of every CP rank in global row order). CP=1: the whole stream. CP>1: the stream padded
-        to a multiple of cp (a padding sequence, never scored), rank r holding tokens [r*T_l, (r+1)*T_l)."""
+        to a multiple of cp (a padding sequence, never scored), rank r holding tokens [r*T_l, (r+1)*T_l). Under token
+        segments (an update with trainer token_segments=S > 1): padded to a multiple of S, at CP=1 too."""
         cp = self.config.cp
         segmented = token_segments.current() is not None and torch.is_grad_enabled()
         if cp == 1 and not segmented:

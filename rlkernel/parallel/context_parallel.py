@@ -102,7 +102,7 @@ def _piece_backward(q, k, v, out, g, geometry, scale, prims):
 class CPAttention(torch.autograd.Function):
     """Strict causal attention of this CP rank's queries q [T_l, Hq, D] against the keys and values of the whole stream:
     k/v [T_l, Hkv, D] of every rank gathered in rank order; the forward by pieces (`_piece_forward`). Backward, one
-    token segment at a time (`segs`: this rank's n equal slices of its tokens, each with its pieces): the queries of a
+    token segment at a time (`n`: this rank's equal slices of its tokens, each with its own pieces): the queries of a
     segment give their dq rows and float32 partials of every key's and value's gradient; the partials are merged by the
     canonical tree over the rank's segments, then over the ranks (an aligned subtree: the same tree as one rank with
     every segment), and cast once to k's dtype — so under token segments (token_segments.py) the gradients do not depend
