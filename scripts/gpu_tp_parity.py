@@ -359,6 +359,9 @@ def main(argv=None):
     only = set(args.only.split(","))
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "world": world, "torch": torch.__version__,
            "layers": args.layers, "dims": "tiny" if args.tiny else "qwen3-8b"}
+    from vime.stamp import code_stamp
+
+    res["code"] = code_stamp()  # which sources measured it (scripts/stale_results.py)
     if "collectives" in only:
         collectives(args, res, rank, world, dev)
     if "head" in only:
