@@ -66,6 +66,7 @@ import rlkernel as rk
 from rlkernel.models.decoder import DecoderConfig
 from rlkernel.ops.linear import canonical_segments
 from rlkernel.parallel import vocab_parallel_logprob_fn
+from rlkernel.parallel import token_segments
 from rlkernel.parallel.context_parallel import cp_attention
 from rlkernel.backends.reference.norm import weight_grad_reducer
 from rlkernel.parallel.tp_backward import ColumnParallelLinearFn, RowParallelLinearFn, head_segment_weight_grad
@@ -159,7 +160,11 @@ class StrictRMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return rk.rms_norm(x, self.weight, self.eps)
+        state = token_segments.current() if torch.is_grad_enabled() else None
+        if state is None or rk.current_policy().choice("rms_norm") == "native":
+            return rk.rms_norm(x, self.weight, self.eps)
+        with weight_grad_reducer(token_segments.weight_reducer(self.weight, state)):  # per token segment, deposited
+            return rk.rms_norm(x, self.weight, self.eps)
 
 
 class StrictHeadRMSNorm(StrictRMSNorm):
@@ -178,7 +183,11 @@ class StrictHeadRMSNorm(StrictRMSNorm):
             return rk.rms_norm(x, self.weight, self.eps)
         world, heads = self.tp_group.size(), x.shape[-2]
         n = canonical_segments(heads * world, self.row_segments) // world
-        with weight_grad_reducer(head_segment_weight_grad(heads, n, self.tp_group, self.weight.dtype)):
+        reduce = head_segment_weight_grad(heads, n, self.tp_group, self.weight.dtype)
+        state = token_segments.current()
+        if state is not None:  # token segments: that reduction per token segment, deposited (token_segments.py)
+            reduce = token_segments.weight_reducer(self.weight, state, base=reduce)
+        with weight_grad_reducer(reduce):
             return rk.rms_norm(x, self.weight, self.eps)  # one call; the weight gradient per head segment, then one tree
 
 
@@ -422,8 +431,6 @@ class StrictGPTModel(MegatronModule):
         cu = cu_seqlens.to(torch.int32)
         longest = int((cu[1:] - cu[:-1]).max())
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
-        from rlkernel.parallel import token_segments
-
         segmented = token_segments.current() is not None and torch.is_grad_enabled()
         if segmented and cp is None:  # a token-segmented backward runs attention by pieces at CP=1 too (CPAttention)
             cp = (0, None)

@@ -83,6 +83,19 @@ def deposit(param: torch.Tensor, parts: torch.Tensor) -> None:
         pending.add_(parts)  # per segment: the second use's partial after the first (the same order at any CP size)
 
 
+def weight_reducer(param: torch.Tensor, state: State, base=None):
+    """A norm's weight-gradient reducer (backends.reference.norm.weight_grad_reducer) under token segments: the rows of
+    each local segment reduced alone (by `base`, e.g. the q/k norm's head-segment trees, else the tree over the rows),
+    deposited on `param` in float32; the norm's backward then returns no weight gradient."""
+    one = base if base is not None else (lambda r: tree_sum(r, dim=0))
+
+    def reduce(rows: torch.Tensor) -> None:
+        deposit(param, torch.stack([one(r).float() for r in split(rows, state.n_local)]))
+        return None
+
+    return reduce
+
+
 def pending(params) -> list[torch.Tensor]:
     return [p for p in params if getattr(p, "rk_token_grad", None) is not None]
 

@@ -18,7 +18,9 @@ def weight_grad_reducer(fn: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[
     """For the strict rms_norm calls whose forward runs in this block: the weight gradient is fn(rows) — rows the
     [R, H] float32 per-row products the backward sums, in row order — instead of their tree over all rows cast to the
     weight's dtype. StrictHeadRMSNorm uses it to sum a q/k norm weight shared by every head per canonical head segment
-    in one call (same adds as one call per segment). Every implementation's backward honours it."""
+    in one call (same adds as one call per segment); under token segments the reducer deposits per-segment partials on
+    the weight and returns None (rlkernel.parallel.token_segments.weight_reducer). Every implementation's backward
+    honours it."""
     token = _WEIGHT_GRAD.set(fn)
     try:
         yield
@@ -26,18 +28,9 @@ def weight_grad_reducer(fn: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[
         _WEIGHT_GRAD.reset(token)
 
 
-def reduce_weight_grad(ctx, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def reduce_weight_grad(ctx, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight gradient from the backward's per-row products: the reducer in effect at the forward, else the tree
-    over all rows, cast once. Under token segments (rlkernel.parallel.token_segments, captured at the forward) the
-    rows are the local token segments' in order: each segment is reduced alone, its float32 value deposited on the
-    weight, and None returned (the weight's gradient is merged after the backward)."""
-    tokens = getattr(ctx, "tokens", None)
-    if tokens is not None:
-        from ...parallel import token_segments as _ts
-
-        one = ctx.reduce_w if ctx.reduce_w is not None else (lambda r: tree_sum(r, dim=0))
-        _ts.deposit(ctx.param, torch.stack([one(r).float() for r in _ts.split(rows, tokens.n_local)]))
-        return None
+    over all rows, cast once."""
     return ctx.reduce_w(rows) if ctx.reduce_w is not None else tree_sum(rows, dim=0).to(dtype)
 
 
@@ -60,9 +53,6 @@ class RmsNormFn(torch.autograd.Function):
         ctx.save_for_backward(h, weight)
         ctx.eps, ctx.has_residual = eps, residual is not None
         ctx.reduce_w = _WEIGHT_GRAD.get()
-        from ...parallel.token_segments import current
-
-        ctx.tokens, ctx.param = current(), weight
         return (y, h) if residual is not None else y
 
     @staticmethod
