@@ -208,13 +208,12 @@ def main() -> int:
         for arm in names:
             arms[arm] = done[arm] if arm in done else _reused(args.config_name, arm, runs)
         report, strict_ok = _report(args, arms, out, tag, torch)
-        print(json.dumps({k: v for k, v in report.items() if k != "failures"}))
-        return 0 if strict_ok else 1
-    for arm in names:  # the report is rewritten after each arm: a device call cut short keeps what ran
-        reuse = arm in args.reuse.split(",")
-        arms[arm] = (_reused(args.config_name, arm, runs) if reuse else
-                     _arm(args.config_name, arm, args.steps, runs, args.overrides, out / f"{tag}_{arm}.log"))
-        report, strict_ok = _report(args, arms, out, tag, torch)
+    else:
+        for arm in names:  # the report is rewritten after each arm: a device call cut short keeps what ran
+            reuse = arm in args.reuse.split(",")
+            arms[arm] = (_reused(args.config_name, arm, runs) if reuse else
+                         _arm(args.config_name, arm, args.steps, runs, args.overrides, out / f"{tag}_{arm}.log"))
+            report, strict_ok = _report(args, arms, out, tag, torch)
     print(json.dumps({k: v for k, v in report.items() if k != "failures"}))
     return 0 if strict_ok else 1
 

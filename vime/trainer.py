@@ -320,19 +320,17 @@ class MegatronTrainer:
         segments (an update with trainer token_segments=S > 1): padded to a multiple of S, at CP=1 too."""
         cp = self.config.cp
         segmented = token_segments.current() is not None and torch.is_grad_enabled()
-        if cp == 1 and not segmented:
+        mult = self.config.token_segments if segmented else cp  # token segments: S equal slices of the padded stream
+        total = ids.shape[0]
+        padded = -(-total // mult) * mult
+        if padded > total:  # a padding sequence, never scored
+            ids = torch.cat([ids, torch.zeros(padded - total, dtype=ids.dtype, device=ids.device)])
+            cu = torch.cat([cu, cu.new_tensor([padded])])
+        if cp == 1:  # the whole stream (under token segments: padded, attention by pieces)
             return model.hidden_states(ids, cu), rows, torch.ones_like(rows, dtype=torch.bool), (lambda x: x)
         from rlkernel.parallel.context_parallel import GatherRows
 
-        total = ids.shape[0]
-        mult = self.config.token_segments if segmented else cp  # token segments: S equal slices of the padded stream
-        padded = -(-total // mult) * mult
         per = padded // cp
-        if padded > total:
-            ids = torch.cat([ids, torch.zeros(padded - total, dtype=ids.dtype, device=ids.device)])
-            cu = torch.cat([cu, cu.new_tensor([padded])])
-        if cp == 1:  # a token-segmented update at CP=1: the whole (padded) stream, attention by pieces
-            return model.hidden_states(ids, cu), rows, torch.ones_like(rows, dtype=torch.bool), (lambda x: x)
         rank = torch.distributed.get_rank(self.cp_group)
         offset = rank * per
         hidden = model.hidden_states(ids[offset:offset + per], cu, cp=(offset, self.cp_group))

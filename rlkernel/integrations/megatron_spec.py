@@ -277,8 +277,7 @@ class StrictCoreAttention(torch.nn.Module):
         cp = _CP.get()
         if cp is not None:  # this CP rank holds tokens [offset, offset + T_local) of the stream cu describes
             offset, group = cp
-            total = query.shape[0] * (group.size() if group is not None else 1)  # the stream, padded to cp x T_local
-            # (offset 0, no group: one rank running the CP path, for a token-segmented backward at CP=1)
+            total = query.shape[0] * group.size()  # the stream, padded to cp x T_local
             pos = positions_from_cu_seqlens(cu, query.device, total)[offset:offset + query.shape[0]]
             bound = offset + query.shape[0]  # a token's position is at most its index in the stream: no read-back
             q, k = rk.rope(query, pos, self.rope_theta, max_position=bound), rk.rope(key, pos, self.rope_theta, max_position=bound)
@@ -432,8 +431,8 @@ class StrictGPTModel(MegatronModule):
         longest = int((cu[1:] - cu[:-1]).max())
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
         segmented = token_segments.current() is not None and torch.is_grad_enabled()
-        if segmented and cp is None:  # a token-segmented backward runs attention by pieces at CP=1 too (CPAttention)
-            cp = (0, None)
+        if segmented and cp is None:  # a token-segmented backward runs attention by pieces at CP=1 too (CPAttention), in
+            cp = (0, parallel_state.get_context_parallel_group())  # Megatron's one-rank CP group (never the default group)
         token = _CP.set(cp) if cp is not None else None
         try:
             if segmented:  # the embedding's gradient per token segment too (Megatron's lookup, done here: exact)

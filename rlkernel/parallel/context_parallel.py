@@ -110,9 +110,8 @@ class CPAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k_local, v_local, cu_seqlens, offset, group, scale, prims, n):
-        # group None: this process alone (CP=1 under token segments), never torch.distributed's default group
-        k = k_local.contiguous() if group is None else _gather(k_local, group).reshape(-1, *k_local.shape[1:])
-        v = v_local.contiguous() if group is None else _gather(v_local, group).reshape(-1, *v_local.shape[1:])
+        k = _gather(k_local, group).reshape(-1, *k_local.shape[1:])
+        v = _gather(v_local, group).reshape(-1, *v_local.shape[1:])
         out = _piece_forward(q, k, v, pieces(cu_seqlens, offset, q.shape[0]), scale)
         ctx.save_for_backward(q, k, v, out)
         ctx.cu, ctx.offset, ctx.group, ctx.scale, ctx.prims, ctx.n = cu_seqlens, offset, group, scale, prims, n
@@ -132,9 +131,8 @@ class CPAttention(torch.autograd.Function):
             dq = dq + dq_j  # disjoint rows: each row's value from one segment, exactly
             dks.append(dk_j)
             dvs.append(dv_j)
-        dk, dv = tree_sum(torch.stack(dks), dim=0), tree_sum(torch.stack(dvs), dim=0)
-        if ctx.group is not None:
-            dk, dv = tree_all_reduce([dk], ctx.group), tree_all_reduce([dv], ctx.group)
+        dk = tree_all_reduce([tree_sum(torch.stack(dks), dim=0)], ctx.group)
+        dv = tree_all_reduce([tree_sum(torch.stack(dvs), dim=0)], ctx.group)
         rows = slice(ctx.rank * t_l, (ctx.rank + 1) * t_l)
         return dq.to(q.dtype), dk[rows].to(k.dtype), dv[rows].to(v.dtype), None, None, None, None, None, None
 

@@ -7,10 +7,13 @@ implementation's GEMM and exp, and tree-reduces dL/dhidden over ranks.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..backends.reference import logprob as _lp
 from ..contracts.logprob import VOCAB_TILE
+from . import token_segments as _ts
 from .collectives import strict_prims, tree_all_reduce, vocab_parallel_logprob
 
 
@@ -31,9 +34,7 @@ class VocabParallelLogprob(torch.autograd.Function):
         # segments of `segment_rows` rows; None: one segment per rank (the sum then depends on the TP size)
         ctx.segments = None if segment_rows is None else [(start + j * segment_rows, start + (j + 1) * segment_rows)
                                                           for j in range(-(-weight.shape[0] // segment_rows))]
-        from .token_segments import current
-
-        ctx.tokens, ctx.param = current(), weight
+        ctx.tokens, ctx.param = _ts.current(), weight
         if ctx.tokens is not None and (ctx.tokens.row_splits is None or sum(ctx.tokens.row_splits) != hidden.shape[0]):
             raise ValueError(f"token-segmented logprob head: row splits {ctx.tokens.row_splits} do not cover its {hidden.shape[0]} rows")
         return lp
@@ -45,7 +46,7 @@ class VocabParallelLogprob(torch.autograd.Function):
         if ctx.tokens is None:
             partials, gw = local_backward(hidden.float(), weight, targets, lse, grad.float(), *args)
         else:  # one token segment's rows at a time (dL/dhidden is per row: the same bits joined), dW per segment
-            cuts = [sum(ctx.tokens.row_splits[:j]) for j in range(len(ctx.tokens.row_splits) + 1)]
+            cuts = [0, *itertools.accumulate(ctx.tokens.row_splits)]
             pieces, gws = [], []
             for a, b in zip(cuts[:-1], cuts[1:]):
                 if b > a:
@@ -56,9 +57,7 @@ class VocabParallelLogprob(torch.autograd.Function):
                     gws.append(torch.zeros_like(weight, dtype=torch.float32))
             partials = [torch.cat([p[j] for p in pieces]) for j in range(len(pieces[0]))] if pieces else \
                 [torch.zeros_like(hidden, dtype=torch.float32) for _ in (ctx.segments or [None])]
-            from .token_segments import deposit
-
-            deposit(ctx.param, torch.stack(gws))
+            _ts.deposit(ctx.param, torch.stack(gws))
             gw = None
         gh = tree_all_reduce(partials, ctx.group)  # every rank's vocab segments contribute to dL/dhidden, one tree
         return gh.to(hidden.dtype), (None if gw is None else gw.to(weight.dtype)), None, None, None, None, None, None
