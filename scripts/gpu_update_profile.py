@@ -107,6 +107,29 @@ def _op_sites(tr, batch, top: int) -> dict:
     return {"ops": total[0], "top": [{"site": k, "ops": v} for k, v in counts.most_common(top)]}
 
 
+def _poison_check(ckpt, args) -> dict:
+    """The trainer turns torch's NaN fill of fresh allocations off (TrainerConfig.fill_uninitialized_memory): one strict
+    update with the fill on (every fresh allocation poisoned) against one with it off, every parameter bit for bit."""
+    import torch
+
+    from vime.grpo import GRPOConfig
+    from vime.trainer import MegatronTrainer, TrainerConfig
+
+    shape = TINY if args.tiny else QWEN3_06B
+    params = {}
+    for fill in (True, False):
+        cfg = TrainerConfig(device=args.device, dtype=args.dtype, mode="strict", lr=2e-5, seed=7, grpo=GRPOConfig(),
+                            fill_uninitialized_memory=fill)
+        with MegatronTrainer(cfg) as tr:
+            tr.load_hf(ckpt)
+            metrics = tr.update(_batch(1, args.sequences, args.prompt, args.response, shape["vocab_size"]))
+            params[fill] = (metrics["loss"], metrics["grad_norm"], {k: v.detach().clone() for k, v in tr.model.named_parameters()})
+    (la, ga, a), (lb, gb, b) = params[True], params[False]
+    differ = sorted(k for k in a if not torch.equal(a[k], b[k]))
+    return {"loss_equal": la == lb, "grad_norm_equal": ga == gb, "tensors": len(a), "tensors_differ": len(differ),
+            "first_differing": differ[:5]}
+
+
 def run(args) -> dict:
     import torch
 
@@ -151,6 +174,9 @@ def run(args) -> dict:
                                          "profile": prof}
             print(f"{mode}: median update {report['modes'][mode]['median_seconds']} s, {prof['device_kernels']} device kernels, "
                   f"{prof['launch_calls']} launch calls", flush=True)
+        if "strict" in args.modes.split(","):
+            report["poisoned_equal"] = _poison_check(ckpt, args)
+            print(f"poisoned update == default update: {report['poisoned_equal']}", flush=True)
     m = report["modes"]
     if "strict" in m and "native" in m:
         report["ratio_strict_over_native"] = round(m["strict"]["median_seconds"] / m["native"]["median_seconds"], 3)

@@ -12,7 +12,7 @@ its exported weights put the strict scorer back in agreement with it.
 3. Negative control: the native path's post-update scores differ from the strict decoder
    loaded with its own exported weights (mismatch > 0).
 4. The engine records its determinism settings in `provenance` and restores torch's on
-   close; a failed start (tp=2 in a world of 1) raises and leaves no process group behind.
+   close; with torch's NaN fill of fresh allocations on (poisoned) a run equals the default run (fill off); a failed start (tp=2 in a world of 1) raises and leaves no process group behind.
 5. Misuse raises: exporting a version the model is not at, updating without advantages.
 """
 import pytest
@@ -45,8 +45,8 @@ def _batch(step: int) -> TrainBatch:
                       advantages=torch.randn(len(lens), generator=g), rollout_logprobs=rollout)
 
 
-def _train(checkpoint, mode="strict", n_threads=None) -> dict:
-    with MegatronTrainer(TrainerConfig(mode=mode, lr=1e-3, seed=7, threads=n_threads, grpo=GRPO)) as trainer:
+def _train(checkpoint, mode="strict", n_threads=None, **config) -> dict:
+    with MegatronTrainer(TrainerConfig(mode=mode, lr=1e-3, seed=7, threads=n_threads, grpo=GRPO, **config)) as trainer:
         trainer.load_hf(checkpoint)
         metrics = [trainer.update(_batch(s)) for s in range(STEPS)]
         out = {
@@ -88,6 +88,16 @@ def test_training_does_not_depend_on_thread_count(checkpoint, strict_run):
     _equal_runs(strict_run, one)
 
 
+def test_training_reads_no_uninitialized_memory(checkpoint, strict_run):
+    """The trainer turns off torch's NaN fill of fresh allocations (one kernel per torch.empty on a GPU). That is only
+    safe if no op reads memory it did not write: poisoned (every fresh allocation NaN, ints at their max) equals the
+    default run in every loss, grad norm, weight and score."""
+    poisoned = _train(checkpoint, n_threads=2, fill_uninitialized_memory=True)
+    assert poisoned["provenance"]["fill_uninitialized_memory"] is True
+    assert strict_run["provenance"]["fill_uninitialized_memory"] is False
+    _equal_runs(strict_run, poisoned)
+
+
 def _decoder_scores(checkpoint, weights, batch):
     dec = StrictDecoder.from_pretrained(checkpoint)
     before = {k: v.clone() for k, v in dec.state_dict().items()}
@@ -117,6 +127,7 @@ def test_provenance_and_restored_settings(strict_run, checkpoint):
     assert p["deterministic_algorithms"] is True and p["seed"] == 7 and p["mode"] == "strict" and p["backend"] == "gloo"
     assert p["contracts"]["linear"].startswith("linear/strict/")
     assert not torch.are_deterministic_algorithms_enabled()  # restored by close()
+    assert torch.utils.deterministic.fill_uninitialized_memory is True  # torch's default, restored by close()
     n_threads = torch.get_num_threads()
     with pytest.raises(RuntimeError, match="divisible"):
         MegatronTrainer(TrainerConfig(tp=2, threads=1))

@@ -94,6 +94,8 @@ def test_gpu_harness_skips_without_cuda(tmp_path):
         sites = m["profile"]["op_sites"]
         assert sites["ops"] >= sum(x["ops"] for x in sites["top"]) > 0 and all(":" in x["site"] for x in sites["top"][:3])
     assert rep["ratio_strict_over_native"] > 0 and rep["code"]["source_sha256"]
+    poison = rep["poisoned_equal"]  # a strict update with torch's NaN fill on equals the default (fill off)
+    assert poison["tensors"] > 0 and poison["tensors_differ"] == 0 and poison["loss_equal"] and poison["grad_norm_equal"], poison
 
 
 _INTERPRET = textwrap.dedent('''

@@ -74,6 +74,11 @@ class TrainerConfig:
     seed: int = 0  # torch / python RNG seed, the same on every rank
     threads: int | None = None  # torch intra-op threads; None keeps the process setting
     deterministic: bool = True  # torch.use_deterministic_algorithms while the engine lives
+    # torch.utils.deterministic.fill_uninitialized_memory while it lives. torch's default (True, under deterministic
+    # algorithms) writes NaN into every fresh allocation: one kernel per torch.empty, 38% of the strict update's kernels
+    # on an H200 (benchmarks/h200_update_profile.json). The kernels on both paths write every element they return, so
+    # off by default; tests/test_megatron_training.py compares a poisoned (True) update with the default bit for bit.
+    fill_uninitialized_memory: bool = False
     row_segments: int | None = None  # canonical K-segments of row-parallel GEMMs; None: DecoderConfig's default
     # canonical token segments of the update's backward (rlkernel.parallel.token_segments): 1 = off; S (a power of two,
     # a multiple of cp) = every sum over tokens per segment, merged by one tree, so CP=1, 2, ... S give the same bits
@@ -140,7 +145,8 @@ class MegatronTrainer:
         self._ps = parallel_state
         if parallel_state.model_parallel_is_initialized():
             raise RuntimeError("MegatronTrainer: megatron parallel_state is already initialised in this process")
-        self._restore = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
+        self._restore = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+                         torch.utils.deterministic.fill_uninitialized_memory)
         self._owns_pg = not dist.is_initialized()
         try:  # on any failure, undo what was set up (close() handles partial state)
             self._setup()
@@ -159,6 +165,7 @@ class MegatronTrainer:
         if c.threads is not None:
             torch.set_num_threads(c.threads)
         torch.use_deterministic_algorithms(c.deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = c.fill_uninitialized_memory
         if c.device == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -191,7 +198,8 @@ class MegatronTrainer:
             "python": platform.python_version(), "torch": torch.__version__, "megatron_core": megatron.core.__version__,
             "device": c.device, "backend": dist.get_backend(), "world_size": dist.get_world_size(),
             "tp": self.tp_group.size(), "cp": c.cp, "token_segments": c.token_segments, "dp": self.dp_group.size(), "threads": torch.get_num_threads(),
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(), "seed": c.seed,
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory, "seed": c.seed,
             "mode": c.mode, "ops": dict(c.ops), "dtype": c.dtype, "contracts": contracts,
             "cpu_kernels": _cpu_kernels_status(c.device),
         }
@@ -204,9 +212,10 @@ class MegatronTrainer:
             dist.destroy_process_group()
         if getattr(self, "_store_file", None):
             Path(self._store_file).unlink(missing_ok=True)
-        threads, det = self._restore
+        threads, det, fill = self._restore
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(det)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
     def __enter__(self) -> "MegatronTrainer":
         return self

@@ -68,8 +68,9 @@ def _sdpa(q, qpos, k, v, scale):
 
 @functools.cache
 def _varlen_api():
-    """torch's varlen flash attention and the keywords its version takes (None where torch has none). Two shapes
-    exist: (..., max_q, max_k, is_causal=...) without GQA, and the later (..., *, scale, window_size, enable_gqa)."""
+    """torch's varlen flash attention and the keywords its version takes (None where torch has none). Shapes seen:
+    (..., max_q, max_k, is_causal=...) without GQA; torch 2.11's (..., *, scale, window_size) without GQA; and later
+    ones that add enable_gqa."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -87,14 +88,17 @@ def flash_varlen(q, k, v, cu_seqlens, scale, api=None):
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     default = scale is None or math.isclose(scale, q.shape[-1] ** -0.5, rel_tol=1e-6)
+    if "window_size" not in params and ("is_causal" not in params or not (default or "scale" in params)):
+        return None
+    groups = q.shape[1] // k.shape[1]
+    kw = {} if default and "scale" not in params else {"scale": scale}
+    if groups > 1 and "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    elif groups > 1:  # an API without GQA: the key/value heads repeated
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if "window_size" in params:  # (-1, 0): every earlier key, no later one
-        return fn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0), enable_gqa=k.shape[1] != q.shape[1])
-    if "is_causal" in params and (default or "scale" in params):
-        groups = q.shape[1] // k.shape[1]
-        kx, vx = (k, v) if groups == 1 else (k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
-        extra = {} if default else {"scale": scale}
-        return fn(q, kx, vx, cu, cu, max_len, max_len, is_causal=True, **extra)
-    return None
+        return fn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), **kw)
+    return fn(q, k, v, cu, cu, max_len, max_len, is_causal=True, **kw)
 
 
 @dispatch.register("attention", "native", c_attention.NATIVE)
