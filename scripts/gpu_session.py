@@ -73,7 +73,7 @@ STEPS: dict[str, tuple[int, str]] = {
     "parity_fa3": (300, f"vime parity --model {TQ} --num-prompts 64 --max-tokens 48 --max-num-seqs 32 --max-num-batched-tokens 256 "
                         "--dtype bfloat16 --update-weights --cuda-graphs --attention fa3 --scorer megatron"),
     # where the strict update's time goes at the loop's size (Qwen3-0.6B shape, 128 short samples), strict vs native
-    "update_profile": (300, "python3 scripts/gpu_update_profile.py --out {out}"),
+    "update_profile": (300, "python3 scripts/gpu_update_profile.py --top 40 --out {out}"),
     "loop_tiny": (400, "python3 scripts/gpu_loop.py --config-name grpo_tiny --steps 20 --out {out} --tag h200_loop_grpo_tiny resources.gpus=1"),
 }
 

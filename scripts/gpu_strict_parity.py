@@ -716,6 +716,38 @@ def reduce_checks(res):
     RowParallelLinearFn.apply(xb, wb, None, 4).bfloat16().backward(gy)
     out["row_parallel_two_gemm_backward_equal"] = bool(torch.equal(xa.grad, xb.grad) and torch.equal(wa.grad, wb.grad))
     log("row-parallel backward:", out["row_parallel_two_gemm_backward_equal"])
+    from rlkernel.backends.triton import gemm as G
+    from rlkernel.parallel.tp_backward import ColumnParallelLinearFn, segment_rows
+    col = {}
+    for name, n_out, stride in (("qkv", 4096, 1), ("fc1", 6144, 2)):  # the loop's Qwen3-0.6B column linears, 4 segments
+        x = torch.randn(T, H, device=DEV).bfloat16().requires_grad_()
+        w = (torch.randn(n_out, H, device=DEV) * 0.02).bfloat16()
+        gy = torch.randn(T, n_out, device=DEV).bfloat16()
+        ColumnParallelLinearFn.apply(x, w, None, None, 4, stride).backward(gy)
+        perm = torch.cat(segment_rows(n_out, stride, 4)).to(DEV)
+        dy_s, w_s = gy[:, perm], w[perm]
+        old = lambda: tree_all_reduce(linear_segment_partials(dy_s, w_s.t().contiguous(), 4)).bfloat16()  # noqa: E731
+        want = old()
+        sched = {s_: G.matmul(dy_s, w_s.t(), k_segments=4, schedule=s_) for s_ in ("launches", "registers", "split")}
+        col[name] = {"equal": bool(torch.equal(x.grad, want)), "schedules_equal": {k: bool(torch.equal(v, want)) for k, v in sched.items()},
+                     "ms": {"partials_and_tree": round(bench(old), 4),
+                            **{k: round(bench(lambda s_=k: G.matmul(dy_s, w_s.t(), k_segments=4, schedule=s_)), 4) for k in sched}}}
+    out["column_parallel_one_rank"] = col
+    log("column-parallel dX at one rank:", col)
+    from rlkernel.backends.reference import swiglu as ref_swiglu
+    from rlkernel.backends.triton import swiglu_bwd
+    sw = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):  # libdevice's exp against torch.exp, and the roundings
+        inter = (torch.randn(T, 6144, device=DEV) * 4).to(dtype)
+        gate, up = inter.chunk(2, dim=-1)  # fc1's halves: strided rows
+        dy = torch.randn(T, 3072, device=DEV).to(dtype)
+        got, want = swiglu_bwd.backward(gate, up, dy), ref_swiglu.backward(gate, up, dy, TRITON)
+        sw[str(dtype)] = bool(all(torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                                              b.view(torch.int16 if b.element_size() == 2 else torch.int32)) for a, b in zip(got, want)))
+    out["swiglu_backward_equal"] = sw
+    out["swiglu_backward_ms"] = {"kernel": round(bench(lambda: swiglu_bwd.backward(gate, up, dy)), 4),
+                                 "composition": round(bench(lambda: ref_swiglu.backward(gate, up, dy, TRITON)), 4)}
+    log("swiglu backward:", sw, out["swiglu_backward_ms"])
     import rlkernel as rk
     from rlkernel.backends.reference.norm import weight_grad_reducer
     from rlkernel.parallel.tp_backward import head_segment_weight_grad

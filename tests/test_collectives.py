@@ -319,6 +319,35 @@ def test_grad_norm_segment_trees_equal_the_gathered_definition(dim, stride, n):
         _segment_values(grad.narrow(dim, 0, stride * n * 3 - 1), ("chunks", dim, stride, n))
 
 
+@pytest.mark.parametrize("stack_elements", [1 << 26, 700])
+def test_grouped_grad_norm_equals_the_per_parameter_definition(monkeypatch, stack_elements):
+    """canonical_grad_norm computes parameters of one shape and spec together (stacked, a tree per row); it equals the
+    definition, one parameter at a time (canonical_grad_norm_per_param), bit for bit — with groups whole and cut into
+    several stacks, replicated and sharded ("chunks") parameters, a vocab ("rows") one and a parameter without a grad.
+    Control: the squares summed in float64 (order-free, then rounded) give other bits: the tree's order shows."""
+    from rlkernel.parallel import tp_backward as tb
+
+    monkeypatch.setattr(tb, "_STACK_ELEMENTS", stack_elements)
+    g = torch.Generator().manual_seed(5)
+    params = []
+    for layer in range(5):
+        for shape, spec in (((48, 16), ("chunks", 0, 1, 4)), ((32, 16), ("chunks", 0, 2, 2)), ((16, 24), ("chunks", 1, 1, 4)),
+                            ((16,), None), ((16,), None), ((8, 8), None)):
+            p = torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16))
+            p.grad = torch.randn(shape, generator=g).to(torch.bfloat16)
+            if spec is not None:
+                p.rk_segments = spec
+            params.append((f"l{layer}.{len(params)}", p))
+    head = torch.nn.Parameter(torch.zeros(40, 16))
+    head.grad, head.rk_segments = torch.randn(40, 16, generator=g), ("rows", 16, 3)
+    params.insert(7, ("head", head))
+    params.append(("frozen", torch.nn.Parameter(torch.zeros(3))))  # no grad: skipped by both
+    got, want = tb.canonical_grad_norm(params, None), tb.canonical_grad_norm_per_param(params, None)
+    assert got.dtype == torch.float32 and torch.equal(got, want) and want > 0
+    exact = torch.cat([p.grad.double().square().reshape(-1) for _, p in params if p.grad is not None]).sum().sqrt().float()
+    assert not torch.equal(exact, want) and torch.allclose(exact, want, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_row_parallel_backward_in_two_gemms_equals_per_segment_autograd(dtype):
     """RowParallelLinearFn (one node: dX = g W, dW = (X^T g)^T) against autograd through every K-segment partial and
@@ -340,6 +369,28 @@ def test_row_parallel_backward_in_two_gemms_equals_per_segment_autograd(dtype):
     yb.backward(gy)
     assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad) and torch.equal(wa.grad, wb.grad)
     assert xa.grad.abs().sum() > 0 and wa.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype,stride", [(torch.bfloat16, 1), (torch.bfloat16, 2), (torch.float32, 2)])
+def test_column_parallel_input_grad_at_one_rank_is_the_segment_tree(dtype, stride):
+    """ColumnParallelLinearFn's dX at one rank (linear with k_segments over the output rows, one call) equals its
+    definition, the canonical tree over the per-segment partials dY_s W_s (rows of each segment gathered across the
+    `stride` blocks, as fc1's [gate; up]), bit for bit; one plain GEMM over all rows is another sum (a record)."""
+    from rlkernel.ops.linear import linear_segment_partials
+    from rlkernel.parallel.collectives import tree_all_reduce
+    from rlkernel.parallel.tp_backward import ColumnParallelLinearFn, segment_rows
+
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(37, 48, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(64, 48, generator=g) * 0.1).to(dtype).requires_grad_()
+    gy = torch.randn(37, 64, generator=g).to(dtype)
+    ColumnParallelLinearFn.apply(x, w, None, None, 4, stride).backward(gy)
+    perm = torch.cat(segment_rows(64, stride, 4))
+    parts = linear_segment_partials(gy[:, perm], w.detach()[perm].t().contiguous(), 4)
+    want = tree_all_reduce(parts).to(dtype)
+    assert torch.equal(x.grad, want) and x.grad.abs().sum() > 0
+    plain = (gy.float() @ w.detach().float()).to(dtype)
+    print(f"one plain GEMM differs from the segment tree in {int((plain != want).sum())} of {want.numel()} elements")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

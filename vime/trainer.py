@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -298,8 +299,9 @@ class MegatronTrainer:
     def _pack(self, batch: TrainBatch):
         """(flat ids [T], cu_seqlens [B+1], scored rows [R]): row i predicts token ids[i + 1]."""
         ids, cu = pack_sequences(batch.sequences, self.config.device)
-        rows = torch.cat([torch.arange(s + p - 1, s + len(q) - 1) for s, p, q in zip(cu.tolist(), batch.prompt_lens, batch.sequences)])
-        return ids, cu, rows.to(ids.device)
+        starts = itertools.accumulate((len(q) for q in batch.sequences), initial=0)  # on the host: no read-back of cu
+        rows = [i for s, p, q in zip(starts, batch.prompt_lens, batch.sequences) for i in range(s + p - 1, s + len(q) - 1)]
+        return ids, cu, torch.tensor(rows, dtype=torch.long, device=ids.device)  # one copy, not an arange per sample
 
     def _response_logprobs(self, model, batch: TrainBatch, entropy: bool = False, packed=None):
         """Per-sample logprobs of response tokens; with entropy=True also the flat [R] entropy

@@ -43,6 +43,13 @@ def _segment_perm(rows: int, stride: int, segments: int, device: torch.device) -
     return torch.cat(segment_rows(rows, stride, segments)).to(device)
 
 
+def _one_rank(group) -> bool:
+    """A group of one rank (or none): every canonical segment is local, so the tree over them is the whole tree and
+    `linear(..., k_segments=S)` (the contract's k-segment GEMM: the per-segment partials merged by the same tree, then
+    one cast) gives tree_all_reduce's bits in one call, without S partial buffers (tests/test_megatron_tp.py)."""
+    return group is None or group.size() == 1
+
+
 class ColumnParallelLinearFn(torch.autograd.Function):
     """y = linear(x, w_local, b_local) (strict). Backward: dX as the canonical tree over the output-row segments of
     every rank (a partial dY_s @ W_s per segment), dW = dY^T X and db = sum_T dY locally (the same rows at any TP)."""
@@ -64,8 +71,11 @@ class ColumnParallelLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             perm = _segment_perm(weight.shape[0], ctx.stride, ctx.segments, x.device)
             dy_s, w_s = (dy2, weight) if perm is None else (dy2[:, perm], weight[perm])
-            parts = linear_segment_partials(dy_s, w_s.t().contiguous(), ctx.segments)  # [M, K] float32 each
-            dx = tree_all_reduce(parts, ctx.group).to(x.dtype).reshape(x.shape)
+            if _one_rank(ctx.group):  # the tree over this rank's segments is the whole tree: linear's k-segment GEMM
+                dx = linear(dy_s, w_s.t(), k_segments=ctx.segments, backend="strict").reshape(x.shape)
+            else:
+                parts = linear_segment_partials(dy_s, w_s.t().contiguous(), ctx.segments)  # [M, K] float32 each
+                dx = tree_all_reduce(parts, ctx.group).to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1] and ctx.tokens is not None:
             _ts.deposit(ctx.param, _segment_weight_grads(dy2, x2, ctx.tokens.n_local))
         elif ctx.needs_input_grad[1]:
@@ -77,7 +87,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
 
 class RowParallelLinearFn(torch.autograd.Function):
     """y = the canonical tree over every rank's K-segment partials of x_local @ w_local^T (float32, the forward of
-    `linear_segment_partials` + `tree_all_reduce`). Backward in two GEMMs with the bits of differentiating each
+    `linear_segment_partials` + `tree_all_reduce`; at one rank `linear` with k_segments, already cast to x's dtype). Backward in two GEMMs with the bits of differentiating each
     partial on its own: dX = g @ W_local (a column's sum over N does not depend on the other columns: the GEMM is
     column invariant) and dW = (X^T g)^T (a row's likewise: row invariant), each under the strict implementation's
     matmul, as the per-segment GEMMs were; one autograd node instead of a slice, a GEMM pair and a cast per segment.
@@ -90,11 +100,14 @@ class RowParallelLinearFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.prims = impl.prims
         ctx.tokens, ctx.param = _ts.current(), weight
+        if _one_rank(group):  # linear with k_segments is the canonical tree over the segment partials, cast once
+            return linear(x, weight, k_segments=segments, backend="strict")
         return tree_all_reduce(linear_segment_partials(x, weight, segments), group)
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
+        g = g.float()  # one rank returns x's dtype (the cast's backward would hand float32 back): float32 GEMMs either way
         mm, x2 = ctx.prims.matmul, x.reshape(-1, x.shape[-1])
         dx = mm(g, weight).to(x.dtype).reshape(x.shape) if ctx.needs_input_grad[0] else None
         dw = None
@@ -149,19 +162,71 @@ def canonical_grad_norm(named_params, group, grad=None) -> torch.Tensor:
     """sqrt of the sum of squares of every gradient, TP invariant: a parameter tagged `rk_segments` (sharded) contributes
     the tree over all ranks' canonical segments (gathered in rank order), any other (replicated) its own tree sum; then
     one tree over the parameters in named order. `grad(p)`: where a parameter's gradient lives (default p.grad; Megatron
-    DDP keeps it in p.main_grad)."""
+    DDP keeps it in p.main_grad).
+
+    Parameters of one shape, dtype and spec (a layer stack's q_proj, fc1, ...) are computed together: their gradients
+    stacked, each one's trees over its own row of the stack (a tree per row is the tree of that row alone), one gather
+    per group across the TP ranks — a few launches per kind of parameter instead of several per parameter
+    (`canonical_grad_norm_per_param` is the definition; tests/test_collectives.py compares them bit for bit)."""
+    entries = []
+    for _, p in named_params:
+        g = p.grad if grad is None else grad(p)
+        if g is not None:
+            entries.append((g, getattr(p, "rk_segments", None)))
+    if not entries:
+        return torch.zeros(())
+    groups: dict[tuple, list[int]] = {}
+    for i, (g, spec) in enumerate(entries):
+        kind = spec if spec is None or spec[0] == "chunks" else ("single", i)  # "rows" specs (vocab) stay one by one
+        groups.setdefault((tuple(g.shape), g.dtype, g.device, kind), []).append(i)
+    values: list[torch.Tensor | None] = [None] * len(entries)
+    for (_, _, _, kind), idxs in groups.items():
+        per = max(1, _STACK_ELEMENTS // max(1, entries[idxs[0]][0].numel()))
+        for c0 in range(0, len(idxs), per):
+            part = idxs[c0:c0 + per]
+            if kind is not None and kind[0] == "single":
+                (i,) = part
+                values[i] = _param_value(entries[i][0], entries[i][1], group)
+                continue
+            stacked = torch.stack([entries[i][0] for i in part])
+            if kind is None:
+                vals = tree_sum(stacked.float().square().reshape(len(part), -1), dim=-1)
+            else:
+                _, dim, stride, n = kind
+                g = stacked.movedim(dim + 1, 1)
+                if g.shape[1] % (stride * n):
+                    raise ValueError(f"{g.shape[1]} rows do not split into stride {stride} x {n} segments")
+                sq = g.float().square().reshape(len(part), stride, n, -1).transpose(1, 2).reshape(len(part), n, -1)
+                local = tree_sum(sq, dim=-1)  # [c, n]: each parameter's local segments
+                if group is not None and group.size() > 1:
+                    every = _gather(local, group).transpose(0, 1).reshape(len(part), -1)  # rank-major per parameter
+                else:
+                    every = local
+                vals = tree_sum(every, dim=-1)
+            for j, i in enumerate(part):
+                values[i] = vals[j]
+    return torch.sqrt(tree_sum(torch.stack(values), dim=0))
+
+
+_STACK_ELEMENTS = 1 << 26  # gradient elements stacked at once (256 MiB in float32): how many run together, never bits
+
+
+def _param_value(g: torch.Tensor, spec, group) -> torch.Tensor:
+    """One parameter's contribution: its tree sum of squares, or the tree over every rank's canonical segments."""
+    if spec is None:
+        return tree_sum(g.float().square().reshape(-1), dim=0)
+    local = torch.stack(_segment_values(g, spec))
+    every = _gather(local, group).reshape(-1) if group is not None and group.size() > 1 else local
+    return tree_sum(every, dim=0)
+
+
+def canonical_grad_norm_per_param(named_params, group, grad=None) -> torch.Tensor:
+    """`canonical_grad_norm`'s definition, one parameter at a time (tests compare the grouped one with it)."""
     values = []
     for _, p in named_params:
         g = p.grad if grad is None else grad(p)
-        if g is None:
-            continue
-        spec = getattr(p, "rk_segments", None)
-        if spec is None:
-            values.append(tree_sum(g.float().square().reshape(-1), dim=0))
-            continue
-        local = torch.stack(_segment_values(g, spec))
-        every = _gather(local, group).reshape(-1) if group is not None and group.size() > 1 else local
-        values.append(tree_sum(every, dim=0))
+        if g is not None:
+            values.append(_param_value(g, getattr(p, "rk_segments", None), group))
     if not values:
         return torch.zeros(())
     return torch.sqrt(tree_sum(torch.stack(values), dim=0))

@@ -73,7 +73,8 @@ def local_backward(h32, weight, targets, lse, g, start, span, segments, temperat
     dz = (onehot - p) * g / T), dh = ((0 + dz_0 W_0) + dz_1 W_1) + ... in tile order, dW_tile = dz_tile^T h. The
     tiles run in chunks: one GEMM gives a chunk's logits (each column's bits are its tile's: the GEMM is column
     invariant), the element-wise steps act on the chunk at once (the target's +1 by a mask, no host sync), one GEMM
-    gives the chunk's dW rows (row invariant); only dh's partials stay per tile, in order."""
+    gives the chunk's dW rows (row invariant); only dh's partials stay per tile, in order (one call for a chunk's
+    tiles where the implementation has `fold_matmul`)."""
     lo, hi = span
     gw = torch.zeros_like(weight, dtype=torch.float32)
     tiles_per_chunk = max(1, min(64, CHUNK_ELEMENTS // max(1, h32.shape[0] * VOCAB_TILE)))
@@ -89,6 +90,9 @@ def local_backward(h32, weight, targets, lse, g, start, span, segments, temperat
             gz = torch.where(hit, gz + 1.0, gz)
             gz = gz * g[:, None] / temperature
             gw[c0 - start:c1 - start] = prims.matmul(gz.t(), h32)
+            if prims.fold_matmul is not None:  # the same fold in one call (tiles from c0, as below)
+                gh = prims.fold_matmul(gh, gz, weight[c0 - start:c1 - start], VOCAB_TILE)
+                continue
             for a in range(c0, c1, VOCAB_TILE):  # fixed tile order inside a segment
                 b = min(a + VOCAB_TILE, c1)
                 gh = gh + prims.matmul(gz[:, a - c0:b - c0], weight[a - start:b - start])

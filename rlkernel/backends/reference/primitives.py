@@ -218,6 +218,9 @@ class Prims:
     exp: Callable[[torch.Tensor], torch.Tensor]  # strict_exp
     log: Callable[[torch.Tensor], torch.Tensor]  # strict_log
     matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # GEMM contract, float32 out
+    # optional: fold_matmul(acc, a, b, tile) = ((acc + a_0 @ b_0) + a_1 @ b_1) + ... over K tiles of `tile` in order,
+    # each product `matmul`'s (from zero): the loop in one call (the Triton backend's kernel); None: the loop
+    fold_matmul: Callable | None = None
 
 
 REFERENCE = Prims("reference", strict_exp, strict_log, matmul)

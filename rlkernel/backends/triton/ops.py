@@ -6,7 +6,8 @@ tree, the bias, the fused-logprob kinds) and how gradients are computed on the G
   linear       dx = g W, dW = g^T x through the same GEMM kernel and configs (g in x.dtype,
                fp32 accumulate); db by a balanced tree over rows
   rms_norm     one row per program (dx and the row's dw share), dw by a balanced tree over rows
-  swiglu       the shared explicit backward (reference.swiglu.SwigluFn) with torch.exp
+  swiglu       the shared explicit backward's arithmetic (reference.swiglu.backward, torch.exp) in one
+               launch (swiglu_bwd.py)
   rope         one launch (rope.py), the composition's bits; backward: the same kernel, sine negated
   attention    FlashAttention-2-style recompute kernels, no atomics (attention_bwd.py)
   linear_logprob / entropy   vocab chunks in fixed order: the chunk's logits recomputed with
@@ -81,10 +82,19 @@ def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return gemm.matmul(a.contiguous(), b=b, out_dtype=torch.float32)
 
 
-TRITON = Prims("triton", torch.exp, torch.log, _mm32)
+def _fold(acc, a, b, tile):
+    from .fold import fold_matmul
+
+    return fold_matmul(acc, a, b, tile)
+
+
+TRITON = Prims("triton", torch.exp, torch.log, _mm32, _fold)
 
 
 # ---- linear -------------------------------------------------------------------------------
+
+REGISTERS_MAX_M = 2048  # rows up to which a k-segment linear runs in one launch (the "registers" schedule)
+
 
 def _linear_fwd(x, weight, bias, k_segments):
     gemm = _k()[0]
@@ -93,7 +103,10 @@ def _linear_fwd(x, weight, bias, k_segments):
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if bias is None and k_segments in (1, 2, 4, 8):
-        y = gemm.matmul(x2, weight, k_segments=k_segments)  # segments merged in registers
+        # every schedule gives the same bits (gemm.matmul); a few rows are launch-bound: one program walks every
+        # segment there, more rows take one plain GEMM per segment (session 7's timings)
+        schedule = "registers" if k_segments > 1 and x2.shape[0] <= REGISTERS_MAX_M else None
+        y = gemm.matmul(x2, weight, k_segments=k_segments, schedule=schedule)
     else:
         seg = k // k_segments
         parts = [gemm.matmul(x2[:, i * seg:(i + 1) * seg], weight[:, i * seg:(i + 1) * seg], out_dtype=torch.float32)
@@ -160,8 +173,14 @@ def rms_norm(x, weight, eps, residual=None):
     return y if residual is None else (y, h)
 
 
+def _swiglu_bwd(gate, up, g):
+    from . import swiglu_bwd
+
+    return swiglu_bwd.backward(gate, up, g)
+
+
 def swiglu(gate, up):
-    return _ref_swiglu.swiglu(gate, up, prims=TRITON, fwd=lambda g, u: _k()[0].swiglu(g, u))
+    return _ref_swiglu.swiglu(gate, up, prims=TRITON, fwd=lambda g, u: _k()[0].swiglu(g, u), bwd=_swiglu_bwd)
 
 
 # ---- attention ----------------------------------------------------------------------------
