@@ -50,6 +50,9 @@ STEPS: dict[str, tuple[int, str]] = {
     "loop_qwen3_native": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native --out {out}"),
     "loop_qwen3_strict": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
                                "--reuse native --out {out}"),
+    # the same with FA3 as the strict arm's attention (the opt-in contract): benchmarks/h200_loop_grpo_qwen3_gpu.json
+    "loop_qwen3_strict_fa3": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
+                                   "--reuse native --out {out} strict:rlkernel.ops.attention=fa3"),
     # both arms at once on two GPUs (x2), one arm per GPU: production native vs strict, and vs strict with FA3 attention
     "loop_qwen3_parallel": (580, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --parallel --out {out}"),
     "loop_qwen3_fa3_parallel": (580, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --parallel "
