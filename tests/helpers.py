@@ -100,3 +100,19 @@ def record_native(fact: str, differs: int) -> None:
     print(line)
     if not differs:
         warnings.warn(line, stacklevel=2)
+
+
+def run_interpreted(script: str, timeout: float = 600) -> str:
+    """Run `script` in a fresh Python under TRITON_INTERPRET=1 (the interpreter must be chosen before triton is
+    imported, hence a process of its own) from the repository root; its stdout, or a failure with its stderr's tail."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stdout.strip())
+    return proc.stdout

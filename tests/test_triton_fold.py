@@ -9,15 +9,11 @@ On the H200: `scripts/gpu_strict_parity.py --only reduce` (`vocab_backward_chunk
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import run_interpreted
 
 _SCRIPT = textwrap.dedent('''
     import torch
@@ -64,8 +60,4 @@ _SCRIPT = textwrap.dedent('''
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_fold_kernel_is_the_per_tile_composition_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    print(proc.stdout.strip())
-    assert "fold checks 6" in proc.stdout
+    assert "fold checks 6" in run_interpreted(_SCRIPT)
