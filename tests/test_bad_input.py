@@ -65,6 +65,10 @@ BAD = [  # (overrides, key the message must name, a phrase of the problem or fix
     (["resources.gpus=4", "resources.colocate=false", "trainer.tp=4", "rollout.tp=2"], "resources.gpus", "needs 6 GPUs"),
     (["algorithm.use_rollout_logprobs=true", "algorithm.tis_cap=2"], "algorithm.tis_cap", "use_rollout_logprobs=false"),
     (["resources.gpus=2", "trainer.tp=2", "algorithm.entropy_coef=0.01"], "algorithm.entropy_coef", "trainer.tp=1"),
+    (["rlkernel.ops.attention=fa3"], "rlkernel.ops.attention", "runs on GPUs only"),
+    (["resources.gpus=1", "rlkernel.ops.attention=fa3"], "rlkernel.ops.attention", "bf16 only here"),
+    (["resources.gpus=2", "model.dtype=bfloat16", "trainer.cp=2", "run.executor=ray", "rlkernel.ops.attention=fa3"],
+     "rlkernel.ops.attention", "not proven under context parallelism"),
 ]
 
 

@@ -367,6 +367,10 @@ class VimeConfig:
                      "resources.gpus=0", "set resources.gpus>=1, or rlkernel.ops.attention=strict")
             _require(self.model.dtype == "bfloat16", "rlkernel.ops.attention", f"fa3 has no {self.model.dtype} kernel (bf16 only here)",
                      "set model.dtype=bfloat16, or rlkernel.ops.attention=strict")
+            _require(t.cp == 1 or dict(self.rlkernel.side_ops("trainer")).get("attention") != "fa3", "rlkernel.ops.attention",
+                     f"fa3 is not proven under context parallelism (trainer.cp={t.cp}): CP's attention runs the paged form on a "
+                     "page table of block size 1, which FA3's load-time probe does not cover (pages of 16 and 64) and FA3 "
+                     "refuses to differentiate", "set rlkernel.ops.attention=strict for CP runs, or trainer.cp=1")
         if res.gpus == 0:  # the CPU loop: trainer ranks (gloo) and vLLM-CPU engines, all on this node
             _require(res.nodes == 1, "resources.nodes", f"{res.nodes} is not supported on CPU (resources.gpus=0): the CPU loop runs on one node",
                      "set resources.nodes=1")
