@@ -79,3 +79,11 @@ def test_rope_position_bound_changes_no_bit_and_is_enforced():
     assert torch.equal(rk.rope(x, pos, 10000.0, max_position=64), rk.rope(x, pos, 10000.0))
     with pytest.raises(ValueError, match="max_position"):
         rk.rope(x, pos, 10000.0, max_position=30)
+    # positions marked below a bound by their maker (the trainer's packed positions) skip the check only where the
+    # bound covers the mark: a mark above max_position is still checked
+    from rlkernel.backends.reference.rope import mark_below, negated_sin, rope_table
+    with pytest.raises(ValueError, match="max_position"):
+        rk.rope(x, mark_below(pos.clone(), 31), 10000.0, max_position=30)
+    assert torch.equal(rk.rope(x, mark_below(pos.clone(), 31), 10000.0, max_position=31), rk.rope(x, pos, 10000.0))
+    _, sin = rope_table(8, 64, 10000.0)
+    assert negated_sin(sin) is negated_sin(sin) and torch.equal(negated_sin(sin), -sin)  # once per table, exact

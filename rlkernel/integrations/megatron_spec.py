@@ -69,6 +69,7 @@ from rlkernel.parallel import vocab_parallel_logprob_fn
 from rlkernel.parallel import token_segments
 from rlkernel.parallel.context_parallel import cp_attention
 from rlkernel.backends.reference.norm import weight_grad_reducer
+from rlkernel.backends.reference.rope import mark_below
 from rlkernel.parallel.tp_backward import ColumnParallelLinearFn, RowParallelLinearFn, head_segment_weight_grad
 
 # (offset, CP group) while a context-parallel forward runs (StrictGPTModel.hidden_states sets it for StrictCoreAttention)
@@ -324,6 +325,7 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, device=None, total: int 
     lens = cu[1:] - cu[:-1]
     n = int(cu[-1]) if total is None else int(total)
     pos = torch.arange(n, device=cu.device) - torch.repeat_interleave(cu[:-1], lens, output_size=n)
+    mark_below(pos, n)  # a position is below its sequence's length, below the stream's: rope needs no device check
     _POSITIONS[0] = (cu_seqlens, cu_seqlens._version, device, total, pos)
     return pos
 

@@ -87,12 +87,12 @@ class ColumnParallelLinearFn(torch.autograd.Function):
 
 class RowParallelLinearFn(torch.autograd.Function):
     """y = the canonical tree over every rank's K-segment partials of x_local @ w_local^T (float32, the forward of
-    `linear_segment_partials` + `tree_all_reduce`; at one rank `linear` with k_segments, already cast to x's dtype). Backward in two GEMMs with the bits of differentiating each
-    partial on its own: dX = g @ W_local (a column's sum over N does not depend on the other columns: the GEMM is
-    column invariant) and dW = (X^T g)^T (a row's likewise: row invariant), each under the strict implementation's
-    matmul, as the per-segment GEMMs were; one autograd node instead of a slice, a GEMM pair and a cast per segment.
-    (Equal values; only an exact zero's sign can differ from the per-segment graph, which added every other segment's
-    zero gradient to each slice: -0.0 + 0.0 = +0.0.)"""
+    `linear_segment_partials` + `tree_all_reduce`; at one rank `linear` with k_segments, already cast to x's dtype).
+    Backward in two GEMMs with the bits of differentiating each partial on its own: dX = g @ W_local (a column's sum
+    over N does not depend on the other columns: the GEMM is column invariant) and dW = (X^T g)^T (a row's likewise:
+    row invariant), each under the strict implementation's matmul, as the per-segment GEMMs were; one autograd node
+    instead of a slice, a GEMM pair and a cast per segment. (Equal values; only an exact zero's sign can differ from
+    the per-segment graph, which added every other segment's zero gradient to each slice: -0.0 + 0.0 = +0.0.)"""
 
     @staticmethod
     def forward(ctx, x, weight, group, segments: int):
@@ -135,8 +135,13 @@ def head_segment_weight_grad(heads: int, n: int, group, dtype: torch.dtype):
 
     def reduce(rows: torch.Tensor) -> torch.Tensor:
         d = rows.shape[-1]
-        segs = rows.view(-1, n, heads // n, d).transpose(0, 1).reshape(n, -1, d)
-        return tree_all_reduce(list(tree_sum(segs, dim=1).to(dtype).unbind(0)), group)
+        # [tokens * heads_in_segment, n * d]: segment j's rows in (token, head) order under columns j*d..(j+1)*d, one copy;
+        # the tree over the rows is then each segment's tree over its own rows
+        segs = rows.view(-1, n, heads // n, d).permute(0, 2, 1, 3).reshape(-1, n * d)
+        sums = tree_sum(segs, dim=0).view(n, d).to(dtype)
+        if _one_rank(group):  # tree_all_reduce's own steps without the list round trip: float32, the tree, one cast
+            return tree_sum(sums.to(torch.promote_types(dtype, torch.float32)), dim=0).to(dtype)
+        return tree_all_reduce(list(sums.unbind(0)), group)
 
     return reduce
 

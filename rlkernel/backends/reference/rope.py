@@ -95,7 +95,29 @@ class RopeFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.fwd(g.contiguous(), ctx.positions, ctx.cos, -ctx.sin), None, None, None, None
+        return ctx.fwd(g.contiguous(), ctx.positions, ctx.cos, negated_sin(ctx.sin)), None, None, None, None
+
+
+_NEG_SIN: list = [None]  # (the sine table, its negation): the last table's, computed once (negation is exact)
+
+
+def negated_sin(sin: torch.Tensor) -> torch.Tensor:
+    """-sin for the backward's inverse rotation, kept for the table it was made from (every layer's backward of one
+    step uses the same cached table: one negation, not one per call)."""
+    with _LOCK:
+        hit = _NEG_SIN[0]
+        if hit is not None and hit[0] is sin and hit[1] == sin._version:
+            return hit[2]
+        neg = -sin
+        _NEG_SIN[0] = (sin, sin._version, neg)
+        return neg
+
+
+def mark_below(positions: torch.Tensor, bound: int) -> torch.Tensor:
+    """Record that every entry of `positions` is below `bound` by construction (e.g. positions inside sequences packed
+    into a stream of `bound` tokens), so `rope(..., max_position >= bound)` skips its device-side check for it."""
+    positions._rk_below = int(bound)
+    return positions
 
 
 def rope(x, positions, theta, *, fwd=forward, max_position=None):
@@ -107,7 +129,8 @@ def rope(x, positions, theta, *, fwd=forward, max_position=None):
         n = int(positions.max()) + 1 if positions.numel() else 1
     else:
         n = int(max_position)
-        if positions.numel():
+        known = getattr(positions, "_rk_below", None)  # mark_below: checked by construction
+        if positions.numel() and not (known is not None and known <= n):
             if positions.is_cuda:
                 torch._assert_async((positions < n).all(), "rope: a position is >= max_position")
             elif int(positions.max()) >= n:
