@@ -87,3 +87,6 @@ def test_rope_position_bound_changes_no_bit_and_is_enforced():
     assert torch.equal(rk.rope(x, mark_below(pos.clone(), 31), 10000.0, max_position=31), rk.rope(x, pos, 10000.0))
     _, sin = rope_table(8, 64, 10000.0)
     assert negated_sin(sin) is negated_sin(sin) and torch.equal(negated_sin(sin), -sin)  # once per table, exact
+    with torch.inference_mode():  # a table made under vLLM's inference mode (the in-process executor) has no version
+        inf_sin = sin.clone()
+    assert torch.equal(negated_sin(inf_sin), -sin) and negated_sin(inf_sin) is negated_sin(inf_sin)

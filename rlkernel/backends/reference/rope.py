@@ -104,12 +104,13 @@ _NEG_SIN: list = [None]  # (the sine table, its negation): the last table's, com
 def negated_sin(sin: torch.Tensor) -> torch.Tensor:
     """-sin for the backward's inverse rotation, kept for the table it was made from (every layer's backward of one
     step uses the same cached table: one negation, not one per call)."""
+    version = None if sin.is_inference() else sin._version  # a table made under inference mode has no version counter
     with _LOCK:
         hit = _NEG_SIN[0]
-        if hit is not None and hit[0] is sin and hit[1] == sin._version:
+        if hit is not None and hit[0] is sin and hit[1] == version:
             return hit[2]
         neg = -sin
-        _NEG_SIN[0] = (sin, sin._version, neg)
+        _NEG_SIN[0] = (sin, version, neg)
         return neg
 
 
