@@ -21,7 +21,7 @@ from .. import dispatch
 from ..backends.reference.primitives import tree_sum
 from ..ops.linear import linear, linear_segment_partials
 from . import token_segments as _ts
-from .collectives import _gather, tree_all_reduce
+from .collectives import _gather, _tree_reduce, tree_all_reduce
 
 
 def segment_rows(rows: int, stride: int, segments: int) -> list[torch.Tensor]:
@@ -139,24 +139,30 @@ def head_segment_weight_grad(heads: int, n: int, group, dtype: torch.dtype):
         # the tree over the rows is then each segment's tree over its own rows
         segs = rows.view(-1, n, heads // n, d).permute(0, 2, 1, 3).reshape(-1, n * d)
         sums = tree_sum(segs, dim=0).view(n, d).to(dtype)
-        if _one_rank(group):  # tree_all_reduce's own steps without the list round trip: float32, the tree, one cast
-            return tree_sum(sums.to(torch.promote_types(dtype, torch.float32)), dim=0).to(dtype)
+        if _one_rank(group):  # tree_all_reduce's own merge (float32 tree, one cast) without the list round trip
+            return _tree_reduce(sums)
         return tree_all_reduce(list(sums.unbind(0)), group)
 
     return reduce
+
+
+def _chunk_square_sums(stacked: torch.Tensor, spec) -> torch.Tensor:
+    """[c, n] float32: for each of c gradients stacked [c, *shape] of one ("chunks", dim, stride, n) parameter, the tree
+    sum of squares of each of its n local canonical segments (segment j = chunk j of every stride block, as
+    segment_rows, its elements in that order; a tree per row of the stack is that gradient's tree alone)."""
+    _, dim, stride, n = spec
+    g = stacked.movedim(dim + 1, 1)
+    if g.shape[1] % (stride * n):
+        raise ValueError(f"{g.shape[1]} rows do not split into stride {stride} x {n} segments")
+    c = g.shape[0]
+    return tree_sum(g.float().square().reshape(c, stride, n, -1).transpose(1, 2).reshape(c, n, -1), dim=-1)
 
 
 def _segment_values(grad: torch.Tensor, spec) -> list[torch.Tensor]:
     """Sum of squares (float32, tree) of each local canonical segment of a sharded gradient."""
     kind = spec[0]
     if kind == "chunks":  # ("chunks", dim, stride, n_local)
-        _, dim, stride, n = spec
-        g = grad.movedim(dim, 0)
-        if g.shape[0] % (stride * n):
-            raise ValueError(f"{g.shape[0]} rows do not split into stride {stride} x {n} segments")
-        # segment j = chunk j of every stride block (segment_rows), its elements in that order: all n trees at once
-        sq = g.float().square().reshape(stride, n, -1).transpose(0, 1).reshape(n, -1)
-        return list(tree_sum(sq, dim=-1).unbind(0))
+        return list(_chunk_square_sums(grad[None], spec)[0].unbind(0))
     if kind == "rows":  # ("rows", rows_per_segment, n_local): vocab segments (the last ones may be short or empty)
         _, per, n = spec
         return [tree_sum(grad[j * per:(j + 1) * per].float().square().reshape(-1), dim=0) for j in range(n)]
@@ -197,16 +203,9 @@ def canonical_grad_norm(named_params, group, grad=None) -> torch.Tensor:
             if kind is None:
                 vals = tree_sum(stacked.float().square().reshape(len(part), -1), dim=-1)
             else:
-                _, dim, stride, n = kind
-                g = stacked.movedim(dim + 1, 1)
-                if g.shape[1] % (stride * n):
-                    raise ValueError(f"{g.shape[1]} rows do not split into stride {stride} x {n} segments")
-                sq = g.float().square().reshape(len(part), stride, n, -1).transpose(1, 2).reshape(len(part), n, -1)
-                local = tree_sum(sq, dim=-1)  # [c, n]: each parameter's local segments
-                if group is not None and group.size() > 1:
-                    every = _gather(local, group).transpose(0, 1).reshape(len(part), -1)  # rank-major per parameter
-                else:
-                    every = local
+                local = _chunk_square_sums(stacked, kind)  # [c, n]: each parameter's local segments
+                # every rank's segments of one parameter in rank order (rank-major)
+                every = local if _one_rank(group) else _gather(local, group).transpose(0, 1).reshape(len(part), -1)
                 vals = tree_sum(every, dim=-1)
             for j, i in enumerate(part):
                 values[i] = vals[j]
@@ -221,7 +220,7 @@ def _param_value(g: torch.Tensor, spec, group) -> torch.Tensor:
     if spec is None:
         return tree_sum(g.float().square().reshape(-1), dim=0)
     local = torch.stack(_segment_values(g, spec))
-    every = _gather(local, group).reshape(-1) if group is not None and group.size() > 1 else local
+    every = local if _one_rank(group) else _gather(local, group).reshape(-1)
     return tree_sum(every, dim=0)
 
 
