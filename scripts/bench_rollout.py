@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 
-WORKERS = ["strict", "stock", "stock_graphs", "strict_graphs"]
+WORKERS = ["strict", "stock", "stock_graphs", "strict_graphs", "strict_fa3_graphs"]
 
 
 def worker(args) -> None:
@@ -30,7 +30,8 @@ def worker(args) -> None:
     engine = "rlkernel" if args.worker.startswith("strict") else "stock"
     eng = VLLMRollout(RolloutConfig(model=args.model, engine=engine, mode="strict" if engine == "rlkernel" else "native", dtype=args.dtype,
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=32,
-                                    max_model_len=args.prompt_len + args.max_tokens + 8, enforce_eager=not args.worker.endswith("_graphs")))
+                                    max_model_len=args.prompt_len + args.max_tokens + 8, enforce_eager=not args.worker.endswith("_graphs"),
+                                    ops=(("attention", "fa3"),) if "_fa3" in args.worker else ()))
     rng = random.Random(0)
     vocab = eng.llm.llm_engine.model_config.get_vocab_size()
     prompts = [[rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
@@ -61,7 +62,8 @@ def main():
     ap.add_argument("--out", help="also write the JSON result to this file")
     ap.add_argument("--engines", default="stock,strict",
                     help="engines to time, alternating: strict (eager), stock (eager), stock_graphs (stock vLLM compiled, with "
-                         "CUDA graphs, on a GPU), strict_graphs (the strict engine with decode CUDA graphs, on a GPU)")
+                         "CUDA graphs, on a GPU), strict_graphs (the strict engine with decode CUDA graphs, on a GPU), "
+                         "strict_fa3_graphs (strict_graphs with the FA3 attention contract: the loop's fastest strict arm; GPU, bf16)")
     ap.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -70,12 +72,14 @@ def main():
     if set(engines) - set(WORKERS):
         ap.error(f"unknown engines {sorted(set(engines) - set(WORKERS))}; known: {WORKERS}")
     res = {w: 0.0 for w in engines}
+    per_round = {w: [] for w in engines}
     for r in range(args.rounds):
         for w in engines:
             cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", w]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             tps = json.loads(out)["tokens_per_second"]
             res[w] = max(res[w], tps)
+            per_round[w].append(round(tps, 1))
             print(f"round {r + 1} {w:>12}: {tps:8.1f} tokens/s", flush=True)
     ratios = {f"{s}_over_{w}": round(res[s] / res[w], 3) for s in engines if s.startswith("strict")
               for w in engines if w.startswith("stock")}
@@ -85,6 +89,7 @@ def main():
 
     result = {"code": code_stamp(), "command": " ".join(sys.argv), "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
               "rounds": args.rounds, "repeat": args.repeat, **{f"{w}_tokens_per_second": v for w, v in res.items()}, **ratios,
+              "per_round_tokens_per_second": per_round,
               "ratio": ratios.get("strict_over_stock")}
     if args.out:
         with open(args.out, "w") as f:
