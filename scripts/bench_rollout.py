@@ -45,7 +45,31 @@ def worker(args) -> None:
         dt = time.perf_counter() - t0
         toks = sum(len(c.response_ids) for c in out)
         best = max(best or 0.0, toks / dt)
-    print(json.dumps({"engine": args.worker, "tokens_per_second": best, "tokens": toks}))
+    rep = {"engine": args.worker, "tokens_per_second": best, "tokens": toks}
+    if args.profile:  # one more generate under torch's profiler (in-process engine: its kernels are seen here)
+        rep["profile"] = _profiled(lambda: eng.generate(prompts, spec), eng, args.profile)
+    print(json.dumps(rep))
+
+
+def _profiled(fn, eng, top: int) -> dict:
+    """Device time by kernel for one call of fn, the top `top` kernels, and the wall time under the profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    eng.llm.reset_prefix_cache()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        fn()
+        sync()
+    wall = time.perf_counter() - t0
+    evs = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
+    evs.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in evs)
+    return {"wall_seconds": round(wall, 3), "device_kernel_ms": round(total / 1e3, 1),
+            "kernels": [{"name": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2)} for e in evs[:top]]}
 
 
 def main():
@@ -64,6 +88,8 @@ def main():
                     help="engines to time, alternating: strict (eager), stock (eager), stock_graphs (stock vLLM compiled, with "
                          "CUDA graphs, on a GPU), strict_graphs (the strict engine with decode CUDA graphs, on a GPU), "
                          "strict_fa3_graphs (strict_graphs with the FA3 attention contract: the loop's fastest strict arm; GPU, bf16)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed runs, profile one more generate per engine and keep its top N kernels by device time")
     ap.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -73,11 +99,15 @@ def main():
         ap.error(f"unknown engines {sorted(set(engines) - set(WORKERS))}; known: {WORKERS}")
     res = {w: 0.0 for w in engines}
     per_round = {w: [] for w in engines}
+    profiles = {}
     for r in range(args.rounds):
         for w in engines:
             cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", w]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-            tps = json.loads(out)["tokens_per_second"]
+            rep = json.loads(out)
+            tps = rep["tokens_per_second"]
+            if "profile" in rep:
+                profiles.setdefault(w, rep["profile"])
             res[w] = max(res[w], tps)
             per_round[w].append(round(tps, 1))
             print(f"round {r + 1} {w:>12}: {tps:8.1f} tokens/s", flush=True)
@@ -89,7 +119,7 @@ def main():
 
     result = {"code": code_stamp(), "command": " ".join(sys.argv), "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
               "rounds": args.rounds, "repeat": args.repeat, **{f"{w}_tokens_per_second": v for w, v in res.items()}, **ratios,
-              "per_round_tokens_per_second": per_round,
+              "per_round_tokens_per_second": per_round, **({"profiles": profiles} if profiles else {}),
               "ratio": ratios.get("strict_over_stock")}
     if args.out:
         with open(args.out, "w") as f:

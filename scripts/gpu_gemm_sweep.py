@@ -78,7 +78,7 @@ def bench_ms(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=25)
 
 
-def sweep(shapes, ms, copies: int):
+def sweep(shapes, ms, copies: int, only=None):
     import torch
     import torch.nn.functional as F
     from rlkernel.backends.triton import gemm
@@ -89,6 +89,8 @@ def sweep(shapes, ms, copies: int):
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         cands = {"contract": None, **{f"{bm}x{bn}x{bk}_s{st}_w{w}{'' if tma else '_ptr'}": G.TileConfig(bm, bn, bk, st, w, tma=tma)
                                       for bm, bn, bk, st, w in CANDIDATES for tma in (True, False)}}
+        if only:
+            cands = {c: v for c, v in cands.items() if c in only}
         if n >= 16384:  # the wide class: its own tile and the wide candidates only
             cands = {c: v for c, v in cands.items() if v is None or v.block_n >= 128}
         for m in ms:
@@ -130,11 +132,16 @@ def main(argv=None):
     ap.add_argument("--ms", default="1,16,64,256,1024,4096")
     ap.add_argument("--shapes", default="qkv,o,down,gate_up")
     ap.add_argument("--copies", type=int, default=8, help="weight copies in the chain timer (beyond L2)")
+    ap.add_argument("--candidates", help="comma-separated candidate names to time (e.g. contract,64x128x128_s4_w4); default all")
     args = ap.parse_args(argv)
     shapes = args.shapes.split(",")
     if set(shapes) - set(SHAPES):
         ap.error(f"unknown shapes {sorted(set(shapes) - set(SHAPES))}; known: {sorted(SHAPES)}")
     ms = [int(x) for x in args.ms.split(",")]
+    only = set(args.candidates.split(",")) if args.candidates else None
+    known = {"contract", *(f"{bm}x{bn}x{bk}_s{st}_w{w}{sfx}" for bm, bn, bk, st, w in CANDIDATES for sfx in ("", "_ptr"))}
+    if only and only - known:
+        ap.error(f"unknown candidates {sorted(only - known)}; known: {sorted(known)}")
     if any(m < 1 for m in ms):
         ap.error("--ms: row counts must be >= 1")
     out = Path(args.out)
@@ -150,7 +157,7 @@ def main(argv=None):
     res = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
            "torch": torch.__version__, "triton": triton.__version__, "code": code_stamp(), "command": " ".join(sys.argv),
            "timers": {"bench": "do_bench, L2 flushed, median", "chain": f"CUDA graph of {args.copies} calls on distinct weights"}}
-    res["gemm"] = sweep(shapes, ms, args.copies)
+    res["gemm"] = sweep(shapes, ms, args.copies, only)
     res["elapsed_s"] = round(time.time() - T0, 1)
     out.mkdir(parents=True, exist_ok=True)
     (out / "h200_gemm_sweep.json").write_text(json.dumps(res, indent=1))

@@ -70,9 +70,13 @@ STEPS: dict[str, tuple[int, str]] = {
     # the same with the strict engine's FA3 attention contract as a third engine (the loop's fastest strict arm)
     "rollout_bench_fa3": (590, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
                                "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 2 "
-                               "--engines stock_graphs,strict_graphs,strict_fa3_graphs --out {out}/h200_rollout_bench_graphs.json"),
+                               "--engines stock_graphs,strict_graphs,strict_fa3_graphs --profile 25 --out {out}/h200_rollout_bench_graphs.json"),
     # the GEMM's tile configs vs cuBLAS at small and mid M, bit-checked, two timers (issue 10's M = 256 bar)
     "gemm_sweep": (560, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,256,1024 --out {out}"),
+    # the contract's table (by N and M) against the runners-up, M from decode to training sizes
+    "gemm_table": (400, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,64,128,256,512,1024,2048,4096 --shapes qkv,o,down,gate_up "
+                        "--candidates contract,64x128x128_s4_w4,128x128x64_s4_w8,128x128x128_s3_w8,128x256x64_s3_w8,"
+                        "64x256x64_s4_w4 --out {out}"),
     # FA3 with num_splits=1 (inside vLLM) vs rlkernel's Triton attention: speed and the bit properties a contract needs
     "fa3_compare": (300, "python3 scripts/gpu_fa3_compare.py --out {out}"),
     # the FA3 attention contract (rlkernel/backends/fa3.py): its probe, the golden bits recorded for this GPU and vLLM (the

@@ -410,21 +410,30 @@ def timing(args, res, model):
     import rlkernel as rk
     from rlkernel.backends.triton import attention as A
     from rlkernel.backends.triton import gemm
-    out = {"gemm": {}}
+    from gpu_gemm_sweep import chain_ms
+    out = {"gemm": {}, "gemm_timers": {"bench": "do_bench, L2 flushed before every call, median (*_ms, ratio_tflops)",
+                                       "chain": "a CUDA graph of 8 calls on 8 distinct weights, replayed (*_chain_ms, "
+                                                "ratio_chain): no host cost, no flush kernel; up to 2^40 multiply-adds"}}
     for name, (k, n) in GEMMS.items():
-        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
-        for m in (1, 16, 256, 4096, 16384):
+        ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(8)]
+        w = ws[0]
+        for m in (1, 16, 256, 1024, 4096, 16384):
             a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             t_s = bench(lambda: gemm.matmul(a, w))
             t_n = bench(lambda: F.linear(a, w))
-            out["gemm"][f"{name}_M{m}"] = {"strict_ms": round(t_s, 4), "cublas_ms": round(t_n, 4),
-                                          "strict_tflops": round(2 * m * n * k / t_s / 1e9, 1),
-                                          "ratio_tflops": round(t_n / t_s, 3)}
+            row = out["gemm"][f"{name}_M{m}"] = {"strict_ms": round(t_s, 4), "cublas_ms": round(t_n, 4),
+                                                "strict_tflops": round(2 * m * n * k / t_s / 1e9, 1),
+                                                "ratio_tflops": round(t_n / t_s, 3)}
+            if m * n * k <= 2 ** 40:
+                c_s = chain_ms(lambda i: gemm.matmul(a, ws[i]))
+                c_n = chain_ms(lambda i: F.linear(a, ws[i]))
+                row.update(strict_chain_ms=round(c_s, 4), cublas_chain_ms=round(c_n, 4),
+                           strict_chain_tflops=round(2 * m * n * k / c_s / 1e9, 1), ratio_chain=round(c_n / c_s, 3))
             if name in ("o", "down"):  # the row-parallel layers: 4 canonical K segments, each schedule
                 for sc in gemm.SCHEDULES:
                     out["gemm"][f"{name}_M{m}"][f"segments4_{sc}_ratio"] = _recorded(
                         lambda: round(t_n / bench(lambda: gemm.matmul(a, w, k_segments=4, schedule=sc)), 3))
-        del w
+        del w, ws
     log("gemm:", json.dumps(out["gemm"]))
     # attention prefill: 8 x 4096 causal, 32 q heads / 8 kv heads, D=128
     B, L = 8, 4096

@@ -60,7 +60,7 @@ def test_tile_table_is_in_the_contract():
     for name, cfg in G.BF16_GEMM.items():
         assert part[f"bf16_{name}"] == G._tiles(cfg) and cfg.block_m >= 64
     for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)):
-        for m in (1, 64, 65, 1024, 1025, None):
+        for m in (1, 64, 65, 256, 257, 1024, 1025, None):
             assert G.gemm_config("bfloat16", n, k, m) in G.BF16_GEMM.values()
     assert json.dumps(G.as_dict(G.LINEAR), default=str)
 

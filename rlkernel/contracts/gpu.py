@@ -53,11 +53,14 @@ class AttentionTiles:
 # benchmarks/h200_strict_parity.json), so a config is a scheduling choice and may follow the row
 # count. The table is still part of the contract (its id changes with it), and every config has
 # block_m >= 64 so Triton lowers it to wgmma (smaller tiles would use mma.sync, another order).
-# Chosen on the H200 by the sweep in the same script; fp32 ('ieee' fma) keeps one config.
+# Chosen on the H200 by scripts/gpu_gemm_sweep.py (benchmarks/h200_gemm_sweep.json: 24 candidates at M = 1, 16,
+# 256, 1024 for qkv, o, down and gate_up, every one bit-equal to the others, timed against cuBLAS in a CUDA-graph
+# chain over distinct weights); fp32 ('ieee' fma) keeps one config.
 BF16_GEMM = {
-    "wide": TileConfig(64, 256, 64, 4, 4),  # N >= 16384 (gate_up, lm_head as a plain GEMM), any M
-    "narrow_decode": TileConfig(64, 64, 128, 4, 4),  # N < 16384 (qkv, o, down), M <= 64
-    "narrow_mid": TileConfig(128, 128, 128, 3, 8),  # N < 16384, 64 < M <= 1024
+    "wide": TileConfig(64, 256, 64, 4, 4),  # N >= 16384 (gate_up, lm_head as a plain GEMM), M <= 64 or M > 1024
+    "wide_mid": TileConfig(128, 128, 128, 3, 8),  # N >= 16384, 64 < M <= 1024
+    "narrow_decode": TileConfig(64, 128, 128, 4, 4),  # N < 16384 (qkv, o, down), M <= 256: 1.1-1.5x the 64x64 tile
+    "narrow_mid": TileConfig(128, 128, 64, 4, 8),  # N < 16384, 256 < M <= 1024
     "narrow": TileConfig(128, 256, 64, 3, 8),  # N < 16384, M > 1024
     "narrow_segments": TileConfig(128, 128, 64, 3, 8),  # canonical K segments merged in registers (M > 1024)
 }
@@ -69,8 +72,8 @@ ATTENTION_TILES = AttentionTiles()
 
 def gemm_class(n: int, k: int, m: int | None = None) -> str:
     if n >= 16384:
-        return "wide"
-    if m is not None and m <= 64:
+        return "wide_mid" if m is not None and 64 < m <= 1024 else "wide"
+    if m is not None and m <= 256:
         return "narrow_decode"
     if m is not None and m <= 1024:
         return "narrow_mid"
@@ -101,7 +104,7 @@ LINEAR = Contract(
     backend=FAMILY,
     domain="K",
     partition=(("arch", ARCH), ("split_k", 1), ("m_independent", "kernel compiled with M unspecialised"),
-               ("config", "bf16: 'wide' if N >= 16384 else by M (<= 64, <= 1024, larger) and K segments; fp32 one "
+               ("config", "bf16: by N (>= 16384: wide) and M (wide: <= 64, <= 1024, larger; narrow: <= 256, <= 1024, larger) and K segments; fp32 one "
                           "config; K segments: each a plain GEMM into fp32, then the tree (one launch or in registers: same bits); "
                           "bf16 bits proved independent of the tile on sm_90 (block_m >= 64: wgmma)"),
                *((f"bf16_{name}", _tiles(cfg)) for name, cfg in sorted(BF16_GEMM.items())),
