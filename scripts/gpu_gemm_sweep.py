@@ -79,7 +79,7 @@ def bench_ms(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=25)
 
 
-def sweep(shapes, ms, copies: int, only=None):
+def sweep(shapes, ms, copies: int, only=None, segments: int = 1):
     import torch
     import torch.nn.functional as F
     from rlkernel.backends.triton import gemm
@@ -94,26 +94,32 @@ def sweep(shapes, ms, copies: int, only=None):
             cands = {c: v for c, v in cands.items() if c in only}
         if n >= 16384:  # the wide class: its own tile and the wide candidates only
             cands = {c: v for c, v in cands.items() if v is None or v.block_n >= 128}
+        # segments > 1: the row-parallel layers' canonical K segments in one launch (the "registers" schedule), each
+        # candidate against the contract's tile and against the definition (one GEMM per segment + the tree)
+        kw = {"k_segments": segments, "schedule": "registers"} if segments > 1 else {}
         for m in ms:
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = gemm.matmul(a, ws[0])
+            ref = gemm.matmul(a, ws[0], **kw)
             flops = 2 * m * n * k
-            row = {"contract_config": G.gemm_class(n, k, m),
+            row = {"contract_config": "segments" if segments > 1 else G.gemm_class(n, k, m),
                    "cublas": {"bench_ms": round(bench_ms(lambda: F.linear(a, ws[0])), 4),
                               "chain_ms": round(chain_ms(lambda i: F.linear(a, ws[i])), 4)}}
+            if segments > 1:
+                row["contract_equals_launches"] = bool(torch.equal(ref, gemm.matmul(a, ws[0], k_segments=segments,
+                                                                                    schedule="launches")))
             for cname, cfg in cands.items():
                 try:
-                    y = gemm.matmul(a, ws[0], config=cfg)
+                    y = gemm.matmul(a, ws[0], config=cfg, **kw)
                     rec = {"equal": bool(torch.equal(y, ref)),
-                           "bench_ms": round(bench_ms(lambda: gemm.matmul(a, ws[0], config=cfg)), 4),
-                           "chain_ms": round(chain_ms(lambda i: gemm.matmul(a, ws[i], config=cfg)), 4)}
+                           "bench_ms": round(bench_ms(lambda: gemm.matmul(a, ws[0], config=cfg, **kw)), 4),
+                           "chain_ms": round(chain_ms(lambda i: gemm.matmul(a, ws[i], config=cfg, **kw)), 4)}
                     for t in ("bench", "chain"):
                         rec[f"{t}_ratio"] = round(row["cublas"][f"{t}_ms"] / rec[f"{t}_ms"], 3)
                     rec["chain_tflops"] = round(flops / rec["chain_ms"] / 1e9, 1)
                 except Exception as e:  # noqa: BLE001 -- a candidate that fails to build is recorded, the rest run
                     rec = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 row[cname] = rec
-            ok = {c: r for c, r in row.items() if c not in ("contract_config", "cublas") and r.get("equal")}
+            ok = {c: r for c, r in row.items() if isinstance(r, dict) and c != "cublas" and r.get("equal")}
             for t in ("bench", "chain"):
                 best = max(ok, key=lambda c: ok[c][f"{t}_ratio"]) if ok else None
                 row[f"best_{t}"] = {"config": best, "ratio": ok[best][f"{t}_ratio"] if ok else None}
@@ -133,6 +139,8 @@ def main(argv=None):
     ap.add_argument("--ms", default="1,16,64,256,1024,4096")
     ap.add_argument("--shapes", default="qkv,o,down,gate_up")
     ap.add_argument("--copies", type=int, default=8, help="weight copies in the chain timer (beyond L2)")
+    ap.add_argument("--segments", type=int, default=1, choices=(1, 2, 4, 8),
+                    help="canonical K segments (the row-parallel layers' one-launch schedule); 1: plain GEMMs")
     ap.add_argument("--candidates", help="comma-separated candidate names to time (e.g. contract,64x128x128_s4_w4); default all")
     args = ap.parse_args(argv)
     shapes = args.shapes.split(",")
@@ -146,11 +154,12 @@ def main(argv=None):
     if any(m < 1 for m in ms):
         ap.error("--ms: row counts must be >= 1")
     out = Path(args.out)
+    name = "h200_gemm_sweep.json" if args.segments == 1 else f"h200_gemm_sweep_segments{args.segments}.json"
     import torch
     if not torch.cuda.is_available():
         out.mkdir(parents=True, exist_ok=True)
         res = {"skipped": "no CUDA device"}
-        (out / "h200_gemm_sweep.json").write_text(json.dumps(res))
+        (out / name).write_text(json.dumps(res))
         print(json.dumps(res))
         return 0
     import triton
@@ -158,11 +167,12 @@ def main(argv=None):
     res = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
            "torch": torch.__version__, "triton": triton.__version__, "code": code_stamp(), "command": " ".join(sys.argv),
            "timers": {"bench": "do_bench, L2 flushed, median", "chain": f"CUDA graph of {args.copies} calls on distinct weights"}}
-    res["gemm"] = sweep(shapes, ms, args.copies, only)
+    res["segments"] = args.segments
+    res["gemm"] = sweep(shapes, ms, args.copies, only, args.segments)
     res["elapsed_s"] = round(time.time() - T0, 1)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "h200_gemm_sweep.json").write_text(json.dumps(res, indent=1))
-    print(json.dumps({"written": str(out / "h200_gemm_sweep.json"), "elapsed_s": res["elapsed_s"]}))
+    (out / name).write_text(json.dumps(res, indent=1))
+    print(json.dumps({"written": str(out / name), "elapsed_s": res["elapsed_s"]}))
     return 0
 
 

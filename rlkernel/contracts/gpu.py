@@ -53,16 +53,18 @@ class AttentionTiles:
 # benchmarks/h200_strict_parity.json), so a config is a scheduling choice and may follow the row
 # count. The table is still part of the contract (its id changes with it), and every config has
 # block_m >= 64 so Triton lowers it to wgmma (smaller tiles would use mma.sync, another order).
-# Chosen on the H200 by scripts/gpu_gemm_sweep.py (benchmarks/h200_gemm_sweep.json: 24 candidates at M = 1, 16,
-# 256, 1024 for qkv, o, down and gate_up, every one bit-equal to the others, timed against cuBLAS in a CUDA-graph
-# chain over distinct weights); fp32 ('ieee' fma) keeps one config.
+# Chosen on the H200 by scripts/gpu_gemm_sweep.py (benchmarks/h200_gemm_sweep*.json: up to 24 candidates at the
+# Qwen3-8B and Qwen3-0.6B shapes, M = 1 ... 4096, every one bit-equal to the others, timed against cuBLAS in a
+# CUDA-graph chain over distinct weights). The classes are by the weight's N and the row count M; fp32 ('ieee' fma)
+# keeps one config.
 BF16_GEMM = {
-    "wide": TileConfig(64, 256, 64, 4, 4),  # N >= 16384 (gate_up, lm_head as a plain GEMM), M <= 64 or M > 1024
-    "wide_mid": TileConfig(128, 128, 128, 3, 8),  # N >= 16384, 64 < M <= 1024
-    "narrow_decode": TileConfig(64, 128, 128, 4, 4),  # N < 16384 (qkv, o, down), M <= 256: 1.1-1.5x the 64x64 tile
-    "narrow_mid": TileConfig(128, 128, 64, 4, 8),  # N < 16384, 256 < M <= 1024
-    "narrow": TileConfig(128, 256, 64, 3, 8),  # N < 16384, M > 1024
-    "narrow_segments": TileConfig(128, 128, 64, 3, 8),  # canonical K segments merged in registers (M > 1024)
+    "t64x32": TileConfig(64, 32, 256, 4, 4),  # N <= 1024, M <= 256 (0.6B o/down at M=256: 0.66 -> 0.89x, 0.61 -> 0.84x)
+    "t64x128": TileConfig(64, 128, 128, 4, 4),  # 1024 < N < 16384 at M <= 512; N <= 1024 at 256 < M <= 1024;
+    #                                             N >= 16384 at 64 < M <= 256
+    "t64x256": TileConfig(64, 256, 64, 4, 4),  # N >= 16384, M <= 64 (streams the weight: 0.84-0.96x)
+    "t128x128": TileConfig(128, 128, 64, 4, 8),  # 1024 < N < 16384, 512 < M <= 1024
+    "t128x256": TileConfig(128, 256, 64, 3, 8),  # M > 1024 (any N); N >= 16384 at M > 256 (0.99-1.07x)
+    "segments": TileConfig(128, 128, 64, 3, 8),  # canonical K segments merged in registers (one launch)
 }
 FP32_GEMM = TileConfig(64, 64, 32, 3, 4, tma=False)
 LOGPROB_BF16 = TileConfig(128, 256, 64, 3, 8)  # the fused linear-logprob's own tile
@@ -71,13 +73,16 @@ ATTENTION_TILES = AttentionTiles()
 
 
 def gemm_class(n: int, k: int, m: int | None = None) -> str:
+    """The BF16_GEMM entry for a weight [N, K] and M rows (None: large). Scheduling only: every entry gives the same
+    bits."""
+    big = m is None or m > 1024
     if n >= 16384:
-        return "wide_mid" if m is not None and 64 < m <= 1024 else "wide"
-    if m is not None and m <= 256:
-        return "narrow_decode"
-    if m is not None and m <= 1024:
-        return "narrow_mid"
-    return "narrow"
+        return "t64x256" if not big and m <= 64 else "t64x128" if not big and m <= 256 else "t128x256"
+    if big:
+        return "t128x256"
+    if n <= 1024:
+        return "t64x32" if m <= 256 else "t64x128"
+    return "t64x128" if m <= 512 else "t128x128"
 
 
 def gemm_config(dtype_name: str, n: int, k: int, m: int | None = None) -> TileConfig:
@@ -104,7 +109,7 @@ LINEAR = Contract(
     backend=FAMILY,
     domain="K",
     partition=(("arch", ARCH), ("split_k", 1), ("m_independent", "kernel compiled with M unspecialised"),
-               ("config", "bf16: by N (>= 16384: wide) and M (wide: <= 64, <= 1024, larger; narrow: <= 256, <= 1024, larger) and K segments; fp32 one "
+               ("config", "bf16: gemm_class(N, K, M) (by N: <= 1024, < 16384, larger; by M: <= 64, 256, 512, 1024, larger) and K segments; fp32 one "
                           "config; K segments: each a plain GEMM into fp32, then the tree (one launch or in registers: same bits); "
                           "bf16 bits proved independent of the tile on sm_90 (block_m >= 64: wgmma)"),
                *((f"bf16_{name}", _tiles(cfg)) for name, cfg in sorted(BF16_GEMM.items())),

@@ -386,9 +386,9 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     cfg = _config(a, N, K, config)
     split = schedule == "split"
     if split and config is None and cfg.block_n * cfg.block_m > 128 * 128:
-        cfg = C.BF16_GEMM["narrow_mid"] if not _is_fp32(a) else cfg
+        cfg = C.BF16_GEMM["t128x128"] if not _is_fp32(a) else cfg
     if not split and k_segments > 1 and config is None and not _is_fp32(a):
-        cfg = C.BF16_GEMM["narrow_segments"]  # several live accumulators: a tile that keeps them in registers
+        cfg = C.BF16_GEMM["segments"]  # several live accumulators: a tile that keeps them in registers
     stream = schedule == "stream"
     if stream and (k_segments not in (2, 4) or K % (k_segments * cfg.block_k)):
         raise ValueError(f"matmul: schedule 'stream' needs 2 or 4 segments and K a multiple of segments x block_k "
