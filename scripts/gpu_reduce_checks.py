@@ -119,4 +119,48 @@ def run(res, dev, bench, log):
     t_k, t_c = bench(lambda: tri_rope.forward(q, pos, cos, sin)), bench(lambda: ref_rope.forward(q, pos, cos, sin))
     out["rope_ms"] = {"kernel": round(t_k, 4), "composition": round(t_c, 4), "speedup": round(t_c / t_k, 2)}
     log("rope:", out["rope_kernel_equal"], out["rope_ms"])
+    out["fused_projections"] = _fused_projections(dev, bench)
+    log("fused projections:", out["fused_projections"])
     res["reduce"] = out
+
+
+def _fused_projections(dev, bench):
+    """The rollout engine's layout (StrictDecoder.fuse_projections: q/k/v and gate/up one GEMM each) against the separate
+    GEMMs, one layer at Qwen3-8B and 0.6B dimensions, bf16: hidden states bit for bit at decode and prefill row counts,
+    and the layer's time both ways."""
+    import copy
+
+    import torch
+    from rlkernel.models.decoder import DecoderConfig, StrictDecoder
+    from rlkernel.ops.attention import attention_varlen
+
+    shapes = {"8b": dict(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8),
+              "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=8)}
+    out = {}
+    for name, dims in shapes.items():
+        cfg = DecoderConfig(arch="qwen3", vocab_size=1024, num_layers=1, head_dim=128, rms_norm_eps=1e-6,
+                            rope_theta=1_000_000.0, tie_word_embeddings=True, **dims)
+        sep = StrictDecoder(cfg, dtype=torch.bfloat16, device=dev)
+        g = torch.Generator(device=dev).manual_seed(0)
+        with torch.no_grad():
+            for p in sep.parameters():
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, device=dev, generator=g) if p.dim() == 1
+                        else torch.randn(p.shape, device=dev, generator=g) * 0.02)
+        sep.requires_grad_(False)
+        fused = copy.deepcopy(sep)
+        fused.fuse_projections()
+        layer_s, layer_f = sep.model.layers[0], fused.model.layers[0]
+        for t in (1, 64, 256, 2048):
+            x = torch.randn(t, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+            pos = torch.arange(t, device=dev)
+            cu = torch.tensor([0, t], device=dev, dtype=torch.int32)
+
+            def attend(_, q, k, v):
+                return attention_varlen(q, k, v, cu)
+            with torch.no_grad():
+                a, b = layer_s(x, pos, attend, 0), layer_f(x, pos, attend, 0)
+                rec = {"equal": bool(torch.equal(a, b))}
+                rec["separate_ms"] = round(bench(lambda: layer_s(x, pos, attend, 0)), 4)
+                rec["fused_ms"] = round(bench(lambda: layer_f(x, pos, attend, 0)), 4)
+            out[f"{name}_T{t}"] = rec
+    return out

@@ -5,9 +5,11 @@ plugin wraps it (its attention callable reads a paged KV cache), the
 standalone packed scorer calls it with varlen attention, and the Megatron spec
 mirrors its op sequence. Llama is Qwen3 without the per-head q/k RMSNorm.
 Weights keep HF names (`model.layers.N.self_attn.q_proj.weight`, ...) so a
-`save_pretrained` checkpoint loads with no conversion; q/k/v and gate/up stay
-separate GEMMs (the strict linear's columns do not see their neighbours, so a
-fused engine layout gives the same bits).
+`save_pretrained` checkpoint loads with no conversion. q/k/v and gate/up are
+separate parameters; `fuse_projections()` (the vLLM engine's model calls it) lays
+each group out as views of one weight and runs it as one GEMM — the strict
+linear's columns do not see their neighbours, so the fused layout gives the same
+bits (tests/test_decoder_fused.py; on the H200 `gpu_strict_parity.py --only reduce`).
 
 The attention callable `attend(layer, q, k, v) -> out` receives roped
 q [T, Hq, D] and k/v [T, Hkv, D] and owns the KV cache if there is one.
@@ -130,6 +132,37 @@ class _Linear(nn.Module):
         return linear(x, self.weight, self.bias, k_segments=self.k_segments)
 
 
+def _fuse_rows(*mods: _Linear) -> torch.Tensor:
+    """One [sum N_i, K] weight holding the linears' weights back to back; each linear's parameter becomes a view of
+    its rows (same name, shape and values; an in-place copy into it writes the fused weight, and moves its version
+    counter, which views share). Returns the fused weight (a plain tensor: not a parameter, not in the state dict)."""
+    ws = [m.weight for m in mods]
+    fused = torch.cat([w.detach() for w in ws])
+    off = 0
+    for m, w in zip(mods, ws):
+        m.weight = nn.Parameter(fused[off:off + w.shape[0]], requires_grad=w.requires_grad)
+        off += w.shape[0]
+    return fused
+
+
+def _fused_ok(fused: torch.Tensor | None, mods) -> bool:
+    """The fused weight may serve this call: it still backs every linear's parameter (a `.to()` or an assignment to
+    `.data` would have given one its own storage) and no gradient is wanted for them (the fused GEMM would not
+    reach the parameters' .grad)."""
+    if fused is None:
+        return False
+    if torch.is_grad_enabled() and any(m.weight.requires_grad for m in mods):
+        return False
+    k, es, off = fused.shape[1], fused.element_size(), 0
+    for m in mods:
+        w = m.weight
+        if (w.device != fused.device or w.dtype != fused.dtype or w.dim() != 2 or w.shape[1] != k or w.stride() != (k, 1)
+                or w.data_ptr() != fused.data_ptr() + off * k * es):
+            return False
+        off += w.shape[0]
+    return off == fused.shape[0]
+
+
 class _RowParallelLinear(_Linear):
     """A row-parallel linear (input split over the TP ranks): this rank's K-columns, merged over the group by the
     canonical segment tree (strict) or an all-reduce (native)."""
@@ -178,15 +211,27 @@ class _Attention(nn.Module):
         self.v_proj = _Linear(h, self.kv_heads * d, c.attention_bias, dtype, device)
         self.o_proj = _row_linear(c.num_heads * d, h, dtype, device, c.row_segments, tp)
         self.rope_positions: int | None = None  # a bound on positions (set_max_positions): no device read-back
+        self._qkv: torch.Tensor | None = None  # fuse_projections(): q/k/v as views of one weight
         if c.qk_norm:
             self.q_norm = _Norm(d, c.rms_norm_eps, dtype, device)
             self.k_norm = _Norm(d, c.rms_norm_eps, dtype, device)
 
+    def fuse(self) -> bool:
+        if self.q_proj.bias is not None or self._qkv is not None:  # biased projections stay three GEMMs
+            return self._qkv is not None
+        self._qkv = _fuse_rows(self.q_proj, self.k_proj, self.v_proj)
+        return True
+
     def forward(self, x, positions, attend: Attend, layer: int):
         c, t = self.c, x.shape[0]
-        q = self.q_proj(x).reshape(t, self.heads, c.head_dim)
-        k = self.k_proj(x).reshape(t, self.kv_heads, c.head_dim)
-        v = self.v_proj(x).reshape(t, self.kv_heads, c.head_dim)
+        if _fused_ok(self._qkv, (self.q_proj, self.k_proj, self.v_proj)):
+            nq, nkv = self.heads * c.head_dim, self.kv_heads * c.head_dim
+            q, k, v = linear(x, self._qkv).split((nq, nkv, nkv), dim=1)  # strided views: the ops below take strides
+            q, k, v = q.reshape(t, self.heads, c.head_dim), k.reshape(t, self.kv_heads, c.head_dim), v.reshape(t, self.kv_heads, c.head_dim)
+        else:
+            q = self.q_proj(x).reshape(t, self.heads, c.head_dim)
+            k = self.k_proj(x).reshape(t, self.kv_heads, c.head_dim)
+            v = self.v_proj(x).reshape(t, self.kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         bound = self.rope_positions
@@ -202,8 +247,17 @@ class _MLP(nn.Module):
         self.gate_proj = _Linear(c.hidden_size, inter, False, dtype, device)
         self.up_proj = _Linear(c.hidden_size, inter, False, dtype, device)
         self.down_proj = _row_linear(c.intermediate_size, c.hidden_size, dtype, device, c.row_segments, tp)
+        self._gate_up: torch.Tensor | None = None  # fuse_projections(): gate/up as views of one weight
+
+    def fuse(self) -> bool:
+        if self._gate_up is None:
+            self._gate_up = _fuse_rows(self.gate_proj, self.up_proj)
+        return True
 
     def forward(self, x):
+        if _fused_ok(self._gate_up, (self.gate_proj, self.up_proj)):
+            gate, up = linear(x, self._gate_up).chunk(2, dim=1)
+            return self.down_proj(swiglu(gate, up))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -234,6 +288,14 @@ class StrictDecoder(nn.Module):
         self.model.norm = _Norm(c.hidden_size, c.rms_norm_eps, dtype, device)
         if not c.tie_word_embeddings:
             self.lm_head = _Linear(c.hidden_size, c.vocab_size, False, dtype, device)
+
+    def fuse_projections(self) -> int:
+        """Lay out each layer's q/k/v and gate/up weights as views of one weight and run each group as one GEMM (a
+        rollout engine's layout: fewer launches, wider tiles). The same bits as the separate GEMMs, the same parameter
+        names and values; weights loaded or copied in place afterwards land in the fused weight. A call that wants
+        gradients for these parameters, or finds a parameter moved off the fused storage, runs the separate GEMMs.
+        Returns the number of groups fused."""
+        return sum(int(layer.self_attn.fuse()) + int(layer.mlp.fuse()) for layer in self.model.layers)
 
     def set_max_positions(self, n: int | None) -> None:
         """Bound every position this model will see (an engine's max_model_len): RoPE then sizes

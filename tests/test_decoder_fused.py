@@ -1,0 +1,111 @@
+"""Claims: `StrictDecoder.fuse_projections()` (the rollout engine's layout: q/k/v and gate/up each one GEMM over one
+weight whose rows the separate parameters view) gives the separate GEMMs' bits, for Qwen3 and Llama, fp32 and bf16,
+packed scoring and the logprobs; parameter names, shapes and values stay; weights loaded in place afterwards reach the
+fused GEMM; a call that wants gradients, or a parameter moved off the fused storage, runs the separate GEMMs (and still
+gets the bits). The native path's fused vs separate GEMMs are recorded, not asserted (MKL/oneDNN may or may not split a
+wider GEMM differently on this CPU)."""
+import copy
+
+import pytest
+import torch
+
+import rlkernel as rk
+from helpers import record_native
+from rlkernel.models import StrictDecoder
+from vime.tiny_model import make_tiny_checkpoint
+
+CASES = {
+    "qwen3": dict(arch="qwen3", tie_word_embeddings=False, vocab_size=131, hidden_size=72, intermediate_size=136,
+                  num_heads=6, num_kv_heads=2, head_dim=12),
+    "llama": dict(arch="llama", tie_word_embeddings=True, vocab_size=127, hidden_size=48, intermediate_size=100,
+                  num_heads=3, num_kv_heads=1, head_dim=16),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), seed=5, init_std=0.08, **CASES[request.param])
+
+
+def _seqs(vocab):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (2, 9, 33, 70)]
+
+
+def _run(m, seqs):
+    with torch.no_grad():
+        return m.score(seqs, temperature=0.9), m.forward_packed(torch.tensor(seqs[-1]), torch.tensor([0, len(seqs[-1])]))
+
+
+def _calls(m, seqs) -> int:
+    """linear calls of one packed forward, by the op provenance"""
+    counter = rk.ProvenanceCounter()
+    with counter.collect(), torch.no_grad():
+        m.forward_packed(torch.tensor(seqs[0]), torch.tensor([0, len(seqs[0])]))
+    return sum(e["calls"] for e in counter.take().get("linear", []))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_projections_give_the_separate_bits(checkpoint, dtype):
+    sep = StrictDecoder.from_pretrained(checkpoint, dtype=dtype)
+    fused = copy.deepcopy(sep)
+    layers = sep.config.num_layers
+    assert fused.fuse_projections() == 2 * layers and fused.fuse_projections() == 2 * layers  # idempotent
+    assert [n for n, _ in fused.named_parameters()] == [n for n, _ in sep.named_parameters()]
+    assert list(fused.state_dict()) == list(sep.state_dict())
+    for (n, a), (_, b) in zip(fused.named_parameters(), sep.named_parameters()):
+        assert a.shape == b.shape and torch.equal(a, b), n
+    attn = fused.model.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == attn._qkv.data_ptr()  # the parameters are views of the fused weight
+    seqs = _seqs(sep.config.vocab_size)
+    (lp_s, h_s), (lp_f, h_f) = _run(sep, seqs), _run(fused, seqs)
+    assert torch.equal(h_f, h_s)
+    for a, b in zip(lp_f, lp_s):
+        assert torch.equal(a, b)
+    # the fused path really ran: per layer 4 linear calls instead of 7 (q, k, v, o, gate, up, down)
+    assert _calls(sep, seqs) - _calls(fused, seqs) == 3 * layers
+    # native: fused vs separate GEMMs recorded (vendor libraries choose their own blocking by N)
+    with rk.mode("native"):
+        (_, hn_s), (_, hn_f) = _run(sep, seqs), _run(fused, seqs)
+    record_native(f"decoder hidden states, fused vs separate projections ({dtype})", int((hn_s != hn_f).sum()))
+
+
+def test_fused_weights_follow_in_place_loads(checkpoint):
+    sep = StrictDecoder.from_pretrained(checkpoint)
+    fused = copy.deepcopy(sep)
+    fused.fuse_projections()
+    g = torch.Generator().manual_seed(7)
+    new = {n: p.detach() + 0.01 * torch.randn(p.shape, generator=g) for n, p in sep.named_parameters()}
+    sep.load_hf_weights(new)
+    fused.load_hf_weights(new)  # copies into the views: the fused weight moves with them
+    seqs = _seqs(sep.config.vocab_size)
+    (lp_s, h_s), (lp_f, h_f) = _run(sep, seqs), _run(fused, seqs)
+    assert torch.equal(h_f, h_s) and all(torch.equal(a, b) for a, b in zip(lp_f, lp_s))
+    before = _run(StrictDecoder.from_pretrained(checkpoint), seqs)[1]
+    assert not torch.equal(h_f, before)  # control: the load changed the output
+
+
+def test_fused_falls_back_for_gradients_and_moved_parameters(checkpoint):
+    sep = StrictDecoder.from_pretrained(checkpoint)
+    fused = copy.deepcopy(sep)
+    fused.fuse_projections()
+    seqs = _seqs(sep.config.vocab_size)
+    # gradients wanted: the separate GEMMs run, so every projection gets its .grad (the fused GEMM would leave it None)
+    ids, cu = torch.tensor(seqs[1]), torch.tensor([0, len(seqs[1])])
+    fused.forward_packed(ids, cu).float().square().sum().backward()
+    sep.forward_packed(ids, cu).float().square().sum().backward()
+    for (n, a), (_, b) in zip(fused.named_parameters(), sep.named_parameters()):
+        assert (a.grad is None) == (b.grad is None) and (b.grad is None or torch.equal(a.grad, b.grad)), n
+        if any(f"{p}_proj." in n for p in ("q", "k", "v", "gate", "up")):
+            assert a.grad is not None, n
+    # a parameter given its own storage (as `.to()` across devices or `.data =` would): detected, separate GEMMs
+    up = fused.model.layers[0].mlp.up_proj
+    up.weight.data = up.weight.data.clone()
+    with torch.no_grad():
+        up.weight.add_(0.5)  # only the moved copy changes; the stale fused rows must not be used
+        sep.model.layers[0].mlp.up_proj.weight.add_(0.5)
+    calls = _calls(fused, seqs)
+    (lp_s, h_s), (lp_f, h_f) = _run(sep, seqs), _run(fused, seqs)
+    assert torch.equal(h_f, h_s) and all(torch.equal(a, b) for a, b in zip(lp_f, lp_s))
+    layers = sep.config.num_layers  # layer 0's MLP runs gate and up apart again; everything else stays fused
+    assert calls == _calls(sep, seqs) - 2 - 3 * (layers - 1)
