@@ -120,6 +120,11 @@ def main():
     result = {"code": code_stamp(), "command": " ".join(sys.argv), "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
               "rounds": args.rounds, "repeat": args.repeat, **{f"{w}_tokens_per_second": v for w, v in res.items()}, **ratios,
               "per_round_tokens_per_second": per_round, **({"profiles": profiles} if profiles else {}),
+              # device time of one profiled generate as a throughput ratio, stock / strict (< 1: strict spends more):
+              # steadier than tokens/s on a host whose engine starts swing
+              **{f"{s}_over_{w}_device_time": round(profiles[w]["device_kernel_ms"] / profiles[s]["device_kernel_ms"], 3)
+                 for s in profiles if s.startswith("strict") for w in profiles if w.startswith("stock")
+                 if profiles[s]["device_kernel_ms"] > 0},
               "ratio": ratios.get("strict_over_stock")}
     if args.out:
         with open(args.out, "w") as f:

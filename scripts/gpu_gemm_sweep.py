@@ -35,6 +35,7 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "down": (12288, 4096), "gate_u
           "lm_head": (4096, 151936),  # (K, N) at Qwen3-8B
           "q06_qkv": (1024, 4096), "q06_o": (2048, 1024), "q06_gate_up": (1024, 6144), "q06_down": (3072, 1024)}  # 0.6B
 # (block_m, block_n, block_k, stages, warps): block_m >= 64 throughout (wgmma; smaller tiles would lower to mma.sync)
+CLUSTERED = [(64, 128, 128, 4, 4), (128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 256, 64, 4, 4)]  # also at num_ctas=2
 CANDIDATES = [(64, 32, 128, 4, 4), (64, 32, 256, 4, 4), (64, 64, 128, 4, 4), (64, 64, 256, 3, 4), (64, 128, 64, 6, 4),
               (64, 128, 128, 4, 4), (64, 256, 64, 4, 4), (128, 64, 128, 4, 4), (128, 64, 128, 4, 8),
               (128, 128, 64, 4, 8), (128, 128, 128, 3, 8), (128, 256, 64, 3, 8)]
@@ -88,12 +89,14 @@ def sweep(shapes, ms, copies: int, only=None, segments: int = 1):
     for name in shapes:
         k, n = SHAPES[name]
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        cands = {"contract": None, **{f"{bm}x{bn}x{bk}_s{st}_w{w}{'' if tma else '_ptr'}": G.TileConfig(bm, bn, bk, st, w, tma=tma)
-                                      for bm, bn, bk, st, w in CANDIDATES for tma in (True, False)}}
+        cands = {"contract": (None, 1),
+                 **{f"{bm}x{bn}x{bk}_s{st}_w{w}{'' if tma else '_ptr'}": (G.TileConfig(bm, bn, bk, st, w, tma=tma), 1)
+                    for bm, bn, bk, st, w in CANDIDATES for tma in (True, False)},
+                 **{f"{bm}x{bn}x{bk}_s{st}_w{w}_c2": (G.TileConfig(bm, bn, bk, st, w), 2) for bm, bn, bk, st, w in CLUSTERED}}
         if only:
             cands = {c: v for c, v in cands.items() if c in only}
         if n >= 16384:  # the wide class: its own tile and the wide candidates only
-            cands = {c: v for c, v in cands.items() if v is None or v.block_n >= 128}
+            cands = {c: v for c, v in cands.items() if v[0] is None or v[0].block_n >= 128}
         # segments > 1: the row-parallel layers' canonical K segments in one launch (the "registers" schedule), each
         # candidate against the contract's tile and against the definition (one GEMM per segment + the tree)
         kw = {"k_segments": segments, "schedule": "registers"} if segments > 1 else {}
@@ -107,12 +110,13 @@ def sweep(shapes, ms, copies: int, only=None, segments: int = 1):
             if segments > 1:
                 row["contract_equals_launches"] = bool(torch.equal(ref, gemm.matmul(a, ws[0], k_segments=segments,
                                                                                     schedule="launches")))
-            for cname, cfg in cands.items():
+            for cname, (cfg, ctas) in cands.items():
+                kw2 = {**kw, "num_ctas": ctas}
                 try:
-                    y = gemm.matmul(a, ws[0], config=cfg, **kw)
+                    y = gemm.matmul(a, ws[0], config=cfg, **kw2)
                     rec = {"equal": bool(torch.equal(y, ref)),
-                           "bench_ms": round(bench_ms(lambda: gemm.matmul(a, ws[0], config=cfg, **kw)), 4),
-                           "chain_ms": round(chain_ms(lambda i: gemm.matmul(a, ws[i], config=cfg, **kw)), 4)}
+                           "bench_ms": round(bench_ms(lambda: gemm.matmul(a, ws[0], config=cfg, **kw2)), 4),
+                           "chain_ms": round(chain_ms(lambda i: gemm.matmul(a, ws[i], config=cfg, **kw2)), 4)}
                     for t in ("bench", "chain"):
                         rec[f"{t}_ratio"] = round(row["cublas"][f"{t}_ms"] / rec[f"{t}_ms"], 3)
                     rec["chain_tflops"] = round(flops / rec["chain_ms"] / 1e9, 1)
@@ -148,7 +152,8 @@ def main(argv=None):
         ap.error(f"unknown shapes {sorted(set(shapes) - set(SHAPES))}; known: {sorted(SHAPES)}")
     ms = [int(x) for x in args.ms.split(",")]
     only = set(args.candidates.split(",")) if args.candidates else None
-    known = {"contract", *(f"{bm}x{bn}x{bk}_s{st}_w{w}{sfx}" for bm, bn, bk, st, w in CANDIDATES for sfx in ("", "_ptr"))}
+    known = {"contract", *(f"{bm}x{bn}x{bk}_s{st}_w{w}{sfx}" for bm, bn, bk, st, w in CANDIDATES for sfx in ("", "_ptr")),
+             *(f"{bm}x{bn}x{bk}_s{st}_w{w}_c2" for bm, bn, bk, st, w in CLUSTERED)}
     if only and only - known:
         ap.error(f"unknown candidates {sorted(only - known)}; known: {sorted(known)}")
     if any(m < 1 for m in ms):

@@ -78,6 +78,10 @@ STEPS: dict[str, tuple[int, str]] = {
                            "--shapes o,down,q06_o,q06_down --candidates contract,64x32x128_s4_w4,64x32x256_s4_w4,"
                            "64x64x128_s4_w4,64x64x256_s3_w4,64x128x64_s6_w4,64x128x128_s4_w4,128x64x128_s4_w4,"
                            "128x128x64_s4_w8,128x128x128_s3_w8 --out {out}"),
+    # clusters of two CTAs per tile (num_ctas=2; Hopper's shared loads) at the M where the table is short of 0.9x cuBLAS
+    "gemm_clusters": (300, "python3 scripts/gpu_gemm_sweep.py --ms 256,512,1024 --shapes qkv,gate_up,o "
+                           "--candidates contract,64x128x128_s4_w4,64x128x128_s4_w4_c2,128x128x64_s4_w8,128x128x64_s4_w8_c2,"
+                           "128x256x64_s3_w8,128x256x64_s3_w8_c2,64x256x64_s4_w4,64x256x64_s4_w4_c2 --out {out}"),
     # the contract's table (by N and M) against the runners-up, M from decode to training sizes
     "gemm_table": (400, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,64,128,256,512,1024,2048,4096 --shapes qkv,o,down,gate_up "
                         "--candidates contract,64x128x128_s4_w4,128x128x64_s4_w8,128x128x128_s3_w8,128x256x64_s3_w8,"

@@ -227,6 +227,11 @@ _WRAPPERS = textwrap.dedent('''
         raise AssertionError("stream with 8 segments was accepted")
     except ValueError as e:
         assert "'stream' needs 2 or 4 segments" in str(e)
+    try:
+        gemm.matmul(xs, ws, num_ctas=3)
+        raise AssertionError("num_ctas=3 was accepted")
+    except ValueError as e:
+        assert "num_ctas must be 1, 2 or 4" in str(e)
     # linear-logprob: targets, backward, the full table equals the targets kernel bit for bit, entropy
     O.VOCAB_CHUNK = 256
     h = torch.randn(6, 32, requires_grad=True); W = torch.randn(700, 32, requires_grad=True)

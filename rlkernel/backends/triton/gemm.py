@@ -291,6 +291,18 @@ def _swiglu_kernel(g_ptr, u_ptr, y_ptr, n_elem, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, _silu_mul(g, u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _swiglu_rows_kernel(g_ptr, u_ptr, y_ptr, cols, sg, su, BLOCK: tl.constexpr):
+    """_swiglu_kernel's arithmetic over rows with their own strides (gate and up as column slices of one [T, 2I]
+    GEMM output): no copies first."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < cols
+    g = tl.load(g_ptr + row * sg + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * su + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * cols + c, _silu_mul(g, u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def _is_fp32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32
 
@@ -327,7 +339,7 @@ SCHEDULES = ("launches", "split", "registers", "stream")  # how k segments run (
 def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, config: C.TileConfig | None = None,
            num_progs: int | None = None, k_segments: int = 1, schedule: str | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, num_ctas: int = 1) -> torch.Tensor:
     """a [M, K] @ weight[N, K].T (or @ b [K, N]) -> [M, N] in out_dtype (default a.dtype).
 
     config: override the contract's tile config (tuning and tests only: another config is
@@ -339,7 +351,9 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     "split" (one launch, segments as separate work items), "registers" (one program walks
     every segment, the tree in registers) or "stream" (registers' result from one K loop that
     folds each segment into the tree as it ends; 2 or 4 segments, K a multiple of segments x
-    block_k). out: write here ([M, N], out_dtype) instead.
+    block_k). out: write here ([M, N], out_dtype) instead. num_ctas (tuning only, sm_90: a
+    program as a cluster of CTAs splitting its tile by rows or columns, never by K): the
+    sweep's question whether clusters help small M.
     """
     if k_segments not in (1, 2, 4, 8):
         raise ValueError(f"matmul: k_segments must be 1, 2, 4 or 8, got {k_segments}")
@@ -365,6 +379,8 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     schedule = (schedule or "launches") if k_segments > 1 else None
     if schedule not in (None, *SCHEDULES):
         raise ValueError(f"matmul: unknown schedule {schedule!r}")
+    if num_ctas not in (1, 2, 4):
+        raise ValueError(f"matmul: num_ctas must be 1, 2 or 4, got {num_ctas}")
     if out is None:
         out = torch.empty((M, N), device=a.device, dtype=out_dtype or a.dtype)
     if M == 0:
@@ -397,7 +413,7 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     if split:
         out = torch.empty((k_segments * M, N), device=a.device, dtype=torch.float32)
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) * (k_segments if split else 1)
-    progs = min(num_progs or _num_sms(a.device), tiles)
+    progs = min(num_progs or max(1, _num_sms(a.device) // num_ctas), tiles)
     # TMA zero-fills only at the end of K: a segment boundary inside a K block would read the
     # next segment's values, so such splits take the masked-pointer path (same bits)
     tma = _tma_ok(cfg, a, bt) and (k_segments == 1 or (K // k_segments) % cfg.block_k == 0)
@@ -408,7 +424,8 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGS=progs, TMA=tma, B_NK=b_nk, IEEE=_is_fp32(a), SEGS=k_segments, SPLIT=split,
         K_FIXED=K if k_segments > 1 else 0, STREAM=stream,
-        num_warps=cfg.num_warps, num_stages=_stages(cfg, a.element_size(), out.element_size()))
+        num_warps=cfg.num_warps, num_stages=_stages(cfg, a.element_size(), out.element_size()),
+        **({"num_ctas": num_ctas} if num_ctas != 1 else {}))
     if split:  # the segments' balanced binary tree, adjacent pairs: the in-register tree's bits
         p = out.view(k_segments, M, N)
         while p.shape[0] > 1:
@@ -449,6 +466,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Element-wise silu(gate) * up with the fused epilogue's exact arithmetic."""
     if gate.shape != up.shape:
         raise ValueError("swiglu: shapes differ")
+    if gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1 and not (gate.is_contiguous() and up.is_contiguous()):
+        rows, cols = gate.shape
+        y = torch.empty((rows, cols), device=gate.device, dtype=gate.dtype)
+        if rows and cols:
+            _swiglu_rows_kernel[(rows, triton.cdiv(cols, 1024))](gate, up, y, cols, gate.stride(0), up.stride(0), BLOCK=1024,
+                                                                  num_warps=4, enable_fp_fusion=False)
+        return y
     g, u = gate.contiguous(), up.contiguous()
     y = torch.empty_like(g)
     n = g.numel()
