@@ -56,7 +56,7 @@ def test_fused_projections_give_the_separate_bits(checkpoint, dtype):
     for (n, a), (_, b) in zip(fused.named_parameters(), sep.named_parameters()):
         assert a.shape == b.shape and torch.equal(a, b), n
     attn = fused.model.layers[0].self_attn
-    assert attn.q_proj.weight.data_ptr() == attn._qkv.data_ptr()  # the parameters are views of the fused weight
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_fused.weight_rows.data_ptr()  # the parameters view the fused weight
     seqs = _seqs(sep.config.vocab_size)
     (lp_s, h_s), (lp_f, h_f) = _run(sep, seqs), _run(fused, seqs)
     assert torch.equal(h_f, h_s)

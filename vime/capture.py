@@ -17,7 +17,8 @@ every value is what the engine computed.
   checked against the frozen ones. (Reading the runner's batch is read-only; nothing in vLLM
   is patched.)
 * Megatron-core: the rlkernel layer spec, one packed forward of the same sequences, as the
-  trainer scores. Fused QKV and fc1 outputs are split into the HF q/k/v and gate/up columns.
+  trainer scores. Fused QKV and fc1 outputs are split into the HF q/k/v and gate/up columns (so are the vLLM
+  model's fused q/k/v and gate/up GEMMs, `StrictDecoder.fuse_projections`).
 
 A site is one op call per layer (`q_proj`, `rope_q`, `attention`, ...); each side stores, per
 sequence and position, the site's input and output rows (float32 copies: bf16 is exact).
@@ -284,6 +285,9 @@ def _hooks_vllm(model, sites: Sites) -> list:
                           ("o_proj", a.o_proj), ("post_attention_layernorm", layer.post_attention_layernorm),
                           ("gate_proj", m.gate_proj), ("up_proj", m.up_proj), ("down_proj", m.down_proj)):
             hs.append(mod.register_forward_hook(_hook(sites, name)))
+        for fused in (getattr(a, "qkv_fused", None), getattr(m, "gate_up_fused", None)):  # the engine's one-GEMM groups
+            if fused is not None:  # (the separate linears' hooks above fire when a call runs them apart)
+                hs.append(fused.register_forward_hook(_hook(sites, "fused", fused.split)))
         if c.qk_norm:
             hs += [a.q_norm.register_forward_hook(_hook(sites, "q_norm")), a.k_norm.register_forward_hook(_hook(sites, "k_norm"))]
         hs.append(model.attn[i].register_forward_hook(_attn_hook(sites)))

@@ -163,6 +163,29 @@ def _fused_ok(fused: torch.Tensor | None, mods) -> bool:
     return off == fused.shape[0]
 
 
+class _FusedRows(nn.Module):
+    """One GEMM over several linears' weights laid back to back (`fuse_projections`): a module of its own, so forward
+    hooks see it (`vime diagnose` splits its output into the linears' sites with `split`). Holds no parameters: the
+    fused weight is a plain attribute and the linears keep theirs, as views of it."""
+
+    def __init__(self, mods: Sequence[_Linear], names: Sequence[str]):
+        super().__init__()
+        self.linears = tuple(mods)  # a tuple, not registered: the parameters stay the linears' own
+        self.names = tuple(names)
+        self.sizes = tuple(m.weight.shape[0] for m in mods)
+        self.weight_rows = _fuse_rows(*mods)
+
+    def ok(self) -> bool:
+        return _fused_ok(self.weight_rows, self.linears)
+
+    def forward(self, x):
+        return linear(x, self.weight_rows)
+
+    def split(self, y: torch.Tensor) -> dict:
+        """The fused output as {linear name: its columns}."""
+        return dict(zip(self.names, y.split(self.sizes, dim=-1)))
+
+
 class _RowParallelLinear(_Linear):
     """A row-parallel linear (input split over the TP ranks): this rank's K-columns, merged over the group by the
     canonical segment tree (strict) or an all-reduce (native)."""
@@ -211,23 +234,22 @@ class _Attention(nn.Module):
         self.v_proj = _Linear(h, self.kv_heads * d, c.attention_bias, dtype, device)
         self.o_proj = _row_linear(c.num_heads * d, h, dtype, device, c.row_segments, tp)
         self.rope_positions: int | None = None  # a bound on positions (set_max_positions): no device read-back
-        self._qkv: torch.Tensor | None = None  # fuse_projections(): q/k/v as views of one weight
+        self.qkv_fused: _FusedRows | None = None  # fuse_projections(): q/k/v as views of one weight
         if c.qk_norm:
             self.q_norm = _Norm(d, c.rms_norm_eps, dtype, device)
             self.k_norm = _Norm(d, c.rms_norm_eps, dtype, device)
 
     def fuse(self) -> bool:
-        if self.q_proj.bias is not None or self._qkv is not None:  # biased projections stay three GEMMs
-            return self._qkv is not None
-        self._qkv = _fuse_rows(self.q_proj, self.k_proj, self.v_proj)
-        return True
+        if self.q_proj.bias is None and self.qkv_fused is None:  # biased projections stay three GEMMs
+            self.qkv_fused = _FusedRows((self.q_proj, self.k_proj, self.v_proj), ("q_proj", "k_proj", "v_proj"))
+        return self.qkv_fused is not None
 
     def forward(self, x, positions, attend: Attend, layer: int):
         c, t = self.c, x.shape[0]
-        if _fused_ok(self._qkv, (self.q_proj, self.k_proj, self.v_proj)):
-            nq, nkv = self.heads * c.head_dim, self.kv_heads * c.head_dim
-            q, k, v = linear(x, self._qkv).split((nq, nkv, nkv), dim=1)  # strided views: the ops below take strides
-            q, k, v = q.reshape(t, self.heads, c.head_dim), k.reshape(t, self.kv_heads, c.head_dim), v.reshape(t, self.kv_heads, c.head_dim)
+        if self.qkv_fused is not None and self.qkv_fused.ok():
+            q, k, v = self.qkv_fused(x).split(self.qkv_fused.sizes, dim=1)  # strided views: the ops below take strides
+            q = q.reshape(t, self.heads, c.head_dim)
+            k, v = k.reshape(t, self.kv_heads, c.head_dim), v.reshape(t, self.kv_heads, c.head_dim)
         else:
             q = self.q_proj(x).reshape(t, self.heads, c.head_dim)
             k = self.k_proj(x).reshape(t, self.kv_heads, c.head_dim)
@@ -247,16 +269,16 @@ class _MLP(nn.Module):
         self.gate_proj = _Linear(c.hidden_size, inter, False, dtype, device)
         self.up_proj = _Linear(c.hidden_size, inter, False, dtype, device)
         self.down_proj = _row_linear(c.intermediate_size, c.hidden_size, dtype, device, c.row_segments, tp)
-        self._gate_up: torch.Tensor | None = None  # fuse_projections(): gate/up as views of one weight
+        self.gate_up_fused: _FusedRows | None = None  # fuse_projections(): gate/up as views of one weight
 
     def fuse(self) -> bool:
-        if self._gate_up is None:
-            self._gate_up = _fuse_rows(self.gate_proj, self.up_proj)
+        if self.gate_up_fused is None:
+            self.gate_up_fused = _FusedRows((self.gate_proj, self.up_proj), ("gate_proj", "up_proj"))
         return True
 
     def forward(self, x):
-        if _fused_ok(self._gate_up, (self.gate_proj, self.up_proj)):
-            gate, up = linear(x, self._gate_up).chunk(2, dim=1)
+        if self.gate_up_fused is not None and self.gate_up_fused.ok():
+            gate, up = self.gate_up_fused(x).split(self.gate_up_fused.sizes, dim=1)
             return self.down_proj(swiglu(gate, up))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
