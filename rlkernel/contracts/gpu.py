@@ -58,7 +58,7 @@ class AttentionTiles:
 # CUDA-graph chain over distinct weights). The classes are by the weight's N and the row count M; fp32 ('ieee' fma)
 # keeps one config.
 BF16_GEMM = {
-    "t64x32": TileConfig(64, 32, 256, 4, 4),  # N <= 1024, M <= 256 (0.6B o/down at M=256: 0.66 -> 0.89x, 0.61 -> 0.84x)
+    "t64x32": TileConfig(64, 32, 256, 4, 4),  # N <= 1024, M <= 256 (0.6B o/down, M=256: 0.66 -> 0.89x, 0.61 -> 0.84x)
     "t64x128": TileConfig(64, 128, 128, 4, 4),  # 1024 < N < 16384 at M <= 512; N <= 1024 at 256 < M <= 1024;
     #                                             N >= 16384 at 64 < M <= 256
     "t64x256": TileConfig(64, 256, 64, 4, 4),  # N >= 16384, M <= 64 (streams the weight: 0.84-0.96x)
@@ -109,7 +109,8 @@ LINEAR = Contract(
     backend=FAMILY,
     domain="K",
     partition=(("arch", ARCH), ("split_k", 1), ("m_independent", "kernel compiled with M unspecialised"),
-               ("config", "bf16: gemm_class(N, K, M) (by N: <= 1024, < 16384, larger; by M: <= 64, 256, 512, 1024, larger) and K segments; fp32 one "
+               ("config", "bf16: gemm_class(N, K, M) (by N: <= 1024, < 16384, larger; by M: <= 64, 256, 512, 1024, "
+                          "larger) and K segments; fp32 one "
                           "config; K segments: each a plain GEMM into fp32, then the tree (one launch or in registers: same bits); "
                           "bf16 bits proved independent of the tile on sm_90 (block_m >= 64: wgmma)"),
                *((f"bf16_{name}", _tiles(cfg)) for name, cfg in sorted(BF16_GEMM.items())),

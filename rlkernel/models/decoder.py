@@ -156,8 +156,8 @@ def _fused_ok(fused: torch.Tensor | None, mods) -> bool:
     k, es, off = fused.shape[1], fused.element_size(), 0
     for m in mods:
         w = m.weight
-        if (w.device != fused.device or w.dtype != fused.dtype or w.dim() != 2 or w.shape[1] != k or w.stride() != (k, 1)
-                or w.data_ptr() != fused.data_ptr() + off * k * es):
+        if (w.device != fused.device or w.dtype != fused.dtype or w.dim() != 2 or w.shape[1] != k
+                or w.stride() != (k, 1) or w.data_ptr() != fused.data_ptr() + off * k * es):
             return False
         off += w.shape[0]
     return off == fused.shape[0]
@@ -247,7 +247,8 @@ class _Attention(nn.Module):
     def forward(self, x, positions, attend: Attend, layer: int):
         c, t = self.c, x.shape[0]
         if self.qkv_fused is not None and self.qkv_fused.ok():
-            q, k, v = self.qkv_fused(x).split(self.qkv_fused.sizes, dim=1)  # strided views: the ops below take strides
+            # strided views of one output: the ops below take strides
+            q, k, v = self.qkv_fused(x).split(self.qkv_fused.sizes, dim=1)
             q = q.reshape(t, self.heads, c.head_dim)
             k, v = k.reshape(t, self.kv_heads, c.head_dim), v.reshape(t, self.kv_heads, c.head_dim)
         else:

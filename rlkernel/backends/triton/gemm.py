@@ -466,12 +466,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Element-wise silu(gate) * up with the fused epilogue's exact arithmetic."""
     if gate.shape != up.shape:
         raise ValueError("swiglu: shapes differ")
-    if gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1 and not (gate.is_contiguous() and up.is_contiguous()):
+    strided_rows = gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1
+    if strided_rows and not (gate.is_contiguous() and up.is_contiguous()):
         rows, cols = gate.shape
         y = torch.empty((rows, cols), device=gate.device, dtype=gate.dtype)
         if rows and cols:
-            _swiglu_rows_kernel[(rows, triton.cdiv(cols, 1024))](gate, up, y, cols, gate.stride(0), up.stride(0), BLOCK=1024,
-                                                                  num_warps=4, enable_fp_fusion=False)
+            _swiglu_rows_kernel[(rows, triton.cdiv(cols, 1024))](gate, up, y, cols, gate.stride(0), up.stride(0),
+                                                                  BLOCK=1024, num_warps=4, enable_fp_fusion=False)
         return y
     g, u = gate.contiguous(), up.contiguous()
     y = torch.empty_like(g)
