@@ -85,8 +85,37 @@ def test_rope_position_bound_changes_no_bit_and_is_enforced():
     with pytest.raises(ValueError, match="max_position"):
         rk.rope(x, mark_below(pos.clone(), 31), 10000.0, max_position=30)
     assert torch.equal(rk.rope(x, mark_below(pos.clone(), 31), 10000.0, max_position=31), rk.rope(x, pos, 10000.0))
+    # checked once for a forward: a marked view (the caller's tensor stays unmarked), refused past the bound
+    from rlkernel.backends.reference.rope import checked_below
+    view = checked_below(pos, 31)
+    assert view._rk_below == 31 and not hasattr(pos, "_rk_below") and torch.equal(view, pos)
+    assert torch.equal(rk.rope(x, view, 10000.0, max_position=31), rk.rope(x, pos, 10000.0))
+    with pytest.raises(ValueError, match="max_position"):
+        checked_below(pos, 30)
     _, sin = rope_table(8, 64, 10000.0)
     assert negated_sin(sin) is negated_sin(sin) and torch.equal(negated_sin(sin), -sin)  # once per table, exact
     with torch.inference_mode():  # a table made under vLLM's inference mode (the in-process executor) has no version
         inf_sin = sin.clone()
     assert torch.equal(negated_sin(inf_sin), -sin) and negated_sin(inf_sin) is negated_sin(inf_sin)
+
+
+def test_decoder_checks_the_rope_bound_once_a_forward(checkpoint):
+    """With an engine's bound set (set_max_positions), the decoder checks the positions once a forward (a marked view,
+    so its 2 rope calls a layer skip their own checks): the same bits as without a bound, and a position past it is
+    refused before any layer runs."""
+    m = StrictDecoder.from_pretrained(checkpoint)
+    ids = torch.randint(4, m.config.vocab_size, (12,), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(12)
+    attend = lambda _, q, k, v: rk_attention(q, k, v)  # noqa: E731
+    with torch.no_grad():
+        free = m.hidden_states(ids, pos, attend)
+        m.set_max_positions(12)
+        assert torch.equal(m.hidden_states(ids, pos, attend), free) and not hasattr(pos, "_rk_below")
+        m.set_max_positions(11)
+        with pytest.raises(ValueError, match="max_position"):
+            m.hidden_states(ids, pos, attend)
+
+
+def rk_attention(q, k, v):
+    from rlkernel.ops.attention import attention_varlen
+    return attention_varlen(q, k, v, torch.tensor([0, q.shape[0]]))

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .. import ops  # noqa: F401  (registers backends)
+from ..backends.reference.rope import checked_below
 from ..ops.attention import attention_varlen
 from ..ops.linear import canonical_segments, linear, linear_segment_partials
 from ..ops.logprob import linear_logprob
@@ -333,6 +334,9 @@ class StrictDecoder(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Final-normed hidden states [T, H] of a flat token batch."""
+        bound = self.model.layers[0].self_attn.rope_positions if len(self.model.layers) else None
+        if bound is not None:  # one bound check for the forward, not one per rope call (2 a layer)
+            positions = checked_below(positions, bound)
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, positions, attend, i)

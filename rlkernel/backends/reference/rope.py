@@ -121,6 +121,22 @@ def mark_below(positions: torch.Tensor, bound: int) -> torch.Tensor:
     return positions
 
 
+def _check_below(positions: torch.Tensor, n: int) -> None:
+    if positions.numel():
+        if positions.is_cuda:
+            torch._assert_async((positions < n).all(), "rope: a position is >= max_position")
+        elif int(positions.max()) >= n:
+            raise ValueError(f"rope: position {int(positions.max())} is >= max_position {n}")
+
+
+def checked_below(positions: torch.Tensor, bound: int) -> torch.Tensor:
+    """`positions` checked once against `bound` (on CUDA a device-side assert, no sync) and returned as a view marked
+    below it: every rope call of one forward with `max_position >= bound` then skips its own check (a decoder's 2 calls
+    a layer: one check a forward instead of 2 x layers). The caller's tensor is left unmarked."""
+    _check_below(positions, int(bound))
+    return mark_below(positions.view(positions.shape), bound)
+
+
 def rope(x, positions, theta, *, fwd=forward, max_position=None):
     """max_position (a bound the caller knows, e.g. the engine's max_model_len): size the table
     from it instead of reading positions.max() back from the device (a sync); on CUDA the bound
@@ -130,12 +146,9 @@ def rope(x, positions, theta, *, fwd=forward, max_position=None):
         n = int(positions.max()) + 1 if positions.numel() else 1
     else:
         n = int(max_position)
-        known = getattr(positions, "_rk_below", None)  # mark_below: checked by construction
-        if positions.numel() and not (known is not None and known <= n):
-            if positions.is_cuda:
-                torch._assert_async((positions < n).all(), "rope: a position is >= max_position")
-            elif int(positions.max()) >= n:
-                raise ValueError(f"rope: position {int(positions.max())} is >= max_position {n}")
+        known = getattr(positions, "_rk_below", None)  # mark_below / checked_below: checked already
+        if not (known is not None and known <= n):
+            _check_below(positions, n)
     cos, sin = rope_table(d, n, theta, x.device)
     if wants_grad(x):
         return RopeFn.apply(x, positions, cos, sin, fwd)
