@@ -131,27 +131,18 @@ def _fused_projections(dev, bench):
     import copy
 
     import torch
-    from rlkernel.models.decoder import DecoderConfig, StrictDecoder
+    from gpu_strict_parity import build_model
     from rlkernel.ops.attention import attention_varlen
 
-    shapes = {"8b": dict(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8),
-              "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=8)}
+    shapes = {"8b": {}, "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=8)}
     out = {}
     for name, dims in shapes.items():
-        cfg = DecoderConfig(arch="qwen3", vocab_size=1024, num_layers=1, head_dim=128, rms_norm_eps=1e-6,
-                            rope_theta=1_000_000.0, tie_word_embeddings=True, **dims)
-        sep = StrictDecoder(cfg, dtype=torch.bfloat16, device=dev)
-        g = torch.Generator(device=dev).manual_seed(0)
-        with torch.no_grad():
-            for p in sep.parameters():
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, device=dev, generator=g) if p.dim() == 1
-                        else torch.randn(p.shape, device=dev, generator=g) * 0.02)
-        sep.requires_grad_(False)
+        sep = build_model(1, device=dev, vocab_size=1024, **dims)  # a small vocabulary: the head is not compared
         fused = copy.deepcopy(sep)
         fused.fuse_projections()
         layer_s, layer_f = sep.model.layers[0], fused.model.layers[0]
         for t in (1, 64, 256, 2048):
-            x = torch.randn(t, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+            x = torch.randn(t, sep.config.hidden_size, device=dev, dtype=torch.bfloat16)
             pos = torch.arange(t, device=dev)
             cu = torch.tensor([0, t], device=dev, dtype=torch.int32)
 

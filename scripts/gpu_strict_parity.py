@@ -57,19 +57,22 @@ def sha(t) -> str:
 
 # ---- model ---------------------------------------------------------------------------------
 
-def build_model(layers: int, seed: int = 0):
+def build_model(layers: int, seed: int = 0, device=None, **dims):
+    """The strict decoder at Qwen3-8B dimensions (`dims` overrides some: another model's shape), random bf16 weights,
+    on `device` (default DEV)."""
     import torch
     from rlkernel.models.decoder import DecoderConfig, StrictDecoder
-    cfg = DecoderConfig(arch="qwen3", num_layers=layers, tie_word_embeddings=False, **QWEN3_8B)
-    with torch.device(DEV):
-        model = StrictDecoder(cfg, dtype=torch.bfloat16, device=DEV)
-    g = torch.Generator(device=DEV).manual_seed(seed)
+    dev = device or DEV
+    cfg = DecoderConfig(arch="qwen3", num_layers=layers, tie_word_embeddings=False, **{**QWEN3_8B, **dims})
+    with torch.device(dev):
+        model = StrictDecoder(cfg, dtype=torch.bfloat16, device=dev)
+    g = torch.Generator(device=dev).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, device=DEV, generator=g))
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, device=dev, generator=g))
             else:
-                p.copy_(torch.randn(p.shape, device=DEV, generator=g) * 0.02)
+                p.copy_(torch.randn(p.shape, device=dev, generator=g) * 0.02)
     model.requires_grad_(False)
     model.set_max_positions(8192)  # an engine's max_model_len: no position read-back in decode
     return model

@@ -133,51 +133,32 @@ class _Linear(nn.Module):
         return linear(x, self.weight, self.bias, k_segments=self.k_segments)
 
 
-def _fuse_rows(*mods: _Linear) -> torch.Tensor:
-    """One [sum N_i, K] weight holding the linears' weights back to back; each linear's parameter becomes a view of
-    its rows (same name, shape and values; an in-place copy into it writes the fused weight, and moves its version
-    counter, which views share). Returns the fused weight (a plain tensor: not a parameter, not in the state dict)."""
-    ws = [m.weight for m in mods]
-    fused = torch.cat([w.detach() for w in ws])
-    off = 0
-    for m, w in zip(mods, ws):
-        m.weight = nn.Parameter(fused[off:off + w.shape[0]], requires_grad=w.requires_grad)
-        off += w.shape[0]
-    return fused
-
-
-def _fused_ok(fused: torch.Tensor | None, mods) -> bool:
-    """The fused weight may serve this call: it still backs every linear's parameter (a `.to()` or an assignment to
-    `.data` would have given one its own storage) and no gradient is wanted for them (the fused GEMM would not
-    reach the parameters' .grad)."""
-    if fused is None:
-        return False
-    if torch.is_grad_enabled() and any(m.weight.requires_grad for m in mods):
-        return False
-    k, es, off = fused.shape[1], fused.element_size(), 0
-    for m in mods:
-        w = m.weight
-        if (w.device != fused.device or w.dtype != fused.dtype or w.dim() != 2 or w.shape[1] != k
-                or w.stride() != (k, 1) or w.data_ptr() != fused.data_ptr() + off * k * es):
-            return False
-        off += w.shape[0]
-    return off == fused.shape[0]
-
-
 class _FusedRows(nn.Module):
     """One GEMM over several linears' weights laid back to back (`fuse_projections`): a module of its own, so forward
     hooks see it (`vime diagnose` splits its output into the linears' sites with `split`). Holds no parameters: the
-    fused weight is a plain attribute and the linears keep theirs, as views of it."""
+    fused [sum N_i, K] weight is a plain attribute and each linear's parameter becomes a view of its rows (same name,
+    shape and values; an in-place copy into it writes the fused weight and moves its version counter, which views
+    share)."""
 
     def __init__(self, mods: Sequence[_Linear], names: Sequence[str]):
         super().__init__()
+        ws = [m.weight for m in mods]
         self.linears = tuple(mods)  # a tuple, not registered: the parameters stay the linears' own
         self.names = tuple(names)
-        self.sizes = tuple(m.weight.shape[0] for m in mods)
-        self.weight_rows = _fuse_rows(*mods)
+        self.sizes = tuple(w.shape[0] for w in ws)
+        self.weight_rows = torch.cat([w.detach() for w in ws])
+        for m, w, rows in zip(mods, ws, self.weight_rows.split(self.sizes)):
+            m.weight = nn.Parameter(rows, requires_grad=w.requires_grad)
 
     def ok(self) -> bool:
-        return _fused_ok(self.weight_rows, self.linears)
+        """The fused weight may serve this call: it still backs every linear's parameter (a `.to()` or an assignment
+        to `.data` would have given one its own storage) and no gradient is wanted for them (the fused GEMM would not
+        reach the parameters' .grad)."""
+        if torch.is_grad_enabled() and any(m.weight.requires_grad for m in self.linears):
+            return False
+        return all(w.device == r.device and w.dtype == r.dtype and w.shape == r.shape and w.stride() == r.stride()
+                   and w.data_ptr() == r.data_ptr()
+                   for w, r in zip((m.weight for m in self.linears), self.weight_rows.split(self.sizes)))
 
     def forward(self, x):
         return linear(x, self.weight_rows)
