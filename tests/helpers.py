@@ -116,3 +116,21 @@ def run_interpreted(script: str, timeout: float = 600) -> str:
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout.strip())
     return proc.stdout
+
+
+def last_json(stdout: str):
+    """The last line of a child's stdout that is a JSON document.
+
+    A child that runs Ray gets the raylet's and workers' log lines on its stdout, asynchronously: one can land after
+    the child's own result line (CI saw "(raylet) A worker died ..." there), so "the last line" is not the result.
+    """
+    import json
+
+    for line in reversed(stdout.strip().splitlines()):
+        line = line.strip()
+        if line[:1] in "{[":
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    raise AssertionError(f"no JSON line in the child's stdout: {stdout[-2000:]!r}")

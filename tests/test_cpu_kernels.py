@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import rlkernel as rk
-from helpers import threads
+from helpers import last_json, threads
 from rlkernel.backends import cpu
 from rlkernel.backends.reference import logprob as LP
 from rlkernel.backends.reference import primitives
@@ -240,7 +240,7 @@ def test_rlkernel_cpu_kernels_0_turns_the_kernels_off_with_the_same_bits():
             "print(json.dumps({'status': cpu.status()['cpu_kernels'], 'impl': dispatch.resolve('linear', h.device).name, "
             "'lp': rk.linear_logprobs_full(h, w).flatten().tolist()}))")
     env = {**os.environ, "RLKERNEL_CPU_KERNELS": "0"}
-    out = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    out = last_json(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
     assert out["impl"] == "reference" and out["status"] is False
     g = _gen(0)
     h, w = torch.randn(9, 64, generator=g), torch.randn(300, 64, generator=g)

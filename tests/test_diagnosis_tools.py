@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 
 import rlkernel as rk
+from helpers import last_json
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +51,7 @@ def _cli(*args, ok=True, timeout=600, env=None):
                           env=ENV | (env or {}))
     if ok:
         assert proc.returncode == 0, proc.stderr[-4000:]
-        return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
+        return proc.stdout, last_json(proc.stdout)
     return proc
 
 
@@ -147,7 +148,7 @@ def test_diagnose_names_each_op_and_kernel_but_not_equivalent_ones(tmp, strict_r
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "diagnose_checks.py"), str(tmp / "model")], cwd=ROOT, capture_output=True,
                           text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = last_json(proc.stdout)
     for name in ("strict", "reference_vs_cpu", "threads_1_vs_2"):  # same contract: nothing to name, whatever runs it
         assert res[name]["site"] is None and res[name]["mismatch"] == 0 and res[name]["tokens"] > 0, (name, res[name])
     assert res["reference_vs_cpu"]["seen"]["rollout"]["linear"] == ["reference"] and res["reference_vs_cpu"]["seen"]["trainer"]["linear"] == ["cpu"]
@@ -189,7 +190,7 @@ def test_plot_overlays_arms_and_wandb_groups_them(tmp, strict_run, one_sided_run
         "s.close()\n")
     proc = subprocess.run([sys.executable, "-c", script, str(tmp / "wb")], cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"group": "grpo_tiny", "tags": ["G01", "native", "attention=strict"]}
+    assert last_json(proc.stdout) == {"group": "grpo_tiny", "tags": ["G01", "native", "attention=strict"]}
 
 
 def test_strict_run_marked_failed_and_doctor_says_why(tmp, strict_run, one_sided_run):

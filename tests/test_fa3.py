@@ -17,6 +17,7 @@ import rlkernel as rk
 from rlkernel import dispatch
 from rlkernel.backends import fa3
 from rlkernel.contracts import gpu as G
+from helpers import last_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +40,7 @@ def test_refused_without_cuda_with_the_reason():
         with pytest.raises(rk.BackendUnavailable, match=r"'fa3'.*\(no CUDA device\)"):  # the reason, not just "no"
             dispatch.resolve("attention", torch.device("cuda"))
     out = subprocess.run([sys.executable, "-m", "rlkernel.backends.fa3"], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert out.returncode == 0 and json.loads(out.stdout.strip().splitlines()[-1]) == {"skipped": "needs a CUDA device and vLLM"}
+    assert out.returncode == 0 and last_json(out.stdout) == {"skipped": "needs a CUDA device and vLLM"}
 
 
 def test_a_per_op_implementation_is_what_strict_building_blocks_get():

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from helpers import last_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +56,7 @@ def test_timeouts_kills_and_restarts_of_real_actors():
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
 
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = last_json(proc.stdout)
     assert got["quick"] == "w0"
     assert got["timeout"].startswith("worker[0].sleep did not return within 3 s (run.call_timeout_s)"), got["timeout"]
     assert got["restarted_pid"] != got["first_pid"]
@@ -99,7 +100,7 @@ def test_a_hung_engine_is_restarted_and_its_call_repeated(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
 
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = last_json(proc.stdout)
     assert got["records"] == ["7:a", "7:b"] and got["restarts"] == 1 and got["seconds"] < 120
     assert "rollout[vllm-0] failed (rollout[vllm-0].generate did not return within 3 s" in proc.stderr
 
@@ -142,5 +143,5 @@ def test_a_dead_trainer_rank_is_named_at_once():
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
 
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = last_json(proc.stdout)
     assert got["raised"] and got["raised"].startswith("trainer[rank 1] died during update") and got["seconds"] < 60

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import rlkernel as rk
-from helpers import threads
+from helpers import last_json, threads
 from rlkernel import golden
 
 IMPLS = ("cpu", "reference")
@@ -50,7 +50,7 @@ def _golden_in_subprocess(env_extra: dict) -> dict:
     env = {**os.environ, **env_extra}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return last_json(r.stdout)
 
 
 def _cpu_has(flag: str) -> bool:

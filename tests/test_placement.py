@@ -9,6 +9,7 @@ import pytest
 
 from vime.config import load_config
 from vime.roles import default_enforce_eager, gpu_memory_utilization, gpu_placement, ipc_weight_sync
+from helpers import last_json
 
 
 def test_cpu_recipes_place_nothing():
@@ -99,7 +100,7 @@ def test_gpu_loop_script_streams_each_arm_to_its_out_dir(tmp_path):
     assert command.endswith(" run.seed=7") and "run.seed=9" not in command and "strict:" not in command
     lines = [json.loads(x) for x in (out / "h200_loop_grpo_tiny_strict_metrics.jsonl").read_text().splitlines()]
     assert [x["mismatch_count"] for x in lines] == [0, 0]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = last_json(proc.stdout)
     assert report["arms"]["strict"]["steps"] == 2 and report["strict_zero_mismatch_every_step"] is True
     assert report["overrides"] == {"strict": ["run.seed=7"]} and report["parallel"] is False
     # --parallel needs a GPU per arm, and an arm prefix must name an arm: both refused before anything runs

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import last_json
 from vime.data.reward_worker import RewardWorker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +70,7 @@ def test_ray_listens_on_loopback_only():
     assert proc.returncode == 0, proc.stderr[-3000:]
     from vime.executor import is_loopback
 
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = last_json(proc.stdout)
     a = got["addresses"]
     assert a["node_ip_address"] == "127.0.0.1" and a["gcs_address"].startswith("127.0.0.1:") and a["nodes"] == "127.0.0.1", a
     assert a["dashboard_url"] == ""
@@ -156,7 +157,7 @@ def test_tampered_kernel_library_is_rebuilt_never_loaded(tmp_path, cache_copy):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not marker.exists(), "the tampered library was loaded"
     assert f"{lib.name} not as built" in proc.stderr
-    status = json.loads(proc.stdout.strip().splitlines()[-1])
+    status = last_json(proc.stdout)
     assert status["cpu_kernels"] and status["library"] == str(lib) and status["self_check"]
     from rlkernel.backends.cpu.build import _sha256
 
@@ -173,7 +174,7 @@ def test_kernel_cache_writable_by_others_is_refused(cache_copy):
     d.chmod(0o777)
     proc = _python(_STATUS, {"RLKERNEL_BUILD_DIR": str(d.parent)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    status = json.loads(proc.stdout.strip().splitlines()[-1])
+    status = last_json(proc.stdout)
     assert not status["cpu_kernels"] and "writable by group or others" in status["error"], status
     assert "the reference composition serves the strict ops" in proc.stderr
 

@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import last_json
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -75,15 +76,15 @@ def test_gpu_harness_skips_without_cuda(tmp_path):
     assert json.loads((tmp_path / "h200_strict_parity.json").read_text()) == {"skipped": "no CUDA device"}
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_loop.py"), "--out", str(tmp_path / "loop")],
                           capture_output=True, text=True, timeout=300)  # the loop harness: skips, writes nothing
-    assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["skipped"].startswith("no CUDA device")
+    assert proc.returncode == 0 and last_json(proc.stdout)["skipped"].startswith("no CUDA device")
     assert not (tmp_path / "loop").exists() or not any((tmp_path / "loop").iterdir())
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_fa3_compare.py"), "--out", str(tmp_path / "fa3")],
                           capture_output=True, text=True, timeout=300)  # the FA3 comparison: skips, writes nothing
-    assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1]) == {"skipped": "no CUDA device"}
+    assert proc.returncode == 0 and last_json(proc.stdout) == {"skipped": "no CUDA device"}
     assert not (tmp_path / "fa3").exists()
     prof = ROOT / "scripts" / "gpu_update_profile.py"  # the update profiler: skips without CUDA, runs on the CPU if asked
     proc = subprocess.run([sys.executable, str(prof), "--out", str(tmp_path / "prof")], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["skipped"].startswith("no CUDA device")
+    assert proc.returncode == 0 and last_json(proc.stdout)["skipped"].startswith("no CUDA device")
     proc = subprocess.run([sys.executable, str(prof), "--device", "cpu", "--tiny", "--dtype", "float32", "--warmup", "1", "--repeat", "1",
                            "--out", str(tmp_path / "prof")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

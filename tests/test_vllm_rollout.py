@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from vime.tiny_model import make_tiny_checkpoint
+from helpers import last_json
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(args, timeout=900):
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return last_json(proc.stdout)
 
 
 def _parity(model, *extra):
