@@ -17,7 +17,7 @@ from .ops.linear import linear
 from .ops.logprob import linear_entropy, linear_logprob, linear_logprobs_full
 from .ops.norm import rms_norm
 from .ops.rope import rope, rope_table
-from .ops.swiglu import swiglu
+from .ops.swiglu import linear_swiglu, swiglu
 from .backends.reference.primitives import tree_sum
 from .parallel import all_gather, canonical_tree_sum, native_all_reduce, tree_all_reduce, vocab_parallel_entropy, vocab_parallel_logprob
 
@@ -47,6 +47,7 @@ __all__ = [
     "linear_entropy",
     "linear_logprob",
     "linear_logprobs_full",
+    "linear_swiglu",
     "mode",
     "record_provenance",
     "rms_norm",

@@ -42,6 +42,9 @@ __all__ = [
     "record_provenance",
     "ProvenanceCounter",
     "tap",
+    "tapped",
+    "register_fusion",
+    "fusion",
 ]
 
 # The op names the public API dispatches; recipes use the same names for
@@ -270,6 +273,30 @@ def tap(fn: Callable[[str, Implementation, tuple, object], None]) -> Iterator[No
         yield
     finally:
         _TAPS.reset(token)
+
+
+def tapped() -> bool:
+    """Whether a `tap` observes this context (a fusion then runs its ops one by one, so the tap sees each)."""
+    return bool(_TAPS.get())
+
+
+_FUSIONS: dict[tuple, Callable] = {}
+
+
+def register_fusion(ops: tuple, impls: tuple, fn: Callable) -> None:
+    """Register `fn` as one launch for the chain `ops` (e.g. ("linear", "swiglu")) when implementations `impls` are the
+    ones that would run them: it must give the chain's bits under their contracts (the backend's tests prove it)."""
+    if len(ops) != len(impls) or any(op not in OPS for op in ops):
+        raise ValueError(f"register_fusion: ops {ops} / implementations {impls}")
+    _FUSIONS[(tuple(ops), tuple(impls))] = fn
+
+
+def fusion(ops: tuple, impls: tuple[Implementation, ...]) -> Callable | None:
+    """The fused function for `ops` run by `impls` (resolved), or None: no fusion registered, or a tap observes
+    (`tapped`)."""
+    if tapped():
+        return None
+    return _FUSIONS.get((tuple(ops), tuple(i.name for i in impls)))
 
 
 def note_call(op: str, impl: Implementation, tensors: tuple) -> None:

@@ -2,6 +2,7 @@
 """The strict GEMM's tile configs against cuBLAS at small and mid row counts, bit-checked, two timers.
 
     python scripts/gpu_gemm_sweep.py [--out DIR] [--ms 1,16,64,256,1024,4096] [--shapes qkv,o,down,gate_up]
+    python scripts/gpu_gemm_sweep.py --swiglu [--ms ...]     # the GEMM + SwiGLU epilogue (h200_gemm_sweep_swiglu.json)
 
 Why: issue 10 asks >= 0.90x cuBLAS at M >= 256; run 6 measured 0.38-0.90x there (and o at
 M = 16 as slow as at M = 256, which a bandwidth-bound kernel should not be). On sm_90 a bf16
@@ -105,7 +106,8 @@ def sweep(shapes, ms, copies: int, only=None, segments: int = 1):
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = gemm.matmul(a, ws[0], **kw)
             flops = 2 * m * n * k
-            row = {"contract_config": "segments" if segments > 1 else G.gemm_class(n, k, m),
+            row = {"contract_config": str(G.segments_config("bfloat16", n, k, m, segments)) if segments > 1
+                   else G.gemm_class(n, k, m),
                    "cublas": {"bench_ms": round(bench_ms(lambda: F.linear(a, ws[0])), 4),
                               "chain_ms": round(chain_ms(lambda i: F.linear(a, ws[i])), 4)}}
             if segments > 1:
@@ -138,6 +140,76 @@ def sweep(shapes, ms, copies: int, only=None, segments: int = 1):
     return out
 
 
+SWIGLU_CANDIDATES = [(64, 32, 256, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 3, 4), (128, 64, 64, 4, 8),
+                     (128, 128, 64, 3, 8)]
+
+
+def _silu_and_mul():
+    """vLLM's fused silu-and-mul (stock vLLM's MLP activation) when vLLM is importable, else torch's composition."""
+    import torch
+    import torch.nn.functional as F
+    try:
+        import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+        op = torch.ops._C.silu_and_mul
+
+        def act(y):
+            out = torch.empty(y.shape[0], y.shape[1] // 2, device=y.device, dtype=y.dtype)
+            op(out, y)
+            return out
+        return "vllm silu_and_mul", act
+    except Exception:  # noqa: BLE001 -- no vLLM on this machine: the torch composition
+        return "torch silu * up", lambda y: F.silu(y[:, :y.shape[1] // 2]) * y[:, y.shape[1] // 2:]
+
+
+def sweep_swiglu(shapes, ms, copies: int, only=None):
+    """The GEMM + SwiGLU epilogue (gemm.matmul_swiglu, rk.linear_swiglu's one launch) at the gate_up shapes: every
+    candidate bit-checked against the strict composition (matmul, then swiglu: two launches) and chain-timed against it
+    and against stock vLLM's (cuBLAS, then its silu_and_mul)."""
+    import torch
+    import torch.nn.functional as F
+    from rlkernel.backends.triton import gemm
+    from rlkernel.contracts import gpu as G
+    act_name, act = _silu_and_mul()
+    out = {"stock_activation": act_name}
+    for name in shapes:
+        k, n2 = SHAPES[name]
+        ws = [torch.randn(n2, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        cands = {"contract": None, **{f"{bm}x{bn}x{bk}_s{st}_w{w}": G.TileConfig(bm, bn, bk, st, w)
+                                      for bm, bn, bk, st, w in SWIGLU_CANDIDATES}}
+        if only:
+            cands = {c: v for c, v in cands.items() if c in only}
+        for m in ms:
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = gemm.swiglu(*gemm.matmul(a, ws[0]).chunk(2, dim=-1))
+            row = {"contract_config": str(G.swiglu_config("bfloat16", n2 // 2, k, m)),
+                   "stock": {"chain_ms": round(chain_ms(lambda i: act(F.linear(a, ws[i]))), 4)},
+                   "strict_two_launches": {"chain_ms": round(chain_ms(
+                       lambda i: gemm.swiglu(*gemm.matmul(a, ws[i]).chunk(2, dim=-1))), 4)}}
+            row["strict_two_launches"]["ratio_vs_stock"] = round(row["stock"]["chain_ms"] / row["strict_two_launches"]["chain_ms"], 3)
+            for cname, cfg in cands.items():
+                try:
+                    y = gemm.matmul_swiglu(a, ws[0], config=cfg)
+                    rec = {"equal": bool(torch.equal(y, ref)),
+                           "chain_ms": round(chain_ms(lambda i: gemm.matmul_swiglu(a, ws[i], config=cfg)), 4)}
+                    rec["ratio_vs_stock"] = round(row["stock"]["chain_ms"] / rec["chain_ms"], 3)
+                    rec["ratio_vs_two_launches"] = round(row["strict_two_launches"]["chain_ms"] / rec["chain_ms"], 3)
+                except Exception as e:  # noqa: BLE001 -- a candidate that fails to build is recorded, the rest run
+                    rec = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                row[cname] = rec
+            ok = {c: r for c, r in row.items() if c in cands and r.get("equal")}
+            best = max(ok, key=lambda c: ok[c]["ratio_vs_stock"]) if ok else None
+            row["best"] = {"config": best, "ratio_vs_stock": ok[best]["ratio_vs_stock"] if ok else None}
+            row["differ"] = sorted(c for c in cands if row[c].get("equal") is False)
+            out[f"{name}_M{m}"] = row
+            log(name, m, "stock", row["stock"], "two launches", row["strict_two_launches"],
+                "contract", {x: row["contract"].get(x) for x in ("equal", "ratio_vs_stock", "ratio_vs_two_launches")}
+                if "contract" in row else None, "best", row["best"], "differ", row["differ"])
+            del a, ref
+        del ws
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
@@ -147,20 +219,33 @@ def main(argv=None):
     ap.add_argument("--segments", type=int, default=1, choices=(1, 2, 4, 8),
                     help="canonical K segments (the row-parallel layers' one-launch schedule); 1: plain GEMMs")
     ap.add_argument("--candidates", help="comma-separated candidate names to time (e.g. contract,64x128x128_s4_w4); default all")
+    ap.add_argument("--swiglu", action="store_true",
+                    help="the GEMM + SwiGLU epilogue at the gate_up shapes (default --shapes gate_up,q06_gate_up) against "
+                         "the strict two launches and stock vLLM's cuBLAS + silu_and_mul")
     args = ap.parse_args(argv)
+    if args.swiglu and args.shapes == ap.get_default("shapes"):
+        args.shapes = "gate_up,q06_gate_up"
     shapes = args.shapes.split(",")
+    if args.swiglu and set(shapes) - {"gate_up", "q06_gate_up"}:
+        ap.error(f"--swiglu runs at the gate_up shapes (gate_up, q06_gate_up), not {shapes}")
     if set(shapes) - set(SHAPES):
         ap.error(f"unknown shapes {sorted(set(shapes) - set(SHAPES))}; known: {sorted(SHAPES)}")
     ms = [int(x) for x in args.ms.split(",")]
     only = set(args.candidates.split(",")) if args.candidates else None
     known = {"contract", *(f"{bm}x{bn}x{bk}_s{st}_w{w}{sfx}" for bm, bn, bk, st, w in CANDIDATES for sfx in ("", "_ptr")),
              *(f"{bm}x{bn}x{bk}_s{st}_w{w}_c2" for bm, bn, bk, st, w in CLUSTERED)}
+    if args.swiglu:
+        known = {"contract", *(f"{bm}x{bn}x{bk}_s{st}_w{w}" for bm, bn, bk, st, w in SWIGLU_CANDIDATES)}
     if only and only - known:
         ap.error(f"unknown candidates {sorted(only - known)}; known: {sorted(known)}")
     if any(m < 1 for m in ms):
         ap.error("--ms: row counts must be >= 1")
     out = Path(args.out)
     name = "h200_gemm_sweep.json" if args.segments == 1 else f"h200_gemm_sweep_segments{args.segments}.json"
+    if args.swiglu:
+        if args.segments != 1:
+            ap.error("--swiglu has no K segments")
+        name = "h200_gemm_sweep_swiglu.json"
     import torch
     if not torch.cuda.is_available():
         out.mkdir(parents=True, exist_ok=True)
@@ -174,7 +259,10 @@ def main(argv=None):
            "torch": torch.__version__, "triton": triton.__version__, "code": code_stamp(), "command": " ".join(sys.argv),
            "timers": {"bench": "do_bench, L2 flushed, median", "chain": f"CUDA graph of {args.copies} calls on distinct weights"}}
     res["segments"] = args.segments
-    res["gemm"] = sweep(shapes, ms, args.copies, only, args.segments)
+    if args.swiglu:
+        res["swiglu"] = sweep_swiglu(shapes, ms, args.copies, only)
+    else:
+        res["gemm"] = sweep(shapes, ms, args.copies, only, args.segments)
     res["elapsed_s"] = round(time.time() - T0, 1)
     out.mkdir(parents=True, exist_ok=True)
     (out / name).write_text(json.dumps(res, indent=1))

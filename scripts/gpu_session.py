@@ -73,7 +73,8 @@ STEPS: dict[str, tuple[int, str]] = {
                                "--engines stock_graphs,strict_graphs,strict_fa3_graphs --profile 25 --out {out}/h200_rollout_bench_graphs.json"),
     # the GEMM's tile configs vs cuBLAS at small and mid M, bit-checked, two timers (issue 10's M = 256 bar)
     "gemm_sweep": (560, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,256,1024 --out {out}"),
-    # the row-parallel layers' 4 canonical K segments in one launch: their tile by M and N (today one 128x128 tile)
+    # the row-parallel layers' 4 canonical K segments in one launch: the contract's segments_config (the table's tile fitted
+    # to the live accumulators, session 11; until then one 128x128 tile, the candidate 128x128x64_s4_w8) vs the others
     "gemm_segments": (500, "python3 scripts/gpu_gemm_sweep.py --segments 4 --ms 1,16,64,256,1024,2048 "
                            "--shapes o,down,q06_o,q06_down --candidates contract,64x32x128_s4_w4,64x32x256_s4_w4,"
                            "64x64x128_s4_w4,64x64x256_s3_w4,64x128x64_s6_w4,64x128x128_s4_w4,128x64x128_s4_w4,"
@@ -86,6 +87,8 @@ STEPS: dict[str, tuple[int, str]] = {
     "gemm_table": (400, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,64,128,256,512,1024,2048,4096 --shapes qkv,o,down,gate_up "
                         "--candidates contract,64x128x128_s4_w4,128x128x64_s4_w8,128x128x128_s3_w8,128x256x64_s3_w8,"
                         "64x256x64_s4_w4 --out {out}"),
+    # the GEMM + SwiGLU epilogue (rk.linear_swiglu, the engine's MLP) vs the strict two launches and stock cuBLAS + silu_and_mul
+    "gemm_swiglu": (300, "python3 scripts/gpu_gemm_sweep.py --swiglu --ms 1,16,64,256,512,1024,4096 --out {out}"),
     # FA3 with num_splits=1 (inside vLLM) vs rlkernel's Triton attention: speed and the bit properties a contract needs
     "fa3_compare": (300, "python3 scripts/gpu_fa3_compare.py --out {out}"),
     # the FA3 attention contract (rlkernel/backends/fa3.py): its probe, the golden bits recorded for this GPU and vLLM (the

@@ -62,7 +62,17 @@ def test_tile_table_is_in_the_contract():
         assert part[f"bf16_{name}"] == G._tiles(cfg) and cfg.block_m >= 64
     for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)):
         for m in (1, 64, 65, 256, 257, 1024, 1025, None):
-            assert G.gemm_config("bfloat16", n, k, m) in G.BF16_GEMM.values()
+            cfg = G.gemm_config("bfloat16", n, k, m)
+            assert cfg in G.BF16_GEMM.values()
+            # the one-launch K segments and the SwiGLU epilogue: the table's tile, columns halved until the live fp32
+            # accumulators fit 128 registers a thread (block_m and block_k stay: still wgmma, still the same K walk)
+            for live, fitted in [(2, G.swiglu_config("bfloat16", n, k, m))] + [
+                    (G._LIVE_SEGMENT_ACCUMULATORS[s], G.segments_config("bfloat16", n, k, m, s)) for s in (2, 4, 8)]:
+                assert (fitted.block_m, fitted.block_k, fitted.num_warps) == (cfg.block_m, cfg.block_k, cfg.num_warps)
+                assert cfg.block_n % fitted.block_n == 0 and fitted.block_n >= 32
+                assert live * fitted.block_m * fitted.block_n <= 128 * 32 * fitted.num_warps or fitted.block_n == 32
+                assert fitted.block_n == cfg.block_n or live * fitted.block_m * fitted.block_n * 2 > 128 * 32 * fitted.num_warps
+    assert G.segments_config("float32", 4096, 4096, 256, 4) == G.FP32_GEMM == G.swiglu_config("float32", 4096, 4096, 1)
     assert json.dumps(G.as_dict(G.LINEAR), default=str)
 
 

@@ -17,7 +17,7 @@ Imports nothing heavy: a CPU-only machine can read, diff and hash these.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .base import Contract
 from .rope import STRICT as _ROPE_STRICT
@@ -64,11 +64,9 @@ BF16_GEMM = {
     "t64x256": TileConfig(64, 256, 64, 4, 4),  # N >= 16384, M <= 64 (streams the weight: 0.84-0.96x)
     "t128x128": TileConfig(128, 128, 64, 4, 8),  # 1024 < N < 16384, 512 < M <= 1024
     "t128x256": TileConfig(128, 256, 64, 3, 8),  # M > 1024 (any N); N >= 16384 at M > 256 (0.99-1.07x)
-    "segments": TileConfig(128, 128, 64, 3, 8),  # canonical K segments merged in registers (one launch)
 }
 FP32_GEMM = TileConfig(64, 64, 32, 3, 4, tma=False)
 LOGPROB_BF16 = TileConfig(128, 256, 64, 3, 8)  # the fused linear-logprob's own tile
-SWIGLU_GEMM = TileConfig(128, 128, 64, 3, 8)  # the GEMM + SwiGLU epilogue kernel (not yet an rlkernel op)
 ATTENTION_TILES = AttentionTiles()
 
 
@@ -92,6 +90,37 @@ def gemm_config(dtype_name: str, n: int, k: int, m: int | None = None) -> TileCo
     return BF16_GEMM[gemm_class(n, k, m)]
 
 
+_ACC_REGS = 128  # fp32 accumulator registers a thread that a tile's live accumulators may take
+
+
+def _fit_accumulators(cfg: TileConfig, live: int) -> TileConfig:
+    """cfg with its columns halved (down to 32) while `live` fp32 accumulators of its tile would take more than
+    _ACC_REGS registers a thread. Scheduling only: the bits are the tile-independent wgmma chain."""
+    while cfg.block_n > 32 and live * cfg.block_m * cfg.block_n > _ACC_REGS * 32 * cfg.num_warps:
+        cfg = replace(cfg, block_n=cfg.block_n // 2)
+    return cfg
+
+
+def swiglu_config(dtype_name: str, n: int, k: int, m: int | None = None) -> TileConfig:
+    """The tile of the GEMM + SwiGLU epilogue (`linear_swiglu`) for gate/up weights [2N, K] and M rows: the table's
+    tile for a GEMM of N columns, fitted to its two accumulators (gate and up)."""
+    if dtype_name in ("float32", "torch.float32"):
+        return FP32_GEMM
+    return _fit_accumulators(gemm_config(dtype_name, n, k, m), 2)
+
+
+_LIVE_SEGMENT_ACCUMULATORS = {2: 2, 4: 3, 8: 4}  # the in-register tree's peak: finished partials and the running one
+
+
+def segments_config(dtype_name: str, n: int, k: int, m: int | None, segments: int) -> TileConfig:
+    """The tile of a GEMM over `segments` canonical K segments in one launch (`matmul`'s "registers" and "stream"
+    schedules, the row-parallel layers at decode and prefill sizes): the table's tile for (N, M), fitted to the
+    tree's live accumulators (2, 3 or 4 for 2, 4 or 8 segments)."""
+    if dtype_name in ("float32", "torch.float32"):
+        return FP32_GEMM
+    return _fit_accumulators(gemm_config(dtype_name, n, k, m), _LIVE_SEGMENT_ACCUMULATORS[segments])
+
+
 def logprob_config(dtype_name: str, v: int, h: int) -> TileConfig:
     return FP32_GEMM if dtype_name in ("float32", "torch.float32") else LOGPROB_BF16
 
@@ -110,8 +139,10 @@ LINEAR = Contract(
     domain="K",
     partition=(("arch", ARCH), ("split_k", 1), ("m_independent", "kernel compiled with M unspecialised"),
                ("config", "bf16: gemm_class(N, K, M) (by N: <= 1024, < 16384, larger; by M: <= 64, 256, 512, 1024, "
-                          "larger) and K segments; fp32 one "
-                          "config; K segments: each a plain GEMM into fp32, then the tree (one launch or in registers: same bits); "
+                          "larger); fp32 one "
+                          "config; K segments: each a plain GEMM into fp32, then the tree (one launch or in registers: same bits; "
+                          "in registers the tile is segments_config: the table's, columns halved to fit the live "
+                          "accumulators in 128 registers a thread); "
                           "bf16 bits proved independent of the tile on sm_90 (block_m >= 64: wgmma)"),
                *((f"bf16_{name}", _tiles(cfg)) for name, cfg in sorted(BF16_GEMM.items())),
                ("fp32", _tiles(FP32_GEMM)),
@@ -152,7 +183,9 @@ SWIGLU = Contract(
     precision=(("input", "activation dtype"), ("compute", "float32"), ("output", "activation dtype")),
     rounding=("silu(g) = g / (1 + exp2(-g * log2 e)) in fp32, IEEE divide", "product in fp32, one cast"),
     primitives=(("exp2", "ex2.approx.f32 (tl.exp2)"), ("fp_contraction", "off")),
-    invariant=("batch", "position", "run to run", "fused GEMM epilogue == this op (tested)"),
+    invariant=("batch", "position", "run to run",
+               "linear_swiglu: the GEMM's epilogue rounds gate and up to the activation dtype, then this op's arithmetic "
+               "(== linear then swiglu; interpreter test and scripts/gpu_gemm_sweep.py --swiglu)"),
     version=1,
 )
 

@@ -2,8 +2,8 @@
 source (tile configs, split sizes, the (dtype, N, K) -> config function). Nothing is defined
 here."""
 from ...contracts.gpu import (  # noqa: F401
-    ARCH, ATTENTION_TILES, BF16_GEMM, FP32_GEMM, LOGPROB_BF16, SWIGLU_GEMM, AttentionTiles, TileConfig, as_dict,
-    gemm_class, gemm_config, logprob_config)
+    ARCH, ATTENTION_TILES, BF16_GEMM, FP32_GEMM, LOGPROB_BF16, AttentionTiles, TileConfig, as_dict,
+    gemm_class, gemm_config, logprob_config, segments_config, swiglu_config)
 
 ATTENTION = ATTENTION_TILES  # the kernels' default attention tiles
 AttentionContract = AttentionTiles  # older name, kept for the kernels' `config=` overrides

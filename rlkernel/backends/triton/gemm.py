@@ -9,6 +9,8 @@ persistent grid size.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -403,8 +405,9 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     split = schedule == "split"
     if split and config is None and cfg.block_n * cfg.block_m > 128 * 128:
         cfg = C.BF16_GEMM["t128x128"] if not _is_fp32(a) else cfg
-    if not split and k_segments > 1 and config is None and not _is_fp32(a):
-        cfg = C.BF16_GEMM["segments"]  # several live accumulators: a tile that keeps them in registers
+    if not split and k_segments > 1 and config is None:
+        # several live accumulators: the table's tile, fitted to keep them in registers
+        cfg = C.segments_config(str(a.dtype).replace("torch.", ""), N, K, M, k_segments)
     stream = schedule == "stream"
     if stream and (k_segments not in (2, 4) or K % (k_segments * cfg.block_k)):
         raise ValueError(f"matmul: schedule 'stream' needs 2 or 4 segments and K a multiple of segments x block_k "
@@ -437,28 +440,36 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
 
 def matmul_swiglu(x: torch.Tensor, gate_up_weight: torch.Tensor, *, config: C.TileConfig | None = None,
                   num_progs: int | None = None) -> torch.Tensor:
-    """silu(x @ Wg.T) * (x @ Wu.T) for gate_up_weight = [Wg; Wu] of shape [2I, K] -> [M, I] in x.dtype."""
+    """silu(x @ Wg.T) * (x @ Wu.T) for gate_up_weight = [Wg; Wu] of shape [2I, K] -> [M, I] in x.dtype, one launch.
+
+    The bits of `matmul(x, gate_up_weight)` split into its halves and passed to `swiglu`: each accumulator is the
+    GEMM's (same K walk), rounded to x.dtype before the epilogue runs `swiglu`'s arithmetic (`_silu_mul`). config:
+    tuning and tests only (default `contracts.gpu.swiglu_config`: scheduling, never bits)."""
+    if x.dim() != 2:
+        raise ValueError(f"matmul_swiglu: x must be [M, K], got {tuple(x.shape)}")
     M, K = x.shape
-    if gate_up_weight.shape[1] != K or gate_up_weight.shape[0] % 2:
+    if gate_up_weight.dim() != 2 or gate_up_weight.shape[1] != K or gate_up_weight.shape[0] % 2:
         raise ValueError(f"matmul_swiglu: weight {tuple(gate_up_weight.shape)} is not [2I, {K}]")
+    if gate_up_weight.dtype != x.dtype:
+        raise ValueError(f"matmul_swiglu: dtypes differ ({x.dtype} vs {gate_up_weight.dtype})")
     N = gate_up_weight.shape[0] // 2
-    cfg = config or C.SWIGLU_GEMM
-    if _is_fp32(x):
-        cfg = C.FP32_GEMM if config is None else config
+    cfg = config or C.swiglu_config(str(x.dtype).replace("torch.", ""), N, K, M)
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    if M == 0:
+    if M == 0 or N == 0:
         return out
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     progs = min(num_progs or _num_sms(x.device), tiles)
     tma = _tma_ok(cfg, x, gate_up_weight)
     if tma:
         _ensure_allocator()
+    # a stage holds one x tile and two weight tiles (gate and up)
+    stages = _stages(replace(cfg, block_n=2 * cfg.block_n), x.element_size(), out.element_size())
     _gemm_swiglu_kernel[(progs,)](
         x, gate_up_weight, out, M, N, K, x.stride(0), x.stride(1), gate_up_weight.stride(0), gate_up_weight.stride(1),
         out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGS=progs, TMA=tma, IEEE=_is_fp32(x),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+        num_warps=cfg.num_warps, num_stages=stages, enable_fp_fusion=False)
     return out
 
 

@@ -22,6 +22,7 @@ and `available()` keeps dispatch from choosing this implementation there.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -181,6 +182,45 @@ def _swiglu_bwd(gate, up, g):
 
 def swiglu(gate, up):
     return _ref_swiglu.swiglu(gate, up, prims=TRITON, fwd=lambda g, u: _k()[0].swiglu(g, u), bwd=_swiglu_bwd)
+
+
+# (dtype, 2I, K) -> True: the fused launch gave the composition's bits on its first call here; a str: why it is refused
+SWIGLU_FUSION_CHECKS: dict[tuple, object] = {}
+
+
+def _linear_then_swiglu(x2, gate_up_weight):
+    return _k()[0].swiglu(*_linear_fwd(x2, gate_up_weight, None, 1).chunk(2, dim=-1))
+
+
+def linear_swiglu(x, gate_up_weight):
+    """linear then swiglu in one launch (the GEMM's SwiGLU epilogue, `gemm.matmul_swiglu`): forward only (the
+    dispatcher runs the two ops when a gradient is wanted). Checked at first use: the first call for a (dtype, weight
+    shape) outside CUDA-graph capture runs both ways and compares bits (torch.equal); a launch that fails or differs
+    is refused for the process (a warning names why) and the two launches serve every later call. Until checked (a
+    first call inside a capture), the two launches."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    key = (x.dtype, *gate_up_weight.shape)
+    state = SWIGLU_FUSION_CHECKS.get(key)
+    if state is True:
+        y = _k()[0].matmul_swiglu(x2, gate_up_weight)
+    elif state is not None or x2.shape[0] == 0 or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        y = _linear_then_swiglu(x2, gate_up_weight)  # refused, nothing to compare yet, or no sync possible
+    else:
+        y = _linear_then_swiglu(x2, gate_up_weight)
+        try:
+            fused = _k()[0].matmul_swiglu(x2, gate_up_weight)
+            ok = torch.equal(fused, y) or f"its output differs from linear then swiglu in {int((fused != y).sum())} of " \
+                                          f"{y.numel()} values"
+        except Exception as e:  # noqa: BLE001 -- a launch that cannot build or run is refused, not fatal
+            ok = f"{type(e).__name__}: {str(e)[:300]}"
+        SWIGLU_FUSION_CHECKS[key] = ok
+        if ok is not True:
+            warnings.warn(f"rlkernel: the GEMM + SwiGLU epilogue is refused for {x.dtype} weight "
+                          f"{tuple(gate_up_weight.shape)} ({ok}); linear then swiglu run as two launches instead")
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 # ---- attention ----------------------------------------------------------------------------
@@ -374,3 +414,4 @@ _ref_prims.register_tree_sum("cuda", lambda x2: _reduce().tree_sum_rows(x2), fun
 for _op, _fn in (("linear", linear), ("rms_norm", rms_norm), ("swiglu", swiglu), ("rope", rope), ("attention", attention),
                  ("linear_logprob", linear_logprob)):
     dispatch.register(_op, "triton", G.BY_OP[_op], devices=("cuda",), available=available, prims=TRITON)(_fn)
+dispatch.register_fusion(("linear", "swiglu"), ("triton", "triton"), linear_swiglu)
