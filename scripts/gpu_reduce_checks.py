@@ -125,33 +125,35 @@ def run(res, dev, bench, log):
 
 
 def _fused_projections(dev, bench):
-    """The rollout engine's layout (StrictDecoder.fuse_projections: q/k/v and gate/up one GEMM each) against the separate
-    GEMMs, one layer at Qwen3-8B and 0.6B dimensions, bf16: hidden states bit for bit at decode and prefill row counts,
-    and the layer's time both ways."""
+    """The rollout engine's layout (StrictDecoder.fuse_projections: q/k/v and gate/up one GEMM each, gate/up + SwiGLU
+    as one launch (`rk.linear_swiglu`), the residual adds inside the norms) against the plain model, two layers at Qwen3-8B
+    and 0.6B dimensions, bf16, under no_grad as an engine runs it: the final-normed hidden states bit for bit at decode
+    and prefill row counts, the model's time both ways, and whether the SwiGLU epilogue passed its first-use check."""
     import copy
 
     import torch
     from gpu_strict_parity import build_model
+    from rlkernel.backends.triton import ops as O
     from rlkernel.ops.attention import attention_varlen
 
     shapes = {"8b": {}, "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=8)}
     out = {}
     for name, dims in shapes.items():
-        sep = build_model(1, device=dev, vocab_size=1024, **dims)  # a small vocabulary: the head is not compared
+        sep = build_model(2, device=dev, vocab_size=1024, **dims)  # a small vocabulary: the head is not compared
         fused = copy.deepcopy(sep)
         fused.fuse_projections()
-        layer_s, layer_f = sep.model.layers[0], fused.model.layers[0]
         for t in (1, 64, 256, 2048):
-            x = torch.randn(t, sep.config.hidden_size, device=dev, dtype=torch.bfloat16)
+            ids = torch.randint(0, 1024, (t,), device=dev)
             pos = torch.arange(t, device=dev)
             cu = torch.tensor([0, t], device=dev, dtype=torch.int32)
 
             def attend(_, q, k, v):
                 return attention_varlen(q, k, v, cu)
             with torch.no_grad():
-                a, b = layer_s(x, pos, attend, 0), layer_f(x, pos, attend, 0)
+                a, b = sep.hidden_states(ids, pos, attend), fused.hidden_states(ids, pos, attend)
                 rec = {"equal": bool(torch.equal(a, b))}
-                rec["separate_ms"] = round(bench(lambda: layer_s(x, pos, attend, 0)), 4)
-                rec["fused_ms"] = round(bench(lambda: layer_f(x, pos, attend, 0)), 4)
+                rec["separate_ms"] = round(bench(lambda: sep.hidden_states(ids, pos, attend)), 4)
+                rec["fused_ms"] = round(bench(lambda: fused.hidden_states(ids, pos, attend)), 4)
             out[f"{name}_T{t}"] = rec
+    out["swiglu_epilogue_checks"] = {str(k): v for k, v in O.SWIGLU_FUSION_CHECKS.items()}
     return out

@@ -2,7 +2,8 @@
 weight whose rows the separate parameters view) gives the separate GEMMs' bits, for Qwen3 and Llama, fp32 and bf16,
 packed scoring and the logprobs; parameter names, shapes and values stay; weights loaded in place afterwards reach the
 fused GEMM; a call that wants gradients, or a parameter moved off the fused storage, runs the separate GEMMs (and still
-gets the bits). The native path's fused vs separate GEMMs are recorded, not asserted (MKL/oneDNN may or may not split a
+gets the bits). The layout's other fusions (gate/up + swiglu as `rk.linear_swiglu`, each residual add inside the norm
+that reads the sum) are inside the same bit comparison, and a hook on a norm or a layer turns the latter off there. The native path's fused vs separate GEMMs are recorded, not asserted (MKL/oneDNN may or may not split a
 wider GEMM differently on this CPU)."""
 import copy
 
@@ -18,7 +19,7 @@ CASES = {
     "qwen3": dict(arch="qwen3", tie_word_embeddings=False, vocab_size=131, hidden_size=72, intermediate_size=136,
                   num_heads=6, num_kv_heads=2, head_dim=12),
     "llama": dict(arch="llama", tie_word_embeddings=True, vocab_size=127, hidden_size=48, intermediate_size=100,
-                  num_heads=3, num_kv_heads=1, head_dim=16),
+                  num_heads=3, num_kv_heads=1, head_dim=16, num_layers=3),
 }
 
 
@@ -45,6 +46,15 @@ def _calls(m, seqs) -> int:
     return sum(e["calls"] for e in counter.take().get("linear", []))
 
 
+def _norms_with_residual(m, seqs) -> int:
+    """rms_norm calls of one packed forward that took a residual (their output is the pair (normed, x + residual))"""
+    seen = []
+    with rk.dispatch.tap(lambda op, impl, tensors, out: seen.append(op == "rms_norm" and isinstance(out, tuple))), \
+            torch.no_grad():
+        m.forward_packed(torch.tensor(seqs[0]), torch.tensor([0, len(seqs[0])]))
+    return sum(seen)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_projections_give_the_separate_bits(checkpoint, dtype):
     sep = StrictDecoder.from_pretrained(checkpoint, dtype=dtype)
@@ -64,6 +74,9 @@ def test_fused_projections_give_the_separate_bits(checkpoint, dtype):
         assert torch.equal(a, b)
     # the fused path really ran: per layer 4 linear calls instead of 7 (q, k, v, o, gate, up, down)
     assert _calls(sep, seqs) - _calls(fused, seqs) == 3 * layers
+    # and every residual add ran inside the norm that reads the sum: each layer's post-attention norm, every input norm
+    # but the first layer's and the final norm returned (normed, sum)
+    assert _norms_with_residual(fused, seqs) == 2 * layers and _norms_with_residual(sep, seqs) == 0
     # native: fused vs separate GEMMs recorded (vendor libraries choose their own blocking by N)
     with rk.mode("native"):
         (_, hn_s), (_, hn_f) = _run(sep, seqs), _run(fused, seqs)
@@ -109,3 +122,37 @@ def test_fused_falls_back_for_gradients_and_moved_parameters(checkpoint):
     assert torch.equal(h_f, h_s) and all(torch.equal(a, b) for a, b in zip(lp_f, lp_s))
     layers = sep.config.num_layers  # layer 0's MLP runs gate and up apart again; everything else stays fused
     assert calls == _calls(sep, seqs) - 2 - 3 * (layers - 1)
+
+
+def test_hooks_see_what_the_fused_residuals_skip(checkpoint):
+    """A hook on a norm, a layer or the final norm (as `vime diagnose` places them) gets the values of the plain forward
+    there (the sum a norm reads, a layer's output); the fusions around it still run, and the bits stay."""
+    sep = StrictDecoder.from_pretrained(checkpoint)
+    fused = copy.deepcopy(sep)
+    fused.fuse_projections()
+    seqs = _seqs(sep.config.vocab_size)
+    layers = sep.config.num_layers
+    seen = {}
+
+    def hook(key):
+        def fn(module, args, out):
+            seen.setdefault(key, []).append((args[0].clone(), (out[0] if isinstance(out, tuple) else out).clone()))
+        return fn
+
+    want = _run(sep, seqs)[1]
+    for tag, m in (("sep", sep), ("fused", fused)):
+        hs = [m.model.layers[layers - 1].post_attention_layernorm.register_forward_hook(hook((tag, "post"))),
+              m.model.layers[0].register_forward_hook(hook((tag, "layer0"))),
+              m.model.norm.register_forward_hook(hook((tag, "final")))]
+        try:
+            assert torch.equal(_run(m, seqs)[1], want)
+            if tag == "fused":  # layer 0, the last layer and the final norm run plain; the layers between still fuse
+                # (their post-attention norms, and their input norms but the first's: layer 0 left nothing pending)
+                assert _norms_with_residual(m, seqs) == max(0, 2 * (layers - 2) - 1)
+        finally:
+            for h in hs:
+                h.remove()
+    for key in ("post", "layer0", "final"):
+        pairs = zip(seen[("sep", key)], seen[("fused", key)])
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in pairs), key
+    assert _norms_with_residual(fused, seqs) == 2 * layers  # hooks removed: every add fused again

@@ -32,7 +32,7 @@ from ..ops.linear import canonical_segments, linear, linear_segment_partials
 from ..ops.logprob import linear_logprob
 from ..ops.norm import rms_norm
 from ..ops.rope import rope
-from ..ops.swiglu import swiglu
+from ..ops.swiglu import linear_swiglu, swiglu
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -260,8 +260,11 @@ class _MLP(nn.Module):
         return True
 
     def forward(self, x):
-        if self.gate_up_fused is not None and self.gate_up_fused.ok():
-            gate, up = self.gate_up_fused(x).split(self.gate_up_fused.sizes, dim=1)
+        fused = self.gate_up_fused
+        if fused is not None and fused.ok():
+            if not fused._forward_hooks:  # no hook wants gate/up: the GEMM and swiglu as one op (one launch on CUDA)
+                return self.down_proj(linear_swiglu(x, fused.weight_rows))
+            gate, up = fused(x).split(fused.sizes, dim=1)
             return self.down_proj(swiglu(gate, up))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
@@ -273,11 +276,30 @@ class _Layer(nn.Module):
         self.self_attn = _Attention(c, dtype, device, tp)
         self.post_attention_layernorm = _Norm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = _MLP(c, dtype, device, tp)
+        self.fused_residual = False  # fuse_projections(): the residual adds inside the norms (forward_fused)
 
     def forward(self, x, positions, attend, layer):
         # HF order: residual adds in the activation dtype, each norm reads the sum.
         x = x + self.self_attn(self.input_layernorm(x), positions, attend, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def can_fuse_residuals(self) -> bool:
+        """`forward_fused` may serve this call: the layout asks for it (fuse_projections), no hook on the layer or its
+        norms wants the values in between, and no gradient is wanted."""
+        return self.fused_residual and not torch.is_grad_enabled() and not any(
+            m._forward_hooks or m._forward_pre_hooks for m in (self, self.input_layernorm, self.post_attention_layernorm))
+
+    def forward_fused(self, x, pending, positions, attend, layer):
+        """`forward` with each residual add inside the norm that reads the sum (`rms_norm(residual=)`: the add in the
+        activation dtype, the same sum as `x + a`, IEEE addition commutes): takes the residual stream x and the previous
+        layer's MLP output not yet added (None: nothing pending), returns the stream after the attention's add and this
+        layer's MLP output, pending for the next norm. The same bits as `forward`, two launches fewer."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            h, x = self.input_layernorm(pending, residual=x)
+        h, x = self.post_attention_layernorm(self.self_attn(h, positions, attend, layer), residual=x)
+        return x, self.mlp(h)
 
 
 class StrictDecoder(nn.Module):
@@ -299,7 +321,11 @@ class StrictDecoder(nn.Module):
         rollout engine's layout: fewer launches, wider tiles). The same bits as the separate GEMMs, the same parameter
         names and values; weights loaded or copied in place afterwards land in the fused weight. A call that wants
         gradients for these parameters, or finds a parameter moved off the fused storage, runs the separate GEMMs.
-        Returns the number of groups fused."""
+        Also in this layout: gate/up's GEMM and swiglu as one op (`rk.linear_swiglu`), and each residual add inside the
+        norm that reads the sum (`rms_norm(residual=)`: `_Layer.forward_fused`), each where no hook wants the values in
+        between and no gradient is wanted. Returns the number of groups fused."""
+        for layer in self.model.layers:
+            layer.fused_residual = True
         return sum(int(layer.self_attn.fuse()) + int(layer.mlp.fuse()) for layer in self.model.layers)
 
     def set_max_positions(self, n: int | None) -> None:
@@ -319,9 +345,20 @@ class StrictDecoder(nn.Module):
         if bound is not None:  # one bound check for the forward, not one per rope call (2 a layer)
             positions = checked_below(positions, bound)
         x = self.model.embed_tokens(input_ids)
+        pending = None  # a layer's MLP output not yet added to x: the next norm adds it (Layer.forward_fused)
         for i, layer in enumerate(self.model.layers):
+            if layer.can_fuse_residuals():
+                x, pending = layer.forward_fused(x, pending, positions, attend, i)
+                continue
+            if pending is not None:
+                x, pending = x + pending, None
             x = layer(x, positions, attend, i)
-        return self.model.norm(x)
+        norm = self.model.norm
+        if pending is None:
+            return norm(x)
+        if norm._forward_hooks or norm._forward_pre_hooks:
+            return norm(x + pending)
+        return norm(pending, residual=x)[0]
 
     def logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """float32 log p(targets | hidden) under the strict linear-logprob contract."""
