@@ -15,7 +15,7 @@ from .dispatch import (OPS, BackendUnavailable, ExecutionPolicy, ProvenanceCount
 from .ops.attention import attention_paged, attention_varlen, write_kv_cache
 from .ops.linear import linear
 from .ops.logprob import linear_entropy, linear_logprob, linear_logprobs_full
-from .ops.norm import rms_norm
+from .ops.norm import rms_norm, rms_norm_rope
 from .ops.rope import rope, rope_table
 from .ops.swiglu import linear_swiglu, swiglu
 from .backends.reference.primitives import tree_sum
@@ -51,6 +51,7 @@ __all__ = [
     "mode",
     "record_provenance",
     "rms_norm",
+    "rms_norm_rope",
     "rope",
     "rope_table",
     "swiglu",

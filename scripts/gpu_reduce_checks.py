@@ -5,7 +5,9 @@
 rlkernel.tree_sum's kernel against the torch composition; the vocab-parallel backward's chunked tiles (and the tile
 fold kernel) against the per-tile loop; the row-parallel node and the one-rank column-parallel input gradient against
 their per-segment partials and tree; SwiGLU's backward kernel (libdevice exp) against the composition (torch.exp);
-the q/k norm in one call against one call per head segment; the RoPE kernel against the composition.
+the q/k norm in one call against one call per head segment; the RoPE kernel against the composition; the head norm +
+RoPE launch against the two kernels; the engine layout's model (fused projections, SwiGLU epilogue, residual adds in the
+norms) against the plain one.
 Split out of gpu_strict_parity.py (which keeps the parity harness, the kernels' timings and the sweeps).
 """
 from __future__ import annotations
@@ -119,9 +121,36 @@ def run(res, dev, bench, log):
     t_k, t_c = bench(lambda: tri_rope.forward(q, pos, cos, sin)), bench(lambda: ref_rope.forward(q, pos, cos, sin))
     out["rope_ms"] = {"kernel": round(t_k, 4), "composition": round(t_c, 4), "speedup": round(t_c / t_k, 2)}
     log("rope:", out["rope_kernel_equal"], out["rope_ms"])
+    out["norm_rope"] = _norm_rope(dev, bench)
+    log("head norm + rope in one launch:", out["norm_rope"])
     out["fused_projections"] = _fused_projections(dev, bench)
     log("fused projections:", out["fused_projections"])
     res["reduce"] = out
+
+
+def _norm_rope(dev, bench):
+    """Qwen3's head norm + RoPE as one launch (norm.norm_rope, reading the q/k view of a fused qkv output) against the
+    norm kernel then the rope kernel (the copy of the strided view the norm makes included), bf16, at the 0.6B and 8B
+    head counts: bits (torch.equal) and time."""
+    import torch
+    from rlkernel.backends.reference import rope as ref_rope
+    from rlkernel.backends.triton import norm, rope
+
+    cos, sin = ref_rope.rope_table(128, 8192, 1e6, dev)
+    out = {}
+    for name, (hq, hkv) in {"0.6b": (16, 8), "8b": (32, 8)}.items():
+        w = (1.0 + 0.1 * torch.randn(128, device=dev)).bfloat16()
+        for t in (1, 64, 256, 2048):
+            qkv = (torch.randn(t, (hq + 2 * hkv) * 128, device=dev) * 3).bfloat16()
+            q = qkv[:, :hq * 128].view(t, hq, 128)
+            pos = torch.randint(0, 8192, (t,), device=dev)
+            want = rope.forward(norm.rms_norm(q, w, 1e-6), pos, cos, sin)
+            got = norm.norm_rope(q, w, 1e-6, pos, cos, sin)
+            rec = {"equal": bool(torch.equal(got, want)),
+                   "two_ops_ms": round(bench(lambda: rope.forward(norm.rms_norm(q, w, 1e-6), pos, cos, sin)), 4),
+                   "one_launch_ms": round(bench(lambda: norm.norm_rope(q, w, 1e-6, pos, cos, sin)), 4)}
+            out[f"{name}_q_T{t}"] = rec
+    return out
 
 
 def _fused_projections(dev, bench):
@@ -155,5 +184,5 @@ def _fused_projections(dev, bench):
                 rec["separate_ms"] = round(bench(lambda: sep.hidden_states(ids, pos, attend)), 4)
                 rec["fused_ms"] = round(bench(lambda: fused.hidden_states(ids, pos, attend)), 4)
             out[f"{name}_T{t}"] = rec
-    out["swiglu_epilogue_checks"] = {str(k): v for k, v in O.SWIGLU_FUSION_CHECKS.items()}
+    out["fusion_checks"] = {str(k): v for k, v in O.FUSION_CHECKS.items()}  # the first-use checks: True or why refused
     return out

@@ -79,9 +79,9 @@ _OPS_SCRIPT = textwrap.dedent('''
     def composition(w):
         return gemm.swiglu(*gemm.matmul(x, w).chunk(2, dim=-1))
     w = torch.randn(40, 24) * 0.3
-    assert O.linear_swiglu(x[:0], w).shape == (0, 20) and not O.SWIGLU_FUSION_CHECKS  # no rows: nothing checked yet
+    assert O.linear_swiglu(x[:0], w).shape == (0, 20) and not O.FUSION_CHECKS  # no rows: nothing checked yet
     assert torch.equal(O.linear_swiglu(x, w), composition(w))  # the first call: both ways, bits compared
-    assert O.SWIGLU_FUSION_CHECKS[(torch.float32, 40, 24)] is True
+    assert O.FUSION_CHECKS[("linear_swiglu", "torch.float32", 40, 24)] is True
     assert torch.equal(O.linear_swiglu(x.reshape(1, 5, 24), w)[0], composition(w))  # then the one launch
     real = gemm.matmul_swiglu
     faults = {"differs": lambda a, b: real(a, b) * 1.0001, "raises": lambda a, b: 1 / 0}
@@ -91,7 +91,7 @@ _OPS_SCRIPT = textwrap.dedent('''
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = O.linear_swiglu(x, w2)
-        why = O.SWIGLU_FUSION_CHECKS[(torch.float32, 16 + 2 * i, 24)]
+        why = O.FUSION_CHECKS[("linear_swiglu", "torch.float32", 16 + 2 * i, 24)]
         assert isinstance(why, str) and ("differs" in why if what == "differs" else "ZeroDivisionError" in why), why
         assert len(caught) == 1 and "refused" in str(caught[0].message), [str(c.message) for c in caught]
         assert torch.equal(got, composition(w2)) and torch.equal(O.linear_swiglu(x, w2), composition(w2))

@@ -30,7 +30,7 @@ from ..backends.reference.rope import checked_below
 from ..ops.attention import attention_varlen
 from ..ops.linear import canonical_segments, linear, linear_segment_partials
 from ..ops.logprob import linear_logprob
-from ..ops.norm import rms_norm
+from ..ops.norm import rms_norm, rms_norm_rope
 from ..ops.rope import rope
 from ..ops.swiglu import linear_swiglu, swiglu
 
@@ -237,10 +237,18 @@ class _Attention(nn.Module):
             q = self.q_proj(x).reshape(t, self.heads, c.head_dim)
             k = self.k_proj(x).reshape(t, self.kv_heads, c.head_dim)
             v = self.v_proj(x).reshape(t, self.kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         bound = self.rope_positions
-        q, k = rope(q, positions, c.rope_theta, max_position=bound), rope(k, positions, c.rope_theta, max_position=bound)
+        if c.qk_norm and self.qkv_fused is not None and not torch.is_grad_enabled() and not any(
+                m._forward_hooks or m._forward_pre_hooks for m in (self.q_norm, self.k_norm)):
+            # the engine layout: each head norm and its rotation as one op (one launch on CUDA, no copy of the view)
+            qn, kn = self.q_norm, self.k_norm
+            q = rms_norm_rope(q, qn.weight, qn.eps, positions, c.rope_theta, max_position=bound)
+            k = rms_norm_rope(k, kn.weight, kn.eps, positions, c.rope_theta, max_position=bound)
+        else:
+            if c.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = rope(q, positions, c.rope_theta, max_position=bound)
+            k = rope(k, positions, c.rope_theta, max_position=bound)
         out = attend(layer, q, k, v)
         return self.o_proj(out.reshape(t, self.heads * c.head_dim))
 

@@ -13,3 +13,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual:
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"rms_norm: residual {tuple(residual.shape)} differs from x {tuple(x.shape)}")
     return dispatch.call("rms_norm", backend, (x, weight), x, weight, eps, residual)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor, theta: float, *,
+                  max_position: int | None = None, backend: str | None = None) -> torch.Tensor:
+    """rope(rms_norm(x, weight, eps), positions, theta): Qwen3's per-head q/k norm and the rotation, x [T, heads, D].
+    The bits of that composition under the current policy (both ops' contracts). Where the implementations that would
+    run it registered a fusion (the Triton norm kernel with the rope kernel's arithmetic in its epilogue, reading a
+    strided q/k view without a copy) and no gradient is wanted, it is one launch; provenance still records both ops.
+    Under a `dispatch.tap` it runs the two ops, so the tap sees each."""
+    from .rope import rope
+
+    if x.dim() != 3 or positions.shape != x.shape[:1]:
+        raise ValueError(f"rms_norm_rope: want x [T, heads, d] and positions [T], got {tuple(x.shape)} and "
+                         f"{tuple(positions.shape)}")
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm_rope: weight {tuple(weight.shape)} does not match head_dim {x.shape[-1]}")
+    if x.shape[-1] % 2:
+        raise ValueError(f"rms_norm_rope: head_dim must be even, got {x.shape[-1]}")
+    impls = (dispatch.resolve("rms_norm", x.device, backend), dispatch.resolve("rope", x.device, backend))
+    fused = dispatch.fusion(("rms_norm", "rope"), impls)
+    if fused is not None and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        dispatch.note_call("rms_norm", impls[0], (x, weight))
+        dispatch.note_call("rope", impls[1], (x, positions))
+        return fused(x, weight, eps, positions, theta, max_position)
+    return rope(rms_norm(x, weight, eps, backend=backend), positions, theta, backend=backend, max_position=max_position)

@@ -101,3 +101,54 @@ def rms_norm_backward(h: torch.Tensor, weight: torch.Tensor, gy: torch.Tensor, e
                                      gho.stride(0), gx.stride(0), float(eps), HAS_GHO=gh_out is not None,
                                      BLOCK=triton.next_power_of_2(H), num_warps=_warps(H), enable_fp_fusion=False)
     return gx.reshape(h.shape), pw
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, sxt, sxh, syt, syh, eps,
+                      D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """One (token, head) row per program: `_rmsnorm_kernel`'s row (the same [BLOCK] layout and reduction), then
+    `rope._rope_kernel`'s rotation of it. The partner element of each column (j + D/2 or j - D/2) is normalised again from
+    its own load with the row's rstd: the same element-wise arithmetic, so the same bits as the norm's output there."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    row = x_ptr + t * sxt + h * sxh
+    x = tl.load(row + cols, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    ss = tl.sum(xf * xf, axis=0)
+    mean = tl.div_rn(ss, D * 1.0)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(mean + eps))
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = ((xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w.to(tl.float32)).to(w_ptr.dtype.element_ty)
+    low = cols < HALF
+    part = tl.where(low, cols + HALF, cols - HALF)
+    xp = tl.load(row + part, mask=mask, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + part, mask=mask, other=0.0)
+    yp = ((xp * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * wp.to(tl.float32)).to(w_ptr.dtype.element_ty)
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.where(low, cols, cols - HALF)
+    c = tl.load(cos_ptr + p * HALF + j, mask=mask, other=0.0)
+    s = tl.load(sin_ptr + p * HALF + j, mask=mask, other=0.0)
+    yf, ypf = y.to(tl.float32), yp.to(tl.float32)
+    out = tl.where(low, yf * c - ypf * s, yf * c + ypf * s)  # x1*c - x2*s | x2*c + x1*s, as the rope kernel
+    tl.store(y_ptr + t * syt + h * syh + cols, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """`rope.forward(rms_norm(x, weight, eps), positions, cos, sin)` in one launch: x [T, heads, D] (any strides but a
+    contiguous last dim: a q or k view of the fused qkv output, no copy), weight [D] -> [T, heads, D] in weight.dtype."""
+    if x.dim() != 3 or positions.dim() != 1 or positions.shape[0] != x.shape[0]:
+        raise ValueError(f"norm_rope: x must be [T, H, D] with positions [T], got {tuple(x.shape)} and {tuple(positions.shape)}")
+    t, h, d = x.shape
+    if weight.shape != (d,) or d % 2 or cos.shape[-1] != d // 2 or sin.shape[-1] != d // 2:
+        raise ValueError(f"norm_rope: weight {tuple(weight.shape)} / tables of width {cos.shape[-1]} do not match head_dim {d}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((t, h, d), dtype=weight.dtype, device=x.device)
+    if t and h:
+        _norm_rope_kernel[(t, h)](x, weight.contiguous(), positions.contiguous(), cos.contiguous(), sin.contiguous(), y,
+                                  x.stride(0), x.stride(1), y.stride(0), y.stride(1), float(eps), D=d, HALF=d // 2,
+                                  BLOCK=triton.next_power_of_2(d), num_warps=_warps(d), enable_fp_fusion=False)
+    return y

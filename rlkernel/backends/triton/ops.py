@@ -184,43 +184,63 @@ def swiglu(gate, up):
     return _ref_swiglu.swiglu(gate, up, prims=TRITON, fwd=lambda g, u: _k()[0].swiglu(g, u), bwd=_swiglu_bwd)
 
 
-# (dtype, 2I, K) -> True: the fused launch gave the composition's bits on its first call here; a str: why it is refused
-SWIGLU_FUSION_CHECKS: dict[tuple, object] = {}
+# (fusion, *shape key) -> True: the fused launch gave the composition's bits on its first call here; a str: why it is
+# refused (it differed or failed), and the composition serves from then on
+FUSION_CHECKS: dict[tuple, object] = {}
 
 
-def _linear_then_swiglu(x2, gate_up_weight):
-    return _k()[0].swiglu(*_linear_fwd(x2, gate_up_weight, None, 1).chunk(2, dim=-1))
+def _checked_fusion(key: tuple, fused, composition, rows: int):
+    """fused() where FUSION_CHECKS[key] is True; else composition(). The first call for a key outside CUDA-graph
+    capture (and with rows to compare) runs both and compares bits (torch.equal): a launch that differs or raises is
+    refused for the process with a warning. A first call inside a capture (no sync possible) takes the composition."""
+    state = FUSION_CHECKS.get(key)
+    if state is True:
+        return fused()
+    if state is not None or not rows or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return composition()
+    want = composition()
+    try:
+        got = fused()
+        ok = torch.equal(got, want) or f"its output differs from the composition in {int((got != want).sum())} of " \
+                                       f"{want.numel()} values"
+    except Exception as e:  # noqa: BLE001 -- a launch that cannot build or run is refused, not fatal
+        ok = f"{type(e).__name__}: {str(e)[:300]}"
+    FUSION_CHECKS[key] = ok
+    if ok is not True:
+        warnings.warn(f"rlkernel: the fused {key[0]} is refused for {key[1:]} ({ok}); its ops run one by one instead")
+    return want
 
 
 def linear_swiglu(x, gate_up_weight):
     """linear then swiglu in one launch (the GEMM's SwiGLU epilogue, `gemm.matmul_swiglu`): forward only (the
-    dispatcher runs the two ops when a gradient is wanted). Checked at first use: the first call for a (dtype, weight
-    shape) outside CUDA-graph capture runs both ways and compares bits (torch.equal); a launch that fails or differs
-    is refused for the process (a warning names why) and the two launches serve every later call. Until checked (a
-    first call inside a capture), the two launches."""
+    dispatcher runs the two ops when a gradient is wanted), checked at first use per (dtype, weight shape)
+    (`_checked_fusion`)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    key = (x.dtype, *gate_up_weight.shape)
-    state = SWIGLU_FUSION_CHECKS.get(key)
-    if state is True:
-        y = _k()[0].matmul_swiglu(x2, gate_up_weight)
-    elif state is not None or x2.shape[0] == 0 or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        y = _linear_then_swiglu(x2, gate_up_weight)  # refused, nothing to compare yet, or no sync possible
-    else:
-        y = _linear_then_swiglu(x2, gate_up_weight)
-        try:
-            fused = _k()[0].matmul_swiglu(x2, gate_up_weight)
-            ok = torch.equal(fused, y) or f"its output differs from linear then swiglu in {int((fused != y).sum())} of " \
-                                          f"{y.numel()} values"
-        except Exception as e:  # noqa: BLE001 -- a launch that cannot build or run is refused, not fatal
-            ok = f"{type(e).__name__}: {str(e)[:300]}"
-        SWIGLU_FUSION_CHECKS[key] = ok
-        if ok is not True:
-            warnings.warn(f"rlkernel: the GEMM + SwiGLU epilogue is refused for {x.dtype} weight "
-                          f"{tuple(gate_up_weight.shape)} ({ok}); linear then swiglu run as two launches instead")
+    gemm = _k()[0]
+    y = _checked_fusion(("linear_swiglu", str(x.dtype), *gate_up_weight.shape),
+                        lambda: gemm.matmul_swiglu(x2, gate_up_weight),
+                        lambda: gemm.swiglu(*_linear_fwd(x2, gate_up_weight, None, 1).chunk(2, dim=-1)), x2.shape[0])
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def rms_norm_rope(x, weight, eps, positions, theta, max_position=None):
+    """rms_norm then rope in one launch (`norm.norm_rope`, reading a strided q/k view without a copy): forward only,
+    checked at first use per (dtypes, head_dim, and whether the row strides are multiples of 16: what the compiled
+    kernel's loads depend on) (`_checked_fusion`). The table and the position bound are rope's own."""
+    from . import rope as _rope_kernel
+
+    norm = _k()[1]
+    key = ("rms_norm_rope", str(x.dtype), str(weight.dtype), x.shape[-1], x.stride(0) % 16 == 0, x.stride(1) % 16 == 0)
+
+    def fwd(x, positions, cos, sin):
+        return _checked_fusion(key, lambda: norm.norm_rope(x, weight, eps, positions, cos, sin),
+                               lambda: _rope_kernel.forward(norm.rms_norm(x, weight, eps), positions, cos, sin),
+                               x.shape[0] * x.shape[1])
+
+    return _ref_rope.rope(x, positions, theta, fwd=fwd, max_position=max_position)
 
 
 # ---- attention ----------------------------------------------------------------------------
@@ -415,3 +435,4 @@ for _op, _fn in (("linear", linear), ("rms_norm", rms_norm), ("swiglu", swiglu),
                  ("linear_logprob", linear_logprob)):
     dispatch.register(_op, "triton", G.BY_OP[_op], devices=("cuda",), available=available, prims=TRITON)(_fn)
 dispatch.register_fusion(("linear", "swiglu"), ("triton", "triton"), linear_swiglu)
+dispatch.register_fusion(("rms_norm", "rope"), ("triton", "triton"), rms_norm_rope)
