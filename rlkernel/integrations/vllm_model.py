@@ -44,7 +44,9 @@ class StrictForCausalLM(StrictDecoder):
         config = DecoderConfig.from_hf(hf.to_dict())
         super().__init__(config, dtype=vllm_config.model_config.dtype, device=vllm_config.device_config.device, tp=_vllm_tp())
         self.set_max_positions(vllm_config.model_config.max_model_len)  # RoPE without reading positions back
-        self.fuse_projections()  # q/k/v and gate/up as one GEMM each over views of one weight: the same bits
+        # the engine layout: q/k/v and gate/up one GEMM each over views of one weight, gate/up + SwiGLU, head norm +
+        # RoPE and each residual add + norm one op each (one launch on CUDA): the same bits
+        self.fuse_projections()
         settings = plugin_settings(vllm_config)
         self.rollout_temperature = float(settings.get("temperature", 1.0))
         if not self.rollout_temperature > 0:

@@ -329,9 +329,10 @@ class StrictDecoder(nn.Module):
         rollout engine's layout: fewer launches, wider tiles). The same bits as the separate GEMMs, the same parameter
         names and values; weights loaded or copied in place afterwards land in the fused weight. A call that wants
         gradients for these parameters, or finds a parameter moved off the fused storage, runs the separate GEMMs.
-        Also in this layout: gate/up's GEMM and swiglu as one op (`rk.linear_swiglu`), and each residual add inside the
-        norm that reads the sum (`rms_norm(residual=)`: `_Layer.forward_fused`), each where no hook wants the values in
-        between and no gradient is wanted. Returns the number of groups fused."""
+        Also in this layout: gate/up's GEMM and swiglu as one op (`rk.linear_swiglu`), Qwen3's head norm and RoPE as
+        one op (`rk.rms_norm_rope`), and each residual add inside the norm that reads the sum (`rms_norm(residual=)`:
+        `_Layer.forward_fused`), each where no hook wants the values in between and no gradient is wanted (one launch
+        each on CUDA, where the Triton backend registers the fusion). Returns the number of groups fused."""
         for layer in self.model.layers:
             layer.fused_residual = True
         return sum(int(layer.self_attn.fuse()) + int(layer.mlp.fuse()) for layer in self.model.layers)
