@@ -231,19 +231,26 @@ def compare(a: dict, b: dict):
 
 
 def parity(args, res, model):
+    import copy
+
     import torch
     import rlkernel as rk
     seqs, plens = make_seqs(args.seqs, QWEN3_8B["vocab_size"], (16, 256), (args.gen_min, args.gen_max), seed=7)
+    # the rollout side in the engine's layout (vllm_model.py: fused projections, SwiGLU epilogue, head norm + RoPE and the
+    # residual adds in the norms), the training side in the trainer's (the model as built): the same weights
+    engine = copy.deepcopy(model)
+    engine.fuse_projections()
     res["parity_setup"] = {"sequences": len(seqs), "generated_tokens": sum(len(s) - p for s, p in zip(seqs, plens)),
                            "concurrency": args.concurrency, "layers": args.layers, "dtype": "bfloat16",
-                           "page_size": 16, "prompt_tokens": [16, 256], "gen_tokens": [args.gen_min, args.gen_max]}
+                           "page_size": 16, "prompt_tokens": [16, 256], "gen_tokens": [args.gen_min, args.gen_max],
+                           "rollout_layout": "engine (StrictDecoder.fuse_projections)", "training_layout": "plain"}
     max_len = max(len(s) for s in seqs)
     blocks = args.concurrency * ((max_len + 15) // 16 + 1) + 64
     prov = rk.ProvenanceCounter()
     with torch.no_grad(), prov.collect():
         cache = PagedCache(args.layers, blocks, 16, QWEN3_8B["num_kv_heads"], QWEN3_8B["head_dim"], seed=3)
         t = time.time()
-        ro, steps = rollout(model, seqs, plens, args.concurrency, cache, seed=11)
+        ro, steps = rollout(engine, seqs, plens, args.concurrency, cache, seed=11)
         torch.cuda.synchronize()
         t_ro = time.time() - t
         log(f"rollout: {steps} engine steps in {t_ro:.1f}s")
@@ -265,7 +272,7 @@ def parity(args, res, model):
     with torch.no_grad():
         sub = list(range(min(64, len(seqs))))
         cache = PagedCache(args.layers, blocks, 16, QWEN3_8B["num_kv_heads"], QWEN3_8B["head_dim"], seed=9)
-        ro2, _ = rollout(model, [seqs[i] for i in sub], [plens[i] for i in sub], 16, cache, seed=23)
+        ro2, _ = rollout(engine, [seqs[i] for i in sub], [plens[i] for i in sub], 16, cache, seed=23)
     res["parity"]["rerun_other_batches"] = compare({i: ro[i] for i in sub}, ro2)
     log("rerun:", res["parity"]["rerun_other_batches"])
 
