@@ -97,6 +97,10 @@ STEPS: dict[str, tuple[int, str]] = {
     "fa3_golden": (240, "python3 -m rlkernel.backends.fa3 --record && cp rlkernel/contracts/fa3_golden.json {out}/"),
     "parity_fa3": (300, f"vime parity --model {TQ} --num-prompts 64 --max-tokens 48 --max-num-seqs 32 --max-num-batched-tokens 256 "
                         "--dtype bfloat16 --update-weights --cuda-graphs --attention fa3 --scorer megatron"),
+    # issue 10's harness after the engine-layout fusions: the launch savers and fusions bit for bit (reduce), then the
+    # 1,000,000-token parity with the rollout side in the engine layout, and the native control, merged into the JSON
+    "strict_reduce_parity": (580, "python3 scripts/gpu_strict_parity.py --only reduce,parity,native "
+                                  "--merge benchmarks/h200_strict_parity.json --out {out}"),
     # where the strict update's time goes at the loop's size (Qwen3-0.6B shape, 128 short samples), strict vs native
     "update_profile": (300, "python3 scripts/gpu_update_profile.py --top 40 --out {out}"),
     "loop_tiny": (400, "python3 scripts/gpu_loop.py --config-name grpo_tiny --steps 20 --out {out} --tag h200_loop_grpo_tiny resources.gpus=1"),
