@@ -101,7 +101,8 @@ def test_a_hung_engine_is_restarted_and_its_call_repeated(tmp_path):
     import json
 
     got = last_json(proc.stdout)
-    assert got["records"] == ["7:a", "7:b"] and got["restarts"] == 1 and got["seconds"] < 120
+    # no wall-clock bound: without the kill and restart the call would sleep 600 s, past this test's 300 s limit
+    assert got["records"] == ["7:a", "7:b"] and got["restarts"] == 1, got
     assert "rollout[vllm-0] failed (rollout[vllm-0].generate did not return within 3 s" in proc.stderr
 
 
@@ -144,4 +145,6 @@ def test_a_dead_trainer_rank_is_named_at_once():
     import json
 
     got = last_json(proc.stdout)
-    assert got["raised"] and got["raised"].startswith("trainer[rank 1] died during update") and got["seconds"] < 60
+    # no wall-clock bound: had the group waited for rank 0 it would have raised rank 0's RoleTimeoutError at its 100 s
+    # call limit ("did not return within"), not rank 1's death
+    assert got["raised"] and got["raised"].startswith("trainer[rank 1] died during update"), got
