@@ -45,6 +45,7 @@ __all__ = [
     "tapped",
     "register_fusion",
     "fusion",
+    "call_fusion",
 ]
 
 # The op names the public API dispatches; recipes use the same names for
@@ -297,6 +298,21 @@ def fusion(ops: tuple, impls: tuple[Implementation, ...]) -> Callable | None:
     if tapped():
         return None
     return _FUSIONS.get((tuple(ops), tuple(i.name for i in impls)))
+
+
+def call_fusion(ops: tuple, backend: str | None, op_tensors: tuple, *args):
+    """Run the chain `ops` as its registered fusion under the current policy (or `backend`), if there is one and no
+    gradient is wanted of any input: each op's call recorded in provenance as `call` records it (`op_tensors`: each
+    op's input tensors), the fusion's output returned. None: no fusion applies (none registered, a tap observes, a
+    gradient is wanted) and the caller runs the ops one by one."""
+    device = op_tensors[0][0].device
+    impls = tuple(resolve(op, device, backend) for op in ops)
+    fn = fusion(ops, impls)
+    if fn is None or (torch.is_grad_enabled() and any(t.requires_grad for ts in op_tensors for t in ts)):
+        return None
+    for op, impl, ts in zip(ops, impls, op_tensors):
+        _record(op, impl, ts)
+    return fn(*args)
 
 
 def note_call(op: str, impl: Implementation, tensors: tuple) -> None:

@@ -134,3 +134,17 @@ def last_json(stdout: str):
             except ValueError:
                 continue
     raise AssertionError(f"no JSON line in the child's stdout: {stdout[-2000:]!r}")
+
+
+@contextlib.contextmanager
+def cpu_fusion(ops: tuple, fn):
+    """`fn` registered as the fusion of the chain `ops` for the implementations that run them on the CPU, for the block
+    (the real fusions are the Triton backend's, CUDA only): for tests of the dispatcher's and the decoder's routing."""
+    from rlkernel import dispatch
+
+    key = (tuple(ops), tuple(dispatch.resolve(op, torch.device("cpu")).name for op in ops))
+    dispatch.register_fusion(*key, fn)
+    try:
+        yield
+    finally:
+        dispatch._FUSIONS.pop(key)

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 import rlkernel as rk
-from rlkernel import dispatch
-from helpers import run_interpreted
+from helpers import cpu_fusion, run_interpreted
 
 _SCRIPT = textwrap.dedent('''
     import warnings
@@ -116,16 +115,8 @@ def _counting_fusions(calls: dict):
         calls["rms_norm_rope"] = calls.get("rms_norm_rope", 0) + 1
         return rk.rope(rk.rms_norm(x, w, eps), pos, theta, max_position=max_position)
 
-    dev = torch.device("cpu")
-    keys = [(("linear", "swiglu"), linear_swiglu), (("rms_norm", "rope"), rms_norm_rope)]
-    names = {ops: tuple(dispatch.resolve(op, dev).name for op in ops) for ops, _ in keys}
-    for ops, fn in keys:
-        dispatch.register_fusion(ops, names[ops], fn)
-    try:
+    with cpu_fusion(("linear", "swiglu"), linear_swiglu), cpu_fusion(("rms_norm", "rope"), rms_norm_rope):
         yield
-    finally:
-        for ops, _ in keys:
-            dispatch._FUSIONS.pop((ops, names[ops]))
 
 
 def test_the_engine_layout_hands_both_chains_to_the_dispatcher(tmp_path):

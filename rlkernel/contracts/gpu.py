@@ -70,6 +70,11 @@ LOGPROB_BF16 = TileConfig(128, 256, 64, 3, 8)  # the fused linear-logprob's own 
 ATTENTION_TILES = AttentionTiles()
 
 
+def dtype_name(dtype) -> str:
+    """A torch dtype as the config functions below name it ("bfloat16", "float32")."""
+    return str(dtype).replace("torch.", "")
+
+
 def gemm_class(n: int, k: int, m: int | None = None) -> str:
     """The BF16_GEMM entry for a weight [N, K] and M rows (None: large). Scheduling only: every entry gives the same
     bits."""

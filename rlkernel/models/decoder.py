@@ -118,6 +118,12 @@ class DecoderConfig:
         )
 
 
+def _hooked(*mods: nn.Module) -> bool:
+    """Whether a forward (pre-)hook watches any of `mods` (`vime diagnose`): the engine layout's fusions then step aside
+    there, so the hook sees the values the plain forward computes."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in mods)
+
+
 def _weight(*shape, dtype, device):
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
 
@@ -238,8 +244,7 @@ class _Attention(nn.Module):
             k = self.k_proj(x).reshape(t, self.kv_heads, c.head_dim)
             v = self.v_proj(x).reshape(t, self.kv_heads, c.head_dim)
         bound = self.rope_positions
-        if c.qk_norm and self.qkv_fused is not None and not torch.is_grad_enabled() and not any(
-                m._forward_hooks or m._forward_pre_hooks for m in (self.q_norm, self.k_norm)):
+        if c.qk_norm and self.qkv_fused is not None and not _hooked(self.q_norm, self.k_norm):
             # the engine layout: each head norm and its rotation as one op (one launch on CUDA, no copy of the view)
             qn, kn = self.q_norm, self.k_norm
             q = rms_norm_rope(q, qn.weight, qn.eps, positions, c.rope_theta, max_position=bound)
@@ -270,7 +275,7 @@ class _MLP(nn.Module):
     def forward(self, x):
         fused = self.gate_up_fused
         if fused is not None and fused.ok():
-            if not fused._forward_hooks:  # no hook wants gate/up: the GEMM and swiglu as one op (one launch on CUDA)
+            if not _hooked(fused):  # no hook wants gate/up: the GEMM and swiglu as one op (one launch on CUDA)
                 return self.down_proj(linear_swiglu(x, fused.weight_rows))
             gate, up = fused(x).split(fused.sizes, dim=1)
             return self.down_proj(swiglu(gate, up))
@@ -294,8 +299,8 @@ class _Layer(nn.Module):
     def can_fuse_residuals(self) -> bool:
         """`forward_fused` may serve this call: the layout asks for it (fuse_projections), no hook on the layer or its
         norms wants the values in between, and no gradient is wanted."""
-        return self.fused_residual and not torch.is_grad_enabled() and not any(
-            m._forward_hooks or m._forward_pre_hooks for m in (self, self.input_layernorm, self.post_attention_layernorm))
+        return self.fused_residual and not torch.is_grad_enabled() and not _hooked(
+            self, self.input_layernorm, self.post_attention_layernorm)
 
     def forward_fused(self, x, pending, positions, attend, layer):
         """`forward` with each residual add inside the norm that reads the sum (`rms_norm(residual=)`: the add in the
@@ -365,7 +370,7 @@ class StrictDecoder(nn.Module):
         norm = self.model.norm
         if pending is None:
             return norm(x)
-        if norm._forward_hooks or norm._forward_pre_hooks:
+        if _hooked(norm):
             return norm(x + pending)
         return norm(pending, residual=x)[0]
 

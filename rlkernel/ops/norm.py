@@ -31,10 +31,8 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: 
         raise ValueError(f"rms_norm_rope: weight {tuple(weight.shape)} does not match head_dim {x.shape[-1]}")
     if x.shape[-1] % 2:
         raise ValueError(f"rms_norm_rope: head_dim must be even, got {x.shape[-1]}")
-    impls = (dispatch.resolve("rms_norm", x.device, backend), dispatch.resolve("rope", x.device, backend))
-    fused = dispatch.fusion(("rms_norm", "rope"), impls)
-    if fused is not None and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        dispatch.note_call("rms_norm", impls[0], (x, weight))
-        dispatch.note_call("rope", impls[1], (x, positions))
-        return fused(x, weight, eps, positions, theta, max_position)
+    y = dispatch.call_fusion(("rms_norm", "rope"), backend, ((x, weight), (x, positions)), x, weight, eps, positions,
+                             theta, max_position)
+    if y is not None:
+        return y
     return rope(rms_norm(x, weight, eps, backend=backend), positions, theta, backend=backend, max_position=max_position)

@@ -25,11 +25,8 @@ def linear_swiglu(x: torch.Tensor, gate_up_weight: torch.Tensor, *, backend: str
     if gate_up_weight.dim() != 2 or gate_up_weight.shape[-1] != x.shape[-1] or gate_up_weight.shape[0] % 2:
         raise ValueError(f"linear_swiglu: x has K={x.shape[-1]} but the gate/up weight is {tuple(gate_up_weight.shape)} "
                          f"(want [2I, {x.shape[-1]}])")
-    impls = (dispatch.resolve("linear", x.device, backend), dispatch.resolve("swiglu", x.device, backend))
-    fused = dispatch.fusion(("linear", "swiglu"), impls)
-    if fused is not None and not (torch.is_grad_enabled() and (x.requires_grad or gate_up_weight.requires_grad)):
-        dispatch.note_call("linear", impls[0], (x, gate_up_weight))
-        dispatch.note_call("swiglu", impls[1], (x,))
-        return fused(x, gate_up_weight)
+    y = dispatch.call_fusion(("linear", "swiglu"), backend, ((x, gate_up_weight), (x,)), x, gate_up_weight)
+    if y is not None:
+        return y
     gate, up = linear(x, gate_up_weight, backend=backend).chunk(2, dim=-1)
     return swiglu(gate, up, backend=backend)

@@ -310,7 +310,7 @@ def _is_fp32(t: torch.Tensor) -> bool:
 
 
 def _config(a: torch.Tensor, n: int, k: int, config):
-    return config if config is not None else C.gemm_config(str(a.dtype).replace("torch.", ""), n, k, a.shape[0])
+    return config if config is not None else C.gemm_config(C.dtype_name(a.dtype), n, k, a.shape[0])
 
 
 _SMEM_LIMIT = 232448  # bytes per block on sm_90
@@ -407,7 +407,7 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         cfg = C.BF16_GEMM["t128x128"] if not _is_fp32(a) else cfg
     if not split and k_segments > 1 and config is None:
         # several live accumulators: the table's tile, fitted to keep them in registers
-        cfg = C.segments_config(str(a.dtype).replace("torch.", ""), N, K, M, k_segments)
+        cfg = C.segments_config(C.dtype_name(a.dtype), N, K, M, k_segments)
     stream = schedule == "stream"
     if stream and (k_segments not in (2, 4) or K % (k_segments * cfg.block_k)):
         raise ValueError(f"matmul: schedule 'stream' needs 2 or 4 segments and K a multiple of segments x block_k "
@@ -453,7 +453,7 @@ def matmul_swiglu(x: torch.Tensor, gate_up_weight: torch.Tensor, *, config: C.Ti
     if gate_up_weight.dtype != x.dtype:
         raise ValueError(f"matmul_swiglu: dtypes differ ({x.dtype} vs {gate_up_weight.dtype})")
     N = gate_up_weight.shape[0] // 2
-    cfg = config or C.swiglu_config(str(x.dtype).replace("torch.", ""), N, K, M)
+    cfg = config or C.swiglu_config(C.dtype_name(x.dtype), N, K, M)
     out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0 or N == 0:
         return out

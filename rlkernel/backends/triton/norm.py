@@ -10,6 +10,18 @@ from . import contracts as C  # noqa: F401  (the contract this module follows: C
 
 
 @triton.jit
+def _row_rstd(xf, n, eps):
+    """1 / sqrt(sum(x^2) / n + eps) of one fp32 row: tl.sum over the row's [BLOCK] layout, IEEE divides and sqrt."""
+    return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(xf * xf, axis=0), n) + eps))
+
+
+@triton.jit
+def _normed(x, rstd, w):
+    """x * rstd rounded to x's dtype, then times w rounded to w's dtype (the contract's rounding points)."""
+    return ((x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)).to(w.dtype)
+
+
+@triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, H, sx, sr, sy, sh, eps,
                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -20,15 +32,9 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, H, sx, sr, sy, sh, eps,
         r = tl.load(r_ptr + row * sr + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(h_ptr + row * sh + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    sq = xf * xf
-    ss = tl.sum(sq, axis=0)
-    mean = tl.div_rn(ss, H.to(tl.float32))
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(mean + eps))
-    yn = (xf * rstd).to(x_ptr.dtype.element_ty)
+    rstd = _row_rstd(x.to(tl.float32), H.to(tl.float32), eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = (yn.to(tl.float32) * w.to(tl.float32)).to(w_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * sy + cols, y, mask=mask)
+    tl.store(y_ptr + row * sy + cols, _normed(x, rstd, w), mask=mask)
 
 
 def _warps(h: int) -> int:
@@ -70,7 +76,7 @@ def _rmsnorm_bwd_kernel(h_ptr, w_ptr, gy_ptr, gho_ptr, gx_ptr, pw_ptr, H, sh, sg
     mask = cols < H
     h = tl.load(h_ptr + row * sh + cols, mask=mask, other=0.0)
     hf = h.to(tl.float32)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(hf * hf, axis=0), H.to(tl.float32)) + eps))
+    rstd = _row_rstd(hf, H.to(tl.float32), eps)
     xhat = hf * rstd
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     gy = tl.load(gy_ptr + row * sgy + cols, mask=mask, other=0.0).to(tl.float32)
@@ -106,26 +112,21 @@ def rms_norm_backward(h: torch.Tensor, weight: torch.Tensor, gy: torch.Tensor, e
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, sxt, sxh, syt, syh, eps,
                       D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
-    """One (token, head) row per program: `_rmsnorm_kernel`'s row (the same [BLOCK] layout and reduction), then
-    `rope._rope_kernel`'s rotation of it. The partner element of each column (j + D/2 or j - D/2) is normalised again from
-    its own load with the row's rstd: the same element-wise arithmetic, so the same bits as the norm's output there."""
+    """One (token, head) row per program: `_rmsnorm_kernel`'s row (the same [BLOCK] layout, `_row_rstd` and `_normed`),
+    then `rope._rope_kernel`'s rotation of it. The partner element of each column (j + D/2 or j - D/2) is normalised
+    again from its own load with the row's rstd: the same element-wise arithmetic, so the same bits as the norm's
+    output there."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     row = x_ptr + t * sxt + h * sxh
     x = tl.load(row + cols, mask=mask, other=0.0)
-    xf = x.to(tl.float32)
-    ss = tl.sum(xf * xf, axis=0)
-    mean = tl.div_rn(ss, D * 1.0)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(mean + eps))
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = ((xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w.to(tl.float32)).to(w_ptr.dtype.element_ty)
+    rstd = _row_rstd(x.to(tl.float32), D * 1.0, eps)
+    y = _normed(x, rstd, tl.load(w_ptr + cols, mask=mask, other=0.0))
     low = cols < HALF
     part = tl.where(low, cols + HALF, cols - HALF)
-    xp = tl.load(row + part, mask=mask, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + part, mask=mask, other=0.0)
-    yp = ((xp * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * wp.to(tl.float32)).to(w_ptr.dtype.element_ty)
+    yp = _normed(tl.load(row + part, mask=mask, other=0.0), rstd, tl.load(w_ptr + part, mask=mask, other=0.0))
     p = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.where(low, cols, cols - HALF)
     c = tl.load(cos_ptr + p * HALF + j, mask=mask, other=0.0)

@@ -57,10 +57,6 @@ def available() -> bool:
     return _avail()
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).replace("torch.", "")
-
-
 def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """float32 a @ b under the GEMM contract (Prims.matmul): a transposed weight view goes
     through the weight path, so a row-parallel partial equals the k-segment of `linear`.
@@ -97,12 +93,16 @@ TRITON = Prims("triton", torch.exp, torch.log, _mm32, _fold)
 REGISTERS_MAX_M = 2048  # rows up to which a k-segment linear runs in one launch (the "registers" schedule)
 
 
+def _rows(x):
+    """x as [rows, K] with a contiguous last dim (a view where it can be)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def _linear_fwd(x, weight, bias, k_segments):
     gemm = _k()[0]
     k, n = x.shape[-1], weight.shape[0]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     if bias is None and k_segments in (1, 2, 4, 8):
         # every schedule gives the same bits (gemm.matmul); a few rows are launch-bound: one program walks every
         # segment there, more rows take one plain GEMM per segment (session 7's timings)
@@ -215,10 +215,7 @@ def linear_swiglu(x, gate_up_weight):
     """linear then swiglu in one launch (the GEMM's SwiGLU epilogue, `gemm.matmul_swiglu`): forward only (the
     dispatcher runs the two ops when a gradient is wanted), checked at first use per (dtype, weight shape)
     (`_checked_fusion`)."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     gemm = _k()[0]
     y = _checked_fusion(("linear_swiglu", str(x.dtype), *gate_up_weight.shape),
                         lambda: gemm.matmul_swiglu(x2, gate_up_weight),
@@ -297,7 +294,7 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> bool:
 # ---- linear_logprob -----------------------------------------------------------------------
 
 def _cfg(hidden, weight, vocab_size):
-    return G.logprob_config(_dtype_name(hidden), vocab_size, hidden.shape[1])
+    return G.logprob_config(G.dtype_name(hidden.dtype), vocab_size, hidden.shape[1])
 
 
 def _logits(hidden, weight, lo, hi, temperature):
