@@ -224,6 +224,9 @@ def main(argv=None):
     ap.add_argument("--swiglu", action="store_true",
                     help="the GEMM + SwiGLU epilogue at the gate_up shapes (default --shapes gate_up,q06_gate_up) against "
                          "the strict two launches and stock vLLM's cuBLAS + silu_and_mul")
+    ap.add_argument("--name", help="the JSON file's name in --out (default by kind: h200_gemm_sweep.json, "
+                                   "h200_gemm_sweep_segments<N>.json, h200_gemm_sweep_swiglu.json); two sweeps in one "
+                                   "session need two names, or the second overwrites the first")
     args = ap.parse_args(argv)
     if args.swiglu and args.shapes == ap.get_default("shapes"):
         args.shapes = "gate_up,q06_gate_up"
@@ -249,6 +252,10 @@ def main(argv=None):
         if args.segments != 1:
             ap.error("--swiglu has no K segments")
         name = "h200_gemm_sweep_swiglu.json"
+    if args.name:
+        if "/" in args.name or not args.name.endswith(".json"):
+            ap.error(f"--name: a file name ending in .json, not {args.name!r}")
+        name = args.name
     import torch
     if not torch.cuda.is_available():
         out.mkdir(parents=True, exist_ok=True)

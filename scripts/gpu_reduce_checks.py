@@ -6,7 +6,7 @@ rlkernel.tree_sum's kernel against the torch composition; the vocab-parallel bac
 fold kernel) against the per-tile loop; the row-parallel node and the one-rank column-parallel input gradient against
 their per-segment partials and tree; SwiGLU's backward kernel (libdevice exp) against the composition (torch.exp);
 the q/k norm in one call against one call per head segment; the RoPE kernel against the composition; the head norm +
-RoPE launch against the two kernels; the engine layout's model (fused projections, SwiGLU epilogue, residual adds in the
+RoPE launch against the two kernels; the engine layout's model (fused projections, residual adds in the
 norms) against the plain one.
 Split out of gpu_strict_parity.py (which keeps the parity harness, the kernels' timings and the sweeps).
 """
@@ -157,10 +157,11 @@ def _norm_rope(dev, bench):
 
 
 def _fused_projections(dev, bench):
-    """The rollout engine's layout (StrictDecoder.fuse_projections: q/k/v and gate/up one GEMM each, gate/up + SwiGLU
-    as one launch (`rk.linear_swiglu`), the residual adds inside the norms) against the plain model, two layers at Qwen3-8B
-    and 0.6B dimensions, bf16, under no_grad as an engine runs it: the final-normed hidden states bit for bit at decode
-    and prefill row counts, the model's time both ways, and whether the SwiGLU epilogue passed its first-use check."""
+    """The rollout engine's layout (StrictDecoder.fuse_projections: q/k/v and gate/up one GEMM each, head norm + RoPE
+    as one launch, the residual adds inside the norms; gate/up + SwiGLU as one launch where contracts.gpu.SWIGLU_EPILOGUE
+    registers it) against the plain model, two layers at Qwen3-8B and 0.6B dimensions, bf16, under no_grad as an engine
+    runs it: the final-normed hidden states bit for bit at decode and prefill row counts, the model's time both ways,
+    and whether each registered fusion passed its first-use check."""
     import copy
 
     import torch

@@ -66,7 +66,7 @@ STEPS: dict[str, tuple[int, str]] = {
                            "--engines stock_graphs,stock,strict --out {out}/h200_rollout_bench.json"),
     "rollout_bench_graphs": (540, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
                                   "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 2 "
-                                  "--engines stock_graphs,strict_graphs --out {out}/h200_rollout_bench_graphs.json"),
+                                  "--engines stock_graphs,strict_graphs --out {out}/h200_rollout_bench_graphs_2engines.json"),
     # the same with the strict engine's FA3 attention contract as a third engine (the loop's fastest strict arm)
     "rollout_bench_fa3": (590, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
                                "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 2 "
@@ -82,12 +82,14 @@ STEPS: dict[str, tuple[int, str]] = {
     # clusters of two CTAs per tile (num_ctas=2; Hopper's shared loads) at the M where the table is short of 0.9x cuBLAS
     "gemm_clusters": (300, "python3 scripts/gpu_gemm_sweep.py --ms 256,512,1024 --shapes qkv,gate_up,o "
                            "--candidates contract,64x128x128_s4_w4,64x128x128_s4_w4_c2,128x128x64_s4_w8,128x128x64_s4_w8_c2,"
-                           "128x256x64_s3_w8,128x256x64_s3_w8_c2,64x256x64_s4_w4,64x256x64_s4_w4_c2 --out {out}"),
+                           "128x256x64_s3_w8,128x256x64_s3_w8_c2,64x256x64_s4_w4,64x256x64_s4_w4_c2 --name h200_gemm_sweep_clusters.json "
+                           "--out {out}"),
     # the contract's table (by N and M) against the runners-up, M from decode to training sizes
     "gemm_table": (400, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,64,128,256,512,1024,2048,4096 --shapes qkv,o,down,gate_up "
                         "--candidates contract,64x128x128_s4_w4,128x128x64_s4_w8,128x128x128_s3_w8,128x256x64_s3_w8,"
-                        "64x256x64_s4_w4 --out {out}"),
-    # the GEMM + SwiGLU epilogue (rk.linear_swiglu, the engine's MLP) vs the strict two launches and stock cuBLAS + silu_and_mul
+                        "64x256x64_s4_w4 --name h200_gemm_sweep_table.json --out {out}"),
+    # the GEMM + SwiGLU epilogue (gemm.matmul_swiglu; off in the engine since session 12, contracts.gpu.SWIGLU_EPILOGUE) vs
+    # the strict two launches and stock cuBLAS + silu_and_mul
     "gemm_swiglu": (300, "python3 scripts/gpu_gemm_sweep.py --swiglu --ms 1,16,64,256,512,1024,4096 --out {out}"),
     # FA3 with num_splits=1 (inside vLLM) vs rlkernel's Triton attention: speed and the bit properties a contract needs
     "fa3_compare": (300, "python3 scripts/gpu_fa3_compare.py --out {out}"),

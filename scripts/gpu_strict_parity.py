@@ -236,7 +236,7 @@ def parity(args, res, model):
     import torch
     import rlkernel as rk
     seqs, plens = make_seqs(args.seqs, QWEN3_8B["vocab_size"], (16, 256), (args.gen_min, args.gen_max), seed=7)
-    # the rollout side in the engine's layout (vllm_model.py: fused projections, SwiGLU epilogue, head norm + RoPE and the
+    # the rollout side in the engine's layout (vllm_model.py: fused projections, head norm + RoPE as one launch and the
     # residual adds in the norms), the training side in the trainer's (the model as built): the same weights
     engine = copy.deepcopy(model)
     engine.fuse_projections()

@@ -59,11 +59,12 @@ class AttentionTiles:
 # keeps one config.
 BF16_GEMM = {
     "t64x32": TileConfig(64, 32, 256, 4, 4),  # N <= 1024, M <= 256 (0.6B o/down, M=256: 0.66 -> 0.89x, 0.61 -> 0.84x)
-    "t64x128": TileConfig(64, 128, 128, 4, 4),  # 1024 < N < 16384 at M <= 512; N <= 1024 at 256 < M <= 1024;
-    #                                             N >= 16384 at 64 < M <= 256
+    "t64x128": TileConfig(64, 128, 128, 4, 4),  # 1024 < N < 16384 at M <= 512 (N <= 4096: M <= 256); N <= 1024 at
+    #                                             256 < M <= 1024; N >= 16384 at 64 < M <= 256
     "t64x256": TileConfig(64, 256, 64, 4, 4),  # N >= 16384, M <= 64 (streams the weight: 0.84-0.96x)
-    "t128x128": TileConfig(128, 128, 64, 4, 8),  # 1024 < N < 16384, 512 < M <= 1024
-    "t128x256": TileConfig(128, 256, 64, 3, 8),  # M > 1024 (any N); N >= 16384 at M > 256 (0.99-1.07x)
+    "t128x128": TileConfig(128, 128, 64, 4, 8),  # 4096 < N < 16384 at 512 < M <= 1024; 1024 < N <= 4096 at 256 < M <= 512
+    "t128x256": TileConfig(128, 256, 64, 3, 8),  # M > 1024 (any N); N >= 16384 at M > 256 (0.99-1.07x); 1024 < N <= 4096
+    #                                               at 512 < M <= 1024
 }
 FP32_GEMM = TileConfig(64, 64, 32, 3, 4, tma=False)
 LOGPROB_BF16 = TileConfig(128, 256, 64, 3, 8)  # the fused linear-logprob's own tile
@@ -85,6 +86,8 @@ def gemm_class(n: int, k: int, m: int | None = None) -> str:
         return "t128x256"
     if n <= 1024:
         return "t64x32" if m <= 256 else "t64x128"
+    if n <= 4096 and m > 256:  # 8B o/down shapes: one wave of 128 tiles on 132 SMs (M = 512: 0.79 -> 0.85-0.88x;
+        return "t128x128" if m <= 512 else "t128x256"  # M = 1024: 0.83-0.93 -> 0.93-0.98x; session 12's table)
     return "t64x128" if m <= 512 else "t128x128"
 
 
@@ -104,6 +107,14 @@ def _fit_accumulators(cfg: TileConfig, live: int) -> TileConfig:
     while cfg.block_n > 32 and live * cfg.block_m * cfg.block_n > _ACC_REGS * 32 * cfg.num_warps:
         cfg = replace(cfg, block_n=cfg.block_n // 2)
     return cfg
+
+
+# The GEMM + SwiGLU epilogue (`gemm.matmul_swiglu`) is registered as `rk.linear_swiglu`'s fusion only where it is worth
+# it. On the H200 (session 12, benchmarks/h200_gemm_sweep_swiglu.json: 7 tiles x 7 M x the 8B and 0.6B gate/up, every
+# one bit-equal to linear then swiglu) it lost to those two launches at every shape: best 0.56-0.83x stock cuBLAS +
+# silu_and_mul against the two launches' 0.74-1.00x (two accumulators per tile, two weight tiles a stage). So the
+# engine runs the GEMM, then SwiGLU on its output's halves (no copies); scripts/gpu_gemm_sweep.py --swiglu re-times it.
+SWIGLU_EPILOGUE = False
 
 
 def swiglu_config(dtype_name: str, n: int, k: int, m: int | None = None) -> TileConfig:

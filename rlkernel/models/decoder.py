@@ -275,7 +275,7 @@ class _MLP(nn.Module):
     def forward(self, x):
         fused = self.gate_up_fused
         if fused is not None and fused.ok():
-            if not _hooked(fused):  # no hook wants gate/up: the GEMM and swiglu as one op (one launch on CUDA)
+            if not _hooked(fused):  # no hook wants gate/up: the GEMM and swiglu as one op (a fusion where one is registered)
                 return self.down_proj(linear_swiglu(x, fused.weight_rows))
             gate, up = fused(x).split(fused.sizes, dim=1)
             return self.down_proj(swiglu(gate, up))
@@ -337,7 +337,8 @@ class StrictDecoder(nn.Module):
         Also in this layout: gate/up's GEMM and swiglu as one op (`rk.linear_swiglu`), Qwen3's head norm and RoPE as
         one op (`rk.rms_norm_rope`), and each residual add inside the norm that reads the sum (`rms_norm(residual=)`:
         `_Layer.forward_fused`), each where no hook wants the values in between and no gradient is wanted (one launch
-        each on CUDA, where the Triton backend registers the fusion). Returns the number of groups fused."""
+        each where the backend registers a fusion: on CUDA norm + RoPE and the residual adds; the SwiGLU epilogue is
+        off, `contracts.gpu.SWIGLU_EPILOGUE`). Returns the number of groups fused."""
         for layer in self.model.layers:
             layer.fused_residual = True
         return sum(int(layer.self_attn.fuse()) + int(layer.mlp.fuse()) for layer in self.model.layers)

@@ -431,5 +431,6 @@ _ref_prims.register_tree_sum("cuda", lambda x2: _reduce().tree_sum_rows(x2), fun
 for _op, _fn in (("linear", linear), ("rms_norm", rms_norm), ("swiglu", swiglu), ("rope", rope), ("attention", attention),
                  ("linear_logprob", linear_logprob)):
     dispatch.register(_op, "triton", G.BY_OP[_op], devices=("cuda",), available=available, prims=TRITON)(_fn)
-dispatch.register_fusion(("linear", "swiglu"), ("triton", "triton"), linear_swiglu)
+if G.SWIGLU_EPILOGUE:  # off: slower than its two launches on the H200 at every shape measured (contracts/gpu.py)
+    dispatch.register_fusion(("linear", "swiglu"), ("triton", "triton"), linear_swiglu)
 dispatch.register_fusion(("rms_norm", "rope"), ("triton", "triton"), rms_norm_rope)
