@@ -8,9 +8,16 @@ every implementation against them (tests/test_golden.py), so a machine that comp
 bits — another ISA, thread count, BLAS or compiler — fails loudly; the CPU kernels run the
 cases marked `slice` at load (`self_check`). Regenerating (`python -m rlkernel.golden --write`)
 is refused unless the contracts changed, i.e. a contract version was bumped.
+
+The GPU contracts (family `triton-sm90`, rlkernel/contracts/gpu.py) sum in the tensor cores' steps, so their bits are
+another set: the same cases run on a CUDA device by the Triton implementation are hashed per GPU architecture in
+`contracts/gpu_golden.json` (recorded on that GPU: `python -m rlkernel.golden --record-gpu`), and the Triton backend
+checks the slice at its first use on a device of that architecture (`gpu_self_check`; `RLKERNEL_GPU_GOLDEN=warn`
+or `off` relaxes it, and the run's provenance says so). An architecture with no entry runs unverified, and says so.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
@@ -21,6 +28,7 @@ from typing import Callable
 import torch
 
 GOLDEN = Path(__file__).with_name("golden.json")
+GPU_GOLDEN = Path(__file__).parent / "contracts" / "gpu_golden.json"
 _GOLDEN_OPS = ("linear", "rms_norm", "swiglu", "rope", "attention", "linear_logprob")
 
 
@@ -119,20 +127,33 @@ def _cases() -> list[Case]:
 def digest(tensors: list[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        t = t.detach().contiguous()
+        t = t.detach().contiguous().cpu()
         h.update(str((tuple(t.shape), str(t.dtype))).encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:24]
 
 
-def compute(impl: str, only_slice: bool = False) -> dict[str, str]:
-    """{case: hash} with the strict contracts run by implementation `impl`."""
+def compute(impl: str, only_slice: bool = False, device: str = "cpu", record_errors: bool = False) -> dict[str, str]:
+    """{case: hash} with the strict contracts run by implementation `impl`, inputs built on `device` (the same
+    integer-built values everywhere). record_errors: a case that raises is hashed as "!" + the exception's type (an
+    implementation that lacks a case on one GPU is recorded as such, and a later error in a case that ran is a
+    difference); else it raises."""
     import rlkernel as rk
 
+    out = {}
     # the cases differentiate: run them with autograd on even when loaded from an inference
     # region (vLLM's model runner, a no_grad scorer)
-    with torch.inference_mode(False), torch.enable_grad(), rk.mode("strict", impl=impl):
-        return {c.name: digest(c.fn()) for c in _cases() if c.slice or not only_slice}
+    on = contextlib.nullcontext() if device == "cpu" else torch.device(device)  # factories (ints, torch.tensor) there
+    with torch.inference_mode(False), torch.enable_grad(), rk.mode("strict", impl=impl), on:
+        for c in _cases():
+            if c.slice or not only_slice:
+                try:
+                    out[c.name] = digest(c.fn())
+                except Exception as e:  # noqa: BLE001 -- recorded, compared like a hash
+                    if not record_errors:
+                        raise
+                    out[c.name] = f"!{type(e).__name__}"
+    return out
 
 
 def contract_ids() -> dict[str, str]:
@@ -184,6 +205,79 @@ def self_check(impl: str) -> str:
     return f"{sum(c.slice for c in _cases())} golden cases reproduced"
 
 
+def gpu_arch(device=None) -> str:
+    """The CUDA device's architecture as the GPU golden file keys it ("sm_90")."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def gpu_contract_ids() -> dict[str, str]:
+    from .contracts import gpu as G
+
+    return {op: G.BY_OP[op].contract_id for op in _GOLDEN_OPS}
+
+
+def gpu_committed(path: Path | None = None) -> dict:
+    path = path or GPU_GOLDEN
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _versions() -> dict:
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__}
+
+
+def check_gpu(only_slice: bool = True, *, arch: str | None = None, path: Path | None = None, impl: str = "triton",
+              device: str = "cuda") -> tuple[dict | None, list[str]]:
+    """(the committed entry for this GPU's architecture or None, the cases whose bits differ from it). No entry:
+    (None, []) and nothing runs. Only the cases the entry holds are compared."""
+    entry = gpu_committed(path).get(arch or gpu_arch())
+    if entry is None:
+        return None, []
+    got = compute(impl, only_slice, device=device, record_errors=True)
+    want = entry["cases"]
+    return entry, [f"{name} ({want[name]} recorded, {h} now)" for name, h in got.items() if name in want and want[name] != h]
+
+
+def gpu_self_check(**kw) -> str:
+    """The Triton backend's load-time check on a CUDA device: raises GoldenMismatch naming the cases that differ
+    from the architecture's committed hashes; says so when the architecture has none."""
+    arch = kw.get("arch") or gpu_arch()
+    entry, bad = check_gpu(True, **kw)
+    if entry is None:
+        return f"unverified: no golden bits committed for {arch} ({(kw.get('path') or GPU_GOLDEN).name})"
+    if bad:
+        raise GoldenMismatch(f"the GPU kernels on {arch} differ from the golden bits recorded there (with "
+                             f"{entry.get('versions')}; contracts {entry.get('contracts') == gpu_contract_ids() and 'unchanged' or 'changed'}) "
+                             f"in: {'; '.join(bad)}")
+    n = sum(1 for c in _cases() if c.slice and c.name in entry["cases"])
+    return f"{n} golden cases reproduced ({arch})"
+
+
+def record_gpu(*, force: bool = False, path: Path | None = None, impl: str = "triton", device: str = "cuda",
+               arch: str | None = None) -> dict:
+    """Record this GPU architecture's hashes of every case. An entry with other hashes under the same contracts is
+    not replaced unless `force` (a compiler or driver that changes bits is a finding, not a new normal)."""
+    path = path or GPU_GOLDEN
+    arch = arch or gpu_arch()
+    data = gpu_committed(path)
+    hashes = compute(impl, device=device, record_errors=True)
+    ids = gpu_contract_ids()
+    old = data.get(arch)
+    if old is not None and not force:
+        changed = {op for op in _GOLDEN_OPS if old["contracts"].get(op) != ids[op]}
+        differ = sorted({c.op for c in _cases() if old["cases"].get(c.name) != hashes.get(c.name)})
+        if not set(differ) <= changed:
+            raise SystemExit(f"refused: on {arch} the bits of {differ} differ from the recorded ones under the same "
+                             f"contracts (recorded with {old.get('versions')}, now {_versions() if impl == 'triton' else impl}); "
+                             "pass --force to replace them, and say why in the commit")
+    data[arch] = {"contracts": ids, "versions": _versions() if impl == "triton" else {"impl": impl},
+                  "cases": hashes}
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return data[arch]
+
+
 def write() -> None:
     """Regenerate golden.json from the reference composition; refused when no contract changed."""
     ids, hashes = contract_ids(), compute("reference")
@@ -198,9 +292,20 @@ def write() -> None:
     print(f"wrote {GOLDEN} ({len(hashes)} cases)")
 
 
-if __name__ == "__main__":  # python -m rlkernel.golden [--write]
+if __name__ == "__main__":  # python -m rlkernel.golden [--write | --record-gpu [--force] | --check-gpu]
     if "--write" in sys.argv:
         write()
+    elif ("--record-gpu" in sys.argv or "--check-gpu" in sys.argv) and not torch.cuda.is_available():
+        sys.exit("rlkernel.golden: --record-gpu and --check-gpu run the Triton kernels on a CUDA device; none here")
+    elif "--record-gpu" in sys.argv:
+        e = record_gpu(force="--force" in sys.argv)
+        errors = {k: v for k, v in e["cases"].items() if v.startswith("!")}
+        print(json.dumps({"recorded": gpu_arch(), "cases": len(e["cases"]), "errors": errors, "versions": e["versions"],
+                          "file": str(GPU_GOLDEN)}))
+    elif "--check-gpu" in sys.argv:
+        entry, bad = check_gpu(only_slice=False)
+        print(json.dumps({"arch": gpu_arch(), "entry": entry is not None, "differ": bad}))
+        sys.exit(1 if bad else 0)
     else:
         for impl in ("reference", "cpu"):
             print(impl, check(impl) or "all golden cases reproduced")

@@ -6,12 +6,14 @@ import, so one engine per process), the parent prints both figures and the ratio
 strict/stock (tokens/s), plus a JSON line. Greedy-free sampling at T=1, ignore nothing:
 both engines get identical prompts and max_tokens. Warm-up generate first, then timed runs.
 The engines alternate for --rounds rounds (stock, strict, stock, strict, ...) and each keeps
-its best run, so a slow spell of this shared machine does not land on one engine only.
+its best run, so a slow spell of this shared machine does not land on one engine only; the
+median of rounds is reported beside the best (`*_median`).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -113,12 +115,19 @@ def main():
             print(f"round {r + 1} {w:>12}: {tps:8.1f} tokens/s", flush=True)
     ratios = {f"{s}_over_{w}": round(res[s] / res[w], 3) for s in engines if s.startswith("strict")
               for w in engines if w.startswith("stock")}
-    print("best: " + ", ".join(f"{w} {v:.1f}" for w, v in res.items()) + " tokens/s; " + ", ".join(f"{k} = {v:.2f}x" for k, v in ratios.items()))
+    # the median of rounds beside the best: engine starts on a shared host swing 1.3-2x between rounds (H200 session
+    # 12), so one figure alone would flatter or wrong either side
+    med = {w: statistics.median(v) for w, v in per_round.items()}
+    med_ratios = {f"{s}_over_{w}_median": round(med[s] / med[w], 3) for s in engines if s.startswith("strict")
+                  for w in engines if w.startswith("stock") and med[w] > 0}
+    print("best: " + ", ".join(f"{w} {v:.1f}" for w, v in res.items()) + " tokens/s; " + ", ".join(f"{k} = {v:.2f}x" for k, v in ratios.items())
+          + "; median of rounds: " + ", ".join(f"{k} = {v:.2f}x" for k, v in med_ratios.items()))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from vime.stamp import code_stamp
 
     result = {"code": code_stamp(), "command": " ".join(sys.argv), "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
               "rounds": args.rounds, "repeat": args.repeat, **{f"{w}_tokens_per_second": v for w, v in res.items()}, **ratios,
+              **{f"{w}_median_tokens_per_second": v for w, v in med.items()}, **med_ratios,
               "per_round_tokens_per_second": per_round, **({"profiles": profiles} if profiles else {}),
               # device time of one profiled generate as a throughput ratio, stock / strict (< 1: strict spends more):
               # steadier than tokens/s on a host whose engine starts swing

@@ -64,8 +64,8 @@ STEPS: dict[str, tuple[int, str]] = {
     "rollout_bench": (540, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
                            "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 1 "
                            "--engines stock_graphs,stock,strict --out {out}/h200_rollout_bench.json"),
-    "rollout_bench_graphs": (540, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
-                                  "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 2 "
+    "rollout_bench_graphs": (560, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
+                                  "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 3 "
                                   "--engines stock_graphs,strict_graphs --out {out}/h200_rollout_bench_graphs_2engines.json"),
     # the same with the strict engine's FA3 attention contract as a third engine (the loop's fastest strict arm)
     "rollout_bench_fa3": (590, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
@@ -97,6 +97,11 @@ STEPS: dict[str, tuple[int, str]] = {
     # file comes back in {out}: commit it as rlkernel/contracts/fa3_golden.json), then rollout == trainer with FA3 on both
     # sides (graphs, bf16, a weight update; the Megatron trainer as the scorer)
     "fa3_golden": (240, "python3 -m rlkernel.backends.fa3 --record && cp rlkernel/contracts/fa3_golden.json {out}/"),
+    # the Triton kernels' golden bits on this GPU's architecture (rlkernel/golden.py): record every case, then check them
+    # in a fresh process; the file comes back in {out}: commit it as rlkernel/contracts/gpu_golden.json (from then on the
+    # backend checks the slice at its first use on that architecture)
+    "gpu_golden": (300, "python3 -m rlkernel.golden --record-gpu && python3 -m rlkernel.golden --check-gpu && "
+                        "cp rlkernel/contracts/gpu_golden.json {out}/"),
     "parity_fa3": (300, f"vime parity --model {TQ} --num-prompts 64 --max-tokens 48 --max-num-seqs 32 --max-num-batched-tokens 256 "
                         "--dtype bfloat16 --update-weights --cuda-graphs --attention fa3 --scorer megatron"),
     # issue 10's harness after the engine-layout fusions: the launch savers and fusions bit for bit (reduce), then the

@@ -136,6 +136,15 @@ def _cpu_kernels_status(device: str) -> dict | None:
     return cpu.status()
 
 
+def _gpu_kernels_status(device: str) -> dict | None:
+    """The Triton kernels' golden check on this GPU (None off CUDA)."""
+    if not device.startswith("cuda"):
+        return None
+    from rlkernel.backends import triton
+
+    return triton.status()
+
+
 class MegatronTrainer:
     """Trainer role: `load_hf`, `score`, `update`, `export_weights`; `close` (or `with`) tears down."""
 
@@ -203,6 +212,7 @@ class MegatronTrainer:
             "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory, "seed": c.seed,
             "mode": c.mode, "ops": dict(c.ops), "dtype": c.dtype, "contracts": contracts,
             "cpu_kernels": _cpu_kernels_status(c.device),
+            "gpu_kernels": _gpu_kernels_status(c.device),
         }
 
     def close(self) -> None:

@@ -55,13 +55,14 @@ class StrictWorkerExtension:
         return int(getattr(self.model_runner.get_model(), "weight_version", -1))
 
     def rlkernel_info(self) -> dict:
-        from ..backends import cpu
+        from ..backends import cpu, triton
 
         model = self.model_runner.get_model()  # the model itself, also under vLLM's CUDA-graph wrapper
         attn = getattr(model, "attn", None)
         on_cpu = next(model.parameters()).device.type == "cpu"
         return {
             "cpu_kernels": cpu.status() if on_cpu else None,  # status() builds the CPU kernels: only where they run
+            "gpu_kernels": None if on_cpu else triton.status(),  # the Triton kernels' golden check on this GPU
             "model_class": type(model).__name__,
             "attention_impl": type(attn[0].impl).__name__ if attn else None,
             "temperature": getattr(model, "rollout_temperature", None),

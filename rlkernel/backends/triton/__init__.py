@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import threading
+import warnings
 
 from . import contracts
 
@@ -32,11 +35,30 @@ _LAZY = {
     "linear_logprob": "logprob",
 }
 
-__all__ = ["available", "unavailable_reason", "contracts", *_LAZY]
+__all__ = ["available", "unavailable_reason", "status", "GoldenCheckError", "contracts", *_LAZY]
+
+GOLDEN_ENV = "RLKERNEL_GPU_GOLDEN"  # check (default) | warn | off: the first use's golden-bits check
+_GOLDEN = {"result": None, "failed": None}  # the check's outcome in this process (one per process: one GPU kind)
+_REASON: list = []  # [unavailable reason or None], once a process
+_LOCK = threading.RLock()
+
+
+class GoldenCheckError(RuntimeError):
+    """The Triton kernels compute other bits on this GPU than the golden hashes committed for its architecture."""
 
 
 def unavailable_reason() -> str | None:
-    """None when the kernels can run here, else why not (no triton, no torch, no CUDA device)."""
+    """None when the kernels can run here, else why not (no triton, no torch, no CUDA device, or this GPU's bits
+    differ from its committed golden hashes). Decided once a process: the dispatcher asks at every op call, and two
+    module lookups and a device query took ~40 us a call (~11 ms an eager 0.6B forward)."""
+    if _GOLDEN["failed"]:
+        return _GOLDEN["failed"]
+    if not _REASON:
+        _REASON.append(_environment_reason())
+    return _REASON[0]
+
+
+def _environment_reason() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     if importlib.util.find_spec("torch") is None:
@@ -49,7 +71,56 @@ def unavailable_reason() -> str | None:
 
 
 def available() -> bool:
-    return unavailable_reason() is None
+    """Whether the kernels run here: triton, torch and a CUDA device, and (at the first call in a process) the golden
+    slice reproduced on this GPU's architecture where hashes are committed (`rlkernel.golden.gpu_self_check`).
+    Raises GoldenCheckError, then and on every later call, when the bits differ (RLKERNEL_GPU_GOLDEN=check): never
+    a quiet False, which would let the dispatcher pick another implementation with other bits."""
+    if _GOLDEN["failed"]:
+        raise GoldenCheckError(_GOLDEN["failed"])
+    return unavailable_reason() is None and _golden_ok()
+
+
+def _golden_ok() -> bool:
+    if _GOLDEN["result"] is None:
+        _golden_check()
+    if _GOLDEN["failed"]:
+        raise GoldenCheckError(_GOLDEN["failed"])
+    return True
+
+
+def _golden_check() -> None:
+    with _LOCK:
+        if _GOLDEN["result"] is not None:
+            return  # done, or running: its cases resolve this backend again
+        mode = os.environ.get(GOLDEN_ENV, "check")
+        if mode not in ("check", "warn", "off"):
+            raise ValueError(f"{GOLDEN_ENV}={mode!r}: use check, warn or off")
+        if mode == "off":
+            _GOLDEN["result"] = f"off ({GOLDEN_ENV}=off)"
+            return
+        _GOLDEN["result"] = "running"
+        from ... import golden
+
+        try:
+            _GOLDEN["result"] = golden.gpu_self_check()
+        except golden.GoldenMismatch as e:
+            msg = (f"rlkernel: {e}. Rollout and trainer running these same versions still agree with each other, but "
+                   f"not with the recorded bits; set {GOLDEN_ENV}=warn to run anyway (recorded in provenance)")
+            _GOLDEN["result"] = f"differs ({mode}): {e}"
+            if mode == "check":
+                _GOLDEN["failed"] = msg
+            else:
+                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        except Exception:
+            _GOLDEN["result"] = None  # not a verdict (e.g. out of memory): the next call tries again
+            raise
+
+
+def status() -> dict:
+    """What the Triton implementation did in this process (for run provenance): the golden check's outcome and its
+    setting; None where it has not run."""
+    return {"golden": _GOLDEN["result"], GOLDEN_ENV: os.environ.get(GOLDEN_ENV, "check"),
+            "unavailable": unavailable_reason()}
 
 
 def __getattr__(name):
