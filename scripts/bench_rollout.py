@@ -74,6 +74,18 @@ def _profiled(fn, eng, top: int) -> dict:
             "kernels": [{"name": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2)} for e in evs[:top]]}
 
 
+def _last_json(text: str):
+    """The worker's result: its last stdout line that is a JSON document (an engine may log after it)."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -105,8 +117,10 @@ def main():
     for r in range(args.rounds):
         for w in engines:
             cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", w]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-            rep = json.loads(out)
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            rep = _last_json(out)
+            if rep is None:
+                raise SystemExit(f"bench_rollout: engine {w} printed no JSON result; its output ended with: {out[-2000:]}")
             tps = rep["tokens_per_second"]
             if "profile" in rep:
                 profiles.setdefault(w, rep["profile"])

@@ -94,7 +94,7 @@ def grad_z(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ls
     """d(g . logprob(targets)) / d(logits[:, lo:hi]) as [T, hi - lo] in out_dtype (default the
     weight's): the linear-logprob backward's operand, one vocab chunk, fused (no fp32 logits)."""
     T, H = hidden.shape
-    cfg = config or C.logprob_config(str(hidden.dtype).replace("torch.", ""), hi, H)
+    cfg = config or C.logprob_config(C.dtype_name(hidden.dtype), hi, H)
     dz = torch.empty((T, hi - lo), device=hidden.device, dtype=out_dtype or weight.dtype)
     if T == 0 or hi <= lo:
         return dz
@@ -145,7 +145,7 @@ def _tile_tree_kernel(ml_ptr, zt_ptr, out_ptr, stats_ptr, M, n_vt, BLOCK_R: tl.c
 
 def tile_rows(dtype: torch.dtype) -> int:
     """Vocab rows per tile of the fused kernel for `dtype` (its block_n): the unit of the (m, l) tree."""
-    return C.logprob_config(str(dtype).replace("torch.", ""), 0, 0).block_n
+    return C.logprob_config(C.dtype_name(dtype), 0, 0).block_n
 
 
 def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, n_rows: int, *,
@@ -154,7 +154,7 @@ def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     each tile of block_n rows, and zt [T] float32, the target's logit where 0 <= target < n_rows, else 0.0.
     Over a vocab shard starting at a tile boundary these are exactly the tiles `linear_logprob` computes there."""
     T, H = hidden.shape
-    cfg = config or C.logprob_config(str(hidden.dtype).replace("torch.", ""), n_rows, H)
+    cfg = config or C.logprob_config(C.dtype_name(hidden.dtype), n_rows, H)
     n_vt = triton.cdiv(n_rows, cfg.block_n)
     ml = torch.empty((T, n_vt, 2), device=hidden.device, dtype=torch.float32)
     zt = torch.zeros(T, device=hidden.device, dtype=torch.float32)
