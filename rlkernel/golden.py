@@ -231,28 +231,39 @@ def _versions() -> dict:
 def check_gpu(only_slice: bool = True, *, arch: str | None = None, path: Path | None = None, impl: str = "triton",
               device: str = "cuda") -> tuple[dict | None, list[str]]:
     """(the committed entry for this GPU's architecture or None, the cases whose bits differ from it). No entry:
-    (None, []) and nothing runs. Only the cases the entry holds are compared."""
+    (None, []) and nothing runs. Compared: the cases the entry holds whose op's contract is still the one they were
+    recorded under (a newer contract makes its recorded bits stale, not wrong: `stale_ops`)."""
     entry = gpu_committed(path).get(arch or gpu_arch())
     if entry is None:
         return None, []
+    stale = set(stale_ops(entry))
     got = compute(impl, only_slice, device=device, record_errors=True)
-    want = entry["cases"]
-    return entry, [f"{name} ({want[name]} recorded, {h} now)" for name, h in got.items() if name in want and want[name] != h]
+    want, ops = entry["cases"], {c.name: c.op for c in _cases()}
+    return entry, [f"{name} ({want[name]} recorded, {h} now)" for name, h in got.items()
+                   if name in want and ops[name] not in stale and want[name] != h]
+
+
+def stale_ops(entry: dict) -> list[str]:
+    """The ops whose GPU contract changed since `entry` was recorded (their hashes need a new record)."""
+    ids = gpu_contract_ids()
+    return sorted(op for op in _GOLDEN_OPS if entry["contracts"].get(op) != ids[op])
 
 
 def gpu_self_check(**kw) -> str:
     """The Triton backend's load-time check on a CUDA device: raises GoldenMismatch naming the cases that differ
-    from the architecture's committed hashes; says so when the architecture has none."""
+    from the architecture's committed hashes; says so when the architecture has none, or when an op's contract
+    changed since they were recorded (that op unverified until `--record-gpu`)."""
     arch = kw.get("arch") or gpu_arch()
     entry, bad = check_gpu(True, **kw)
     if entry is None:
         return f"unverified: no golden bits committed for {arch} ({(kw.get('path') or GPU_GOLDEN).name})"
     if bad:
         raise GoldenMismatch(f"the GPU kernels on {arch} differ from the golden bits recorded there (with "
-                             f"{entry.get('versions')}; contracts {entry.get('contracts') == gpu_contract_ids() and 'unchanged' or 'changed'}) "
-                             f"in: {'; '.join(bad)}")
-    n = sum(1 for c in _cases() if c.slice and c.name in entry["cases"])
-    return f"{n} golden cases reproduced ({arch})"
+                             f"{entry.get('versions')}) in: {'; '.join(bad)}")
+    stale = stale_ops(entry)
+    n = sum(1 for c in _cases() if c.slice and c.name in entry["cases"] and c.op not in stale)
+    return f"{n} golden cases reproduced ({arch})" + (f"; unverified (contract changed since recorded): {', '.join(stale)}"
+                                                      if stale else "")
 
 
 def record_gpu(*, force: bool = False, path: Path | None = None, impl: str = "triton", device: str = "cuda",
@@ -266,7 +277,7 @@ def record_gpu(*, force: bool = False, path: Path | None = None, impl: str = "tr
     ids = gpu_contract_ids()
     old = data.get(arch)
     if old is not None and not force:
-        changed = {op for op in _GOLDEN_OPS if old["contracts"].get(op) != ids[op]}
+        changed = set(stale_ops(old))
         differ = sorted({c.op for c in _cases() if old["cases"].get(c.name) != hashes.get(c.name)})
         if not set(differ) <= changed:
             raise SystemExit(f"refused: on {arch} the bits of {differ} differ from the recorded ones under the same "

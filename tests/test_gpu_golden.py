@@ -37,6 +37,16 @@ def test_recording_and_checking_an_architecture(tmp_path):
         golden.record_gpu(**kw)  # same contracts, other bits: not silently replaced
     assert golden.record_gpu(force=True, **kw)["cases"]["rms_norm_bf16"] == committed["rms_norm_bf16"]
 
+    # a newer rms_norm contract: its recorded bits are stale, not compared (and not a refusal), and say so
+    data = json.loads(path.read_text())
+    data["sm_test"]["contracts"]["rms_norm"] = "rms_norm/older"
+    data["sm_test"]["cases"]["rms_norm_bf16"] = "0" * 24
+    path.write_text(json.dumps(data))
+    assert golden.check_gpu(arch="sm_test", path=path, impl="cpu", device="cpu")[1] == []
+    verdict = golden.gpu_self_check(**kw)
+    assert verdict == f"{slice_n - 2} golden cases reproduced (sm_test); unverified (contract changed since recorded): rms_norm"
+    assert golden.record_gpu(**kw)["contracts"]["rms_norm"] == golden.gpu_contract_ids()["rms_norm"]  # re-record allowed
+
 
 def test_a_case_that_raises_is_recorded_not_fatal():
     got = golden.compute("no-such-impl", only_slice=True, record_errors=True)
