@@ -249,6 +249,18 @@ def stale_ops(entry: dict) -> list[str]:
     return sorted(op for op in _GOLDEN_OPS if entry["contracts"].get(op) != ids[op])
 
 
+def check_gpu_by_op(ops, **kw) -> dict[str, list[str] | None]:
+    """{op: [cases whose bits differ]} for `ops` on this GPU against its architecture's committed hashes (every case,
+    not just the slice); None for an op with nothing to compare: no entry for the architecture, or a contract changed
+    since it was recorded. What `vime doctor` prints for a GPU engine."""
+    entry, bad = check_gpu(False, **kw)
+    if entry is None:
+        return {op: None for op in ops}
+    stale, by_case = set(stale_ops(entry)), {c.name: c.op for c in _cases()}
+    return {op: None if op in stale else [b.split(" ", 1)[0] for b in bad if by_case[b.split(" ", 1)[0]] == op]
+            for op in ops}
+
+
 def gpu_self_check(**kw) -> str:
     """The Triton backend's load-time check on a CUDA device: raises GoldenMismatch naming the cases that differ
     from the architecture's committed hashes; says so when the architecture has none, or when an op's contract

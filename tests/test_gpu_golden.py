@@ -33,6 +33,9 @@ def test_recording_and_checking_an_architecture(tmp_path):
     assert entry2 is not None and len(bad) == 1 and bad[0].startswith("rms_norm_bf16 (000000")
     with pytest.raises(golden.GoldenMismatch, match="rms_norm_bf16"):
         golden.gpu_self_check(**kw)
+    by_op = golden.check_gpu_by_op(["rms_norm", "linear"], **kw)
+    assert by_op == {"rms_norm": ["rms_norm_bf16"], "linear": []}  # what `vime doctor` prints for a GPU engine
+    assert golden.check_gpu_by_op(["linear"], **{**kw, "arch": "sm_none"}) == {"linear": None}
     with pytest.raises(SystemExit, match=r"refused: on sm_test the bits of \['rms_norm'\]"):
         golden.record_gpu(**kw)  # same contracts, other bits: not silently replaced
     assert golden.record_gpu(force=True, **kw)["cases"]["rms_norm_bf16"] == committed["rms_norm_bf16"]
