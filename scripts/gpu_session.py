@@ -85,7 +85,7 @@ STEPS: dict[str, tuple[int, str]] = {
                            "128x256x64_s3_w8,128x256x64_s3_w8_c2,64x256x64_s4_w4,64x256x64_s4_w4_c2 --name h200_gemm_sweep_clusters.json "
                            "--out {out}"),
     # the contract's table (by N and M) against the runners-up, M from decode to training sizes
-    "gemm_table": (400, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,64,128,256,512,1024,2048,4096 --shapes qkv,o,down,gate_up "
+    "gemm_table": (400, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,64,128,256,512,1024,2048,4096,16384 --shapes qkv,o,down,gate_up "
                         "--candidates contract,64x128x128_s4_w4,128x128x64_s4_w8,128x128x128_s3_w8,128x256x64_s3_w8,"
                         "64x256x64_s4_w4 --name h200_gemm_sweep_table.json --out {out}"),
     # the GEMM + SwiGLU epilogue (gemm.matmul_swiglu; off in the engine since session 12, contracts.gpu.SWIGLU_EPILOGUE) vs
