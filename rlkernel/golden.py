@@ -228,19 +228,30 @@ def _versions() -> dict:
     return {"torch": torch.__version__, "triton": triton.__version__}
 
 
-def check_gpu(only_slice: bool = True, *, arch: str | None = None, path: Path | None = None, impl: str = "triton",
-              device: str = "cuda") -> tuple[dict | None, list[str]]:
-    """(the committed entry for this GPU's architecture or None, the cases whose bits differ from it). No entry:
-    (None, []) and nothing runs. Compared: the cases the entry holds whose op's contract is still the one they were
-    recorded under (a newer contract makes its recorded bits stale, not wrong: `stale_ops`)."""
+def _gpu_differences(only_slice: bool, arch: str | None, path: Path | None, impl: str, device: str):
+    """(this architecture's committed entry or None, its stale ops, {case: (recorded, now)} for the cases that differ).
+    No entry: nothing runs. Compared: the cases the entry holds whose op's contract is still the one they were
+    recorded under (a newer contract makes its recorded bits stale, not wrong)."""
     entry = gpu_committed(path).get(arch or gpu_arch())
     if entry is None:
-        return None, []
-    stale = set(stale_ops(entry))
+        return None, [], {}
+    stale = stale_ops(entry)
     got = compute(impl, only_slice, device=device, record_errors=True)
     want, ops = entry["cases"], {c.name: c.op for c in _cases()}
-    return entry, [f"{name} ({want[name]} recorded, {h} now)" for name, h in got.items()
-                   if name in want and ops[name] not in stale and want[name] != h]
+    return entry, stale, {name: (want[name], h) for name, h in got.items()
+                          if name in want and ops[name] not in stale and want[name] != h}
+
+
+def check_gpu(only_slice: bool = True, *, arch: str | None = None, path: Path | None = None, impl: str = "triton",
+              device: str = "cuda") -> tuple[dict | None, list[str]]:
+    """(the committed entry for this GPU's architecture or None, the cases whose bits differ from it, each as
+    "name (recorded hash, hash now)"). No entry: (None, []) and nothing runs; stale ops are not compared."""
+    entry, _, differ = _gpu_differences(only_slice, arch, path, impl, device)
+    return entry, _described(differ)
+
+
+def _described(differ: dict) -> list[str]:
+    return [f"{name} ({want} recorded, {got} now)" for name, (want, got) in differ.items()]
 
 
 def stale_ops(entry: dict) -> list[str]:
@@ -249,30 +260,29 @@ def stale_ops(entry: dict) -> list[str]:
     return sorted(op for op in _GOLDEN_OPS if entry["contracts"].get(op) != ids[op])
 
 
-def check_gpu_by_op(ops, **kw) -> dict[str, list[str] | None]:
+def check_gpu_by_op(ops, *, arch: str | None = None, path: Path | None = None, impl: str = "triton",
+                    device: str = "cuda") -> dict[str, list[str] | None]:
     """{op: [cases whose bits differ]} for `ops` on this GPU against its architecture's committed hashes (every case,
     not just the slice); None for an op with nothing to compare: no entry for the architecture, or a contract changed
     since it was recorded. What `vime doctor` prints for a GPU engine."""
-    entry, bad = check_gpu(False, **kw)
+    entry, stale, differ = _gpu_differences(False, arch, path, impl, device)
     if entry is None:
         return {op: None for op in ops}
-    stale, by_case = set(stale_ops(entry)), {c.name: c.op for c in _cases()}
-    return {op: None if op in stale else [b.split(" ", 1)[0] for b in bad if by_case[b.split(" ", 1)[0]] == op]
-            for op in ops}
+    by_case = {c.name: c.op for c in _cases()}
+    return {op: None if op in stale else [name for name in differ if by_case[name] == op] for op in ops}
 
 
-def gpu_self_check(**kw) -> str:
+def gpu_self_check(*, arch: str | None = None, path: Path | None = None, impl: str = "triton", device: str = "cuda") -> str:
     """The Triton backend's load-time check on a CUDA device: raises GoldenMismatch naming the cases that differ
     from the architecture's committed hashes; says so when the architecture has none, or when an op's contract
     changed since they were recorded (that op unverified until `--record-gpu`)."""
-    arch = kw.get("arch") or gpu_arch()
-    entry, bad = check_gpu(True, **kw)
+    arch = arch or gpu_arch()
+    entry, stale, differ = _gpu_differences(True, arch, path, impl, device)
     if entry is None:
-        return f"unverified: no golden bits committed for {arch} ({(kw.get('path') or GPU_GOLDEN).name})"
-    if bad:
+        return f"unverified: no golden bits committed for {arch} ({(path or GPU_GOLDEN).name})"
+    if differ:
         raise GoldenMismatch(f"the GPU kernels on {arch} differ from the golden bits recorded there (with "
-                             f"{entry.get('versions')}) in: {'; '.join(bad)}")
-    stale = stale_ops(entry)
+                             f"{entry.get('versions')}) in: {'; '.join(_described(differ))}")
     n = sum(1 for c in _cases() if c.slice and c.name in entry["cases"] and c.op not in stale)
     return f"{n} golden cases reproduced ({arch})" + (f"; unverified (contract changed since recorded): {', '.join(stale)}"
                                                       if stale else "")

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from gpu_session import last_json  # this script's directory is on sys.path
 
 WORKERS = ["strict", "stock", "stock_graphs", "strict_graphs", "strict_fa3_graphs"]
 
@@ -74,18 +75,6 @@ def _profiled(fn, eng, top: int) -> dict:
             "kernels": [{"name": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2)} for e in evs[:top]]}
 
 
-def _last_json(text: str):
-    """The worker's result: its last stdout line that is a JSON document (an engine may log after it)."""
-    for line in reversed(text.splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-    return None
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -118,7 +107,7 @@ def main():
         for w in engines:
             cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", w]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            rep = _last_json(out)
+            rep = last_json(out)
             if rep is None:
                 raise SystemExit(f"bench_rollout: engine {w} printed no JSON result; its output ended with: {out[-2000:]}")
             tps = rep["tokens_per_second"]

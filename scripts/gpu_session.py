@@ -114,7 +114,8 @@ STEPS: dict[str, tuple[int, str]] = {
 }
 
 
-def _last_json(text: str):
+def last_json(text: str):
+    """A child's result: its last stdout line that is a JSON object (an engine or Ray may log after it)."""
     for line in reversed(text.splitlines()):
         line = line.strip()
         if line.startswith("{") and line.endswith("}"):
@@ -135,11 +136,11 @@ def run_step(name: str, out: Path) -> dict:
     except subprocess.TimeoutExpired as e:
         rc, text = "timeout", (e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or "")
     took = round(time.perf_counter() - t0, 1)
-    report = _last_json(text)
+    report = last_json(text)
     if report is None and ">" in cmd:  # the report went to a file
         target = Path(cmd.rsplit(">", 1)[1].strip().strip("'\""))
         if target.exists():
-            report = _last_json(target.read_text())
+            report = last_json(target.read_text())
     tail = "\n".join(text.splitlines()[-3:])
     print(f"[{name}] rc={rc} {took}s {tail[-400:]}", flush=True)
     # the log's tail rides in the JSON: the device returns only a few files per call
