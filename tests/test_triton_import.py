@@ -227,12 +227,45 @@ _WRAPPERS = textwrap.dedent('''
             parts = [gemm.matmul(xs[:, i * seg:(i + 1) * seg].contiguous(), ws[:, i * seg:(i + 1) * seg].contiguous(),
                                  config=cfg, out_dtype=torch.float32) for i in range(S)]
             assert torch.equal(one, rk.tree_sum(torch.stack(parts, -1), -1)), (S, tma)
-            for sched in ("launches", "split", "registers") + (("stream",) if S < 8 else ()):  # how the segments run: same bits
+            if S >= 4:  # control: the left fold of the same partials differs: the equalities below see the tree's order
+                fold = parts[0]
+                for p_ in parts[1:]:
+                    fold = fold + p_
+                assert not torch.equal(fold, one), (S, tma)
+            for sched in ("launches", "split", "registers", "fixup") + (("stream",) if S < 8 else ()):  # same bits
                 got = gemm.matmul(xs, ws, k_segments=S, config=cfg, out_dtype=torch.float32, schedule=sched)
                 assert torch.equal(got, one), (S, tma, sched)
                 got = gemm.matmul(xs, b=ws.t().contiguous(), k_segments=S, config=cfg, out_dtype=torch.float32,
                                   schedule=sched)
                 assert torch.equal(got, one), (S, tma, sched, "b")
+    # fixup's per-tile counters: zero again after every launch, so back-to-back calls agree; a launch with more tiles
+    # grows the cached buffer (the interpreter runs programs one after another, so the last arrival varies by tile)
+    cfg, counters = G.TileConfig(16, 16, 16, 2, 4, tma=False), gemm._FIXUP_COUNTERS
+    xl = torch.randn(40, 256)  # 3 x 3 tiles of 16 x 16 where xs has 1 x 3
+    tall = G.TileConfig(64, 16, 16, 2, 4)  # a 64-row tile: the merge's two 32-row slices
+    for xx in (xs, xl):
+        assert torch.equal(gemm.matmul(xx, ws, k_segments=4, config=tall, schedule="fixup"),
+                           gemm.matmul(xx, ws, k_segments=4, config=tall, schedule="registers"))
+    sizes = []
+    for S in (2, 4):
+        for xx in (xs, xl, xs):
+            want = gemm.matmul(xx, ws, k_segments=S, config=cfg, schedule="registers")
+            first = gemm.matmul(xx, ws, k_segments=S, config=cfg, schedule="fixup")
+            (buf,) = counters.values()  # this process's one (device, stream)
+            sizes.append(buf.numel())
+            assert sizes[-1] >= -(-xx.shape[0] // 16) * 3 and not buf.any(), (S, buf)
+            again = gemm.matmul(xx, ws, k_segments=S, config=cfg, schedule="fixup")
+            assert torch.equal(first, want) and torch.equal(again, want), (S, xx.shape)
+    assert sizes[0] == 3 and sizes[1] >= 9 and sizes == sorted(sizes), sizes  # grown for xl, never shrunk
+    buf[1] = 1  # control: a counter left at 1 makes the first arrival merge, and the tile ends at 1, not 0
+    gemm.matmul(xs, ws, k_segments=2, config=cfg, schedule="fixup")
+    assert buf.tolist().count(1) == 1 and buf.sum() == 1, buf
+    buf.zero_()
+    try:
+        gemm.matmul(xs, ws, k_segments=4, schedule="fixup", num_ctas=2)
+        raise AssertionError("fixup with num_ctas=2 was accepted")
+    except ValueError as e:
+        assert "num_ctas must be 1" in str(e)
     try:
         gemm.matmul(xs, ws, k_segments=8, config=G.TileConfig(16, 16, 16, 2, 4), schedule="stream")
         raise AssertionError("stream with 8 segments was accepted")

@@ -174,14 +174,47 @@ def _k_stream(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
     return lo
 
 
+@triton.jit
+def _fixup_merge(ws_ptr, c_ptr, off_m, rn, M, N, scm, scn, BLOCK_M: tl.constexpr, SEGS: tl.constexpr):
+    """A tile's SEGS fp32 partials (rows s*M + m of ws [SEGS*M, N]) merged by _k_segments' tree,
+    ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), cast and stored into c. By 32-row slices:
+    an element's sum is the same, and a slice's partials fit in registers (a whole 128 x 128
+    tile's spilled, sm_90 ptxas). .cg: read from L2, never a line this SM's L1 may hold from
+    before the other programs' stores."""
+    SUB: tl.constexpr = 32 if BLOCK_M > 32 else BLOCK_M
+    step = M.to(tl.int64) * N
+    for r in tl.static_range(0, BLOCK_M, SUB):
+        rm = off_m + r + tl.arange(0, SUB)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        base = ws_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
+        acc = (tl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
+               + tl.load(base + step, mask=mask, other=0.0, cache_modifier=".cg"))
+        if SEGS >= 4:
+            acc = acc + (tl.load(base + 2 * step, mask=mask, other=0.0, cache_modifier=".cg")
+                         + tl.load(base + 3 * step, mask=mask, other=0.0, cache_modifier=".cg"))
+        if SEGS == 8:
+            hi = (tl.load(base + 4 * step, mask=mask, other=0.0, cache_modifier=".cg")
+                  + tl.load(base + 5 * step, mask=mask, other=0.0, cache_modifier=".cg"))
+            hi = hi + (tl.load(base + 6 * step, mask=mask, other=0.0, cache_modifier=".cg")
+                       + tl.load(base + 7 * step, mask=mask, other=0.0, cache_modifier=".cg"))
+            acc = acc + hi
+        ptrs = c_ptr + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
+        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  NUM_PROGS: tl.constexpr, TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr,
                  SEGS: tl.constexpr = 1, SPLIT: tl.constexpr = False, K_FIXED: tl.constexpr = 0,
-                 STREAM: tl.constexpr = False):
+                 STREAM: tl.constexpr = False, FIXUP: tl.constexpr = False, ws_ptr=None, cnt_ptr=None):
     """SPLIT: each (segment, tile) is its own work item; segment s's fp32 accumulator is stored at
     rows s*M .. s*M+M-1 of c (the host merges the segments by the same tree: same bits).
+    FIXUP: the same work items, tile-major (a tile's segments run at about the same time); each
+    partial goes to rows s*M + rm of ws [SEGS*M, N] fp32, then the tile's counter (cnt_ptr[tile],
+    int32, zero at launch) is bumped; the program that finds it at SEGS - 1 merges the tile's
+    partials by _fixup_merge into c and zeroes the counter again for the next launch. No program
+    waits on another, and the tree's order does not depend on which one arrives last: same bits.
     K_FIXED > 0: K compiled in (the segmented schedules: every segment's K loop then has constant
     bounds, which the software pipeliner needs; a runtime start is the suspected cause of their
     slowness, H200_NOTES run 4). One compile per K; the arithmetic is the same."""
@@ -199,9 +232,10 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    total = num_tiles * SEGS if SPLIT else num_tiles
-    for item in tl.range(tl.program_id(0), total, NUM_PROGS, flatten=True):
-        tile = item % num_tiles
+    total = num_tiles * SEGS if (SPLIT or FIXUP) else num_tiles
+    # FIXUP unflattened: with its counter's `if` inside, flattening left the K loop unpipelined (sm_90 PTX, no cp.async)
+    for item in tl.range(tl.program_id(0), total, NUM_PROGS, flatten=not FIXUP):
+        tile = item // SEGS if FIXUP else item % num_tiles
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -213,6 +247,19 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
             acc = _k_span(a_src, b_src, off_m, off_n, M, N, seg * ks, seg * ks + ks, sam, sak, sbn, sbk,
                           BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE)
             ptrs = c_ptr + (seg * M + rm[:, None]).to(tl.int64) * scm + rn[None, :] * scn
+        elif FIXUP:
+            seg = item % SEGS
+            ks = K // SEGS
+            acc = _k_span(a_src, b_src, off_m, off_n, M, N, seg * ks, seg * ks + ks, sam, sak, sbn, sbk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE)
+            tl.store(ws_ptr + (seg * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc,
+                     mask=(rm[:, None] < M) & (rn[None, :] < N))
+            # every thread's partial is stored before the one thread that runs a scalar atomic releases them
+            tl.debug_barrier()
+            if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SEGS - 1:
+                _fixup_merge(ws_ptr, c_ptr, off_m, rn, M, N, scm, scn, BLOCK_M, SEGS)
+                # relaxed: the next use of this counter is the next launch (every tile gets SEGS arrivals a launch)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
         elif STREAM:
             acc = _k_stream(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
                             BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE, SEGS)
@@ -221,7 +268,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
             acc = _k_segments(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
                               BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE, SEGS)
             ptrs = c_ptr + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
-        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+        if not FIXUP:  # FIXUP's last arrival stores its tile above
+            tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit
@@ -309,8 +357,16 @@ def _is_fp32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32
 
 
-def _config(a: torch.Tensor, n: int, k: int, config):
-    return config if config is not None else C.gemm_config(C.dtype_name(a.dtype), n, k, a.shape[0])
+def schedule_config(dtype_name: str, n: int, k: int, m: int, k_segments: int = 1,
+                    schedule: str | None = None) -> C.TileConfig:
+    """The tile `matmul` runs without `config=`: the table's; split and fixup's partials capped at 128 x 128 (bf16);
+    registers and stream's live accumulators fitted by segments_config ("launches" runs plain GEMMs: the table's)."""
+    if k_segments > 1 and schedule in ("split", "fixup"):
+        cfg = C.gemm_config(dtype_name, n, k, m)
+        return C.BF16_GEMM["t128x128"] if dtype_name != "float32" and cfg.block_n * cfg.block_m > 128 * 128 else cfg
+    if k_segments > 1 and schedule in ("registers", "stream"):
+        return C.segments_config(dtype_name, n, k, m, k_segments)
+    return C.gemm_config(dtype_name, n, k, m)
 
 
 _SMEM_LIMIT = 232448  # bytes per block on sm_90
@@ -335,7 +391,26 @@ def _tma_ok(cfg, *tensors) -> bool:
     return True
 
 
-SCHEDULES = ("launches", "split", "registers", "stream")  # how k segments run (matmul's docstring): the same bits
+SCHEDULES = ("launches", "split", "registers", "stream", "fixup")  # how k segments run (matmul's docstring): same bits
+
+# "fixup"'s per-tile arrival counters, int32, all zero between launches (each launch's last arrivals zero them again):
+# one buffer per (device, stream), so launches on two streams never share a counter; grown, never shrunk
+_FIXUP_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _fixup_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters for `tiles` tiles on the current stream. Under CUDA graph capture a missing buffer
+    is made inside the graph (its memset replays with it) and not kept: a kept one would hold no zeros until
+    the first replay. Capture on the stream that ran the warm-up (torch.cuda.graph(g, stream=s)) to reuse it."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (device, stream)
+    buf = _FIXUP_COUNTERS.get(key)
+    if buf is not None and buf.numel() >= tiles:
+        return buf
+    buf = torch.zeros(max(tiles, 2 * buf.numel() if buf is not None else 0), device=device, dtype=torch.int32)
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        _FIXUP_COUNTERS[key] = buf
+    return buf
 
 
 def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tensor | None = None,
@@ -350,10 +425,15 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     own fp32 accumulator, merged by a balanced binary tree before the one cast (bit for bit the
     per-segment GEMMs summed by rlkernel.tree_sum). schedule (how, never what: same bits):
     "launches" (default: one plain GEMM per segment into an fp32 buffer, the tree on the host),
-    "split" (one launch, segments as separate work items), "registers" (one program walks
-    every segment, the tree in registers) or "stream" (registers' result from one K loop that
-    folds each segment into the tree as it ends; 2 or 4 segments, K a multiple of segments x
-    block_k). out: write here ([M, N], out_dtype) instead. num_ctas (tuning only, sm_90: a
+    "split" (one launch, segments as separate work items, the tree on the host), "fixup" (split's
+    work items, tile-major; the last of a tile's segments to finish merges the tile's fp32
+    partials by the tree in the kernel: one launch with S x the work items for small M; its
+    per-tile counters are kept per (device, stream): launches on one stream run one after
+    another and two streams never share them, but two CUDA graphs captured on one stream do and
+    must not replay concurrently; num_ctas 1 only), "registers" (one program walks every
+    segment, the tree in registers) or "stream" (registers' result from one K loop that folds
+    each segment into the tree as it ends; 2 or 4 segments, K a multiple of segments x block_k).
+    out: write here ([M, N], out_dtype) instead. num_ctas (tuning only, sm_90: a
     program as a cluster of CTAs splitting its tile by rows or columns, never by K): the
     sweep's question whether clusters help small M.
     """
@@ -383,6 +463,8 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         raise ValueError(f"matmul: unknown schedule {schedule!r}")
     if num_ctas not in (1, 2, 4):
         raise ValueError(f"matmul: num_ctas must be 1, 2 or 4, got {num_ctas}")
+    if schedule == "fixup" and num_ctas != 1:  # each CTA of a cluster would count its own arrival
+        raise ValueError("matmul: schedule 'fixup' counts one arrival a program: num_ctas must be 1")
     if out is None:
         out = torch.empty((M, N), device=a.device, dtype=out_dtype or a.dtype)
     if M == 0:
@@ -401,13 +483,9 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
             p = p[0::2] + p[1::2]
         out.copy_(p[0])
         return out
-    cfg = _config(a, N, K, config)
+    cfg = config if config is not None else schedule_config(C.dtype_name(a.dtype), N, K, M, k_segments, schedule)
+    fixup = schedule == "fixup"
     split = schedule == "split"
-    if split and config is None and cfg.block_n * cfg.block_m > 128 * 128:
-        cfg = C.BF16_GEMM["t128x128"] if not _is_fp32(a) else cfg
-    if not split and k_segments > 1 and config is None:
-        # several live accumulators: the table's tile, fitted to keep them in registers
-        cfg = C.segments_config(C.dtype_name(a.dtype), N, K, M, k_segments)
     stream = schedule == "stream"
     if stream and (k_segments not in (2, 4) or K % (k_segments * cfg.block_k)):
         raise ValueError(f"matmul: schedule 'stream' needs 2 or 4 segments and K a multiple of segments x block_k "
@@ -415,7 +493,12 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     final = out
     if split:
         out = torch.empty((k_segments * M, N), device=a.device, dtype=torch.float32)
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) * (k_segments if split else 1)
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    extra = {}
+    if fixup:  # fp32 partials, then the counters the last arrival finds (zero now, zero again after the launch)
+        extra = {"ws_ptr": torch.empty((k_segments * M, N), device=a.device, dtype=torch.float32),
+                 "cnt_ptr": _fixup_counters(a.device, tiles)}
+    tiles *= k_segments if (split or fixup) else 1
     progs = min(num_progs or max(1, _num_sms(a.device) // num_ctas), tiles)
     # TMA zero-fills only at the end of K: a segment boundary inside a K block would read the
     # next segment's values, so such splits take the masked-pointer path (same bits)
@@ -426,7 +509,7 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         a, bt, out, M, N, K, a.stride(0), a.stride(1), sbn, sbk, out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGS=progs, TMA=tma, B_NK=b_nk, IEEE=_is_fp32(a), SEGS=k_segments, SPLIT=split,
-        K_FIXED=K if k_segments > 1 else 0, STREAM=stream,
+        K_FIXED=K if k_segments > 1 else 0, STREAM=stream, FIXUP=fixup, **extra,
         num_warps=cfg.num_warps, num_stages=_stages(cfg, a.element_size(), out.element_size()),
         **({"num_ctas": num_ctas} if num_ctas != 1 else {}))
     if split:  # the segments' balanced binary tree, adjacent pairs: the in-register tree's bits
