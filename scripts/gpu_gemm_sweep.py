@@ -3,6 +3,7 @@
 
     python scripts/gpu_gemm_sweep.py [--out DIR] [--ms 1,16,64,256,1024,4096] [--shapes qkv,o,down,gate_up]
     python scripts/gpu_gemm_sweep.py --swiglu [--ms ...]     # the GEMM + SwiGLU epilogue (h200_gemm_sweep_swiglu.json)
+    python scripts/gpu_gemm_sweep.py --segments 4 [--schedule fixup]   # K segments: candidates under one schedule
 
 Why: issue 10 asks >= 0.90x cuBLAS at M >= 256; run 6 measured 0.38-0.90x there (and o at
 M = 16 as slow as at M = 256, which a bandwidth-bound kernel should not be). On sm_90 a bf16
@@ -60,7 +61,7 @@ def chain_ms(fn_i, n=8, replays=20):
             fn_i(i)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=s):  # the warm-up's stream: what a call caches per stream (fixup's counters)
         for i in range(n):
             fn_i(i)
     g.replay()
@@ -82,7 +83,21 @@ def bench_ms(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=25)
 
 
-def sweep(shapes, ms, copies: int, only=None, segments: int = 1):
+def _timed(fn, fn_i, base: dict, ref=None) -> dict:
+    """fn's two timers and their ratios to `base` (cuBLAS); with ref, whether fn() gives its bits."""
+    import torch
+    y = fn()
+    rec = {"equal": bool(torch.equal(y, ref))} if ref is not None else {}
+    rec.update(bench_ms=round(bench_ms(fn), 4), chain_ms=round(chain_ms(fn_i), 4))
+    for t in ("bench", "chain"):
+        rec[f"{t}_ratio"] = round(base[f"{t}_ms"] / rec[f"{t}_ms"], 3)
+    return rec
+
+
+SEGMENT_SCHEDULES = ("launches", "registers", "fixup")  # timed at the contract's tile in every row of a segments sweep
+
+
+def sweep(shapes, ms, copies: int, only=None, segments: int = 1, schedule: str = "registers"):
     import torch
     import torch.nn.functional as F
     from rlkernel.backends.triton import gemm
@@ -99,41 +114,50 @@ def sweep(shapes, ms, copies: int, only=None, segments: int = 1):
             cands = {c: v for c, v in cands.items() if c in only}
         if n >= 16384:  # the wide class: its own tile and the wide candidates only
             cands = {c: v for c, v in cands.items() if v[0] is None or v[0].block_n >= 128}
-        # segments > 1: the row-parallel layers' canonical K segments in one launch (the "registers" schedule), each
-        # candidate against the contract's tile and against the definition (one GEMM per segment + the tree)
-        kw = {"k_segments": segments, "schedule": "registers"} if segments > 1 else {}
+        # segments > 1: the row-parallel layers' canonical K segments under `schedule` (default "registers", one
+        # launch), each candidate against the contract's tile and against the definition (one GEMM per segment + the
+        # tree); the contract's tile also under each of SEGMENT_SCHEDULES, and unsegmented (another contract: timed)
+        kw = {"k_segments": segments, "schedule": schedule} if segments > 1 else {}
         for m in ms:
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = gemm.matmul(a, ws[0], **kw)
             flops = 2 * m * n * k
-            row = {"contract_config": str(G.segments_config("bfloat16", n, k, m, segments)) if segments > 1
-                   else G.gemm_class(n, k, m),
+            row = {"contract_config": str(gemm.schedule_config("bfloat16", n, k, m, segments, kw.get("schedule")))
+                   if segments > 1 else G.gemm_class(n, k, m),
                    "cublas": {"bench_ms": round(bench_ms(lambda: F.linear(a, ws[0])), 4),
                               "chain_ms": round(chain_ms(lambda i: F.linear(a, ws[i])), 4)}}
             if segments > 1:
                 row["contract_equals_launches"] = bool(torch.equal(ref, gemm.matmul(a, ws[0], k_segments=segments,
                                                                                     schedule="launches")))
+                for sc in SEGMENT_SCHEDULES:
+                    kw3 = {"k_segments": segments, "schedule": sc}
+                    try:
+                        row[f"sched_{sc}"] = _timed(lambda: gemm.matmul(a, ws[0], **kw3),
+                                                    lambda i: gemm.matmul(a, ws[i], **kw3), row["cublas"], ref)
+                    except Exception as e:  # noqa: BLE001 -- recorded, the rest run
+                        row[f"sched_{sc}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                row["unsegmented"] = _timed(lambda: gemm.matmul(a, ws[0]), lambda i: gemm.matmul(a, ws[i]),
+                                            row["cublas"])
             for cname, (cfg, ctas) in cands.items():
                 kw2 = {**kw, "num_ctas": ctas}
                 try:
-                    y = gemm.matmul(a, ws[0], config=cfg, **kw2)
-                    rec = {"equal": bool(torch.equal(y, ref)),
-                           "bench_ms": round(bench_ms(lambda: gemm.matmul(a, ws[0], config=cfg, **kw2)), 4),
-                           "chain_ms": round(chain_ms(lambda i: gemm.matmul(a, ws[i], config=cfg, **kw2)), 4)}
-                    for t in ("bench", "chain"):
-                        rec[f"{t}_ratio"] = round(row["cublas"][f"{t}_ms"] / rec[f"{t}_ms"], 3)
+                    rec = _timed(lambda: gemm.matmul(a, ws[0], config=cfg, **kw2),
+                                 lambda i: gemm.matmul(a, ws[i], config=cfg, **kw2), row["cublas"], ref)
                     rec["chain_tflops"] = round(flops / rec["chain_ms"] / 1e9, 1)
                 except Exception as e:  # noqa: BLE001 -- a candidate that fails to build is recorded, the rest run
                     rec = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 row[cname] = rec
-            ok = {c: r for c, r in row.items() if isinstance(r, dict) and c != "cublas" and r.get("equal")}
+            ok = {c: r for c, r in row.items() if c in cands and r.get("equal")}  # configs: not the sched_ rows
             for t in ("bench", "chain"):
                 best = max(ok, key=lambda c: ok[c][f"{t}_ratio"]) if ok else None
                 row[f"best_{t}"] = {"config": best, "ratio": ok[best][f"{t}_ratio"] if ok else None}
             row["differ"] = sorted(c for c, r in row.items() if isinstance(r, dict) and r.get("equal") is False)
             out[f"{name}_M{m}"] = row
-            log(name, m, "cublas", row["cublas"], "contract", {t: row["contract"].get(f"{t}_ratio") for t in ("bench", "chain")},
-                "best", row["best_bench"], row["best_chain"], "differ", row["differ"])
+            log(name, m, "cublas", row["cublas"],
+                "contract", {t: row.get("contract", {}).get(f"{t}_ratio") for t in ("bench", "chain")},
+                "best", row["best_bench"], row["best_chain"], "differ", row["differ"],
+                *(("schedules", {c[6:]: (r.get("bench_ratio"), r.get("chain_ratio")) for c, r in row.items()
+                                 if c.startswith("sched_")}) if segments > 1 else ()))
             del a, ref
         del ws
         torch.cuda.empty_cache()
@@ -212,6 +236,15 @@ def sweep_swiglu(shapes, ms, copies: int, only=None):
     return out
 
 
+def _schedules():
+    """gemm.SCHEDULES, or None where triton is not installed (the sweep then only writes its skip record)."""
+    try:
+        from rlkernel.backends.triton.gemm import SCHEDULES
+    except ImportError:
+        return None
+    return SCHEDULES
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
@@ -220,12 +253,15 @@ def main(argv=None):
     ap.add_argument("--copies", type=int, default=8, help="weight copies in the chain timer (beyond L2)")
     ap.add_argument("--segments", type=int, default=1, choices=(1, 2, 4, 8),
                     help="canonical K segments (the row-parallel layers' one-launch schedule); 1: plain GEMMs")
+    ap.add_argument("--schedule", default="registers", choices=_schedules(),
+                    help="how the candidates run their K segments (gemm.matmul's schedule; --segments > 1 only)")
     ap.add_argument("--candidates", help="comma-separated candidate names to time (e.g. contract,64x128x128_s4_w4); default all")
     ap.add_argument("--swiglu", action="store_true",
                     help="the GEMM + SwiGLU epilogue at the gate_up shapes (default --shapes gate_up,q06_gate_up) against "
                          "the strict two launches and stock vLLM's cuBLAS + silu_and_mul")
     ap.add_argument("--name", help="the JSON file's name in --out (default by kind: h200_gemm_sweep.json, "
-                                   "h200_gemm_sweep_segments<N>.json, h200_gemm_sweep_swiglu.json); two sweeps in one "
+                                   "h200_gemm_sweep_segments<N>.json, h200_gemm_sweep_segments<N>_<schedule>.json "
+                                   "when --schedule is not registers, h200_gemm_sweep_swiglu.json); two sweeps in one "
                                    "session need two names, or the second overwrites the first")
     args = ap.parse_args(argv)
     if args.swiglu and args.shapes == ap.get_default("shapes"):
@@ -247,7 +283,11 @@ def main(argv=None):
     if any(m < 1 for m in ms):
         ap.error("--ms: row counts must be >= 1")
     out = Path(args.out)
+    if args.schedule != "registers" and args.segments == 1:
+        ap.error("--schedule: how K segments run; give --segments 2, 4 or 8")
     name = "h200_gemm_sweep.json" if args.segments == 1 else f"h200_gemm_sweep_segments{args.segments}.json"
+    if args.segments > 1 and args.schedule != "registers":
+        name = f"h200_gemm_sweep_segments{args.segments}_{args.schedule}.json"
     if args.swiglu:
         if args.segments != 1:
             ap.error("--swiglu has no K segments")
@@ -269,10 +309,11 @@ def main(argv=None):
            "torch": torch.__version__, "triton": triton.__version__, "code": code_stamp(), "command": " ".join(sys.argv),
            "timers": {"bench": "do_bench, L2 flushed, median", "chain": f"CUDA graph of {args.copies} calls on distinct weights"}}
     res["segments"] = args.segments
+    res["schedule"] = args.schedule if args.segments > 1 else None
     if args.swiglu:
         res["swiglu"] = sweep_swiglu(shapes, ms, args.copies, only)
     else:
-        res["gemm"] = sweep(shapes, ms, args.copies, only, args.segments)
+        res["gemm"] = sweep(shapes, ms, args.copies, only, args.segments, args.schedule)
     res["elapsed_s"] = round(time.time() - T0, 1)
     out.mkdir(parents=True, exist_ok=True)
     (out / name).write_text(json.dumps(res, indent=1))

@@ -7,6 +7,8 @@ import shlex
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -26,19 +28,40 @@ def test_every_step_runs_a_script_that_exists():
 
 
 def test_the_gemm_sweep_steps_write_distinct_files(tmp_path, capsys):
-    """Each sweep step's own argument list through the sweep script (on the CPU it writes {"skipped": ...} under the
-    name a GPU run would use): no two steps share a file."""
+    """Each sweep's own argument list through the sweep script (on the CPU it writes {"skipped": ...} under the name a
+    GPU run would use; a step may chain sweeps with &&): no two sweeps, in one step or two, share a file."""
     import gpu_gemm_sweep
 
     written = {}
     for name, (_, cmd) in gpu_session.STEPS.items():
-        argv = _argv(cmd, tmp_path / name)
-        if "scripts/gpu_gemm_sweep.py" not in argv:
-            continue
-        assert gpu_gemm_sweep.main(argv[argv.index("scripts/gpu_gemm_sweep.py") + 1:]) == 0
-        files = [p.name for p in (tmp_path / name).iterdir()]
-        assert len(files) == 1, (name, files)
-        written[name] = files[0]
-    assert {"gemm_sweep", "gemm_table", "gemm_clusters", "gemm_segments", "gemm_swiglu"} <= set(written)
-    assert len(set(written.values())) == len(written), written
-    assert written["gemm_table"] == "h200_gemm_sweep_table.json" and written["gemm_clusters"] == "h200_gemm_sweep_clusters.json"
+        sweeps = [a for a in (_argv(part, tmp_path / name) for part in cmd.split("&&"))
+                  if "scripts/gpu_gemm_sweep.py" in a]
+        for argv in sweeps:
+            assert gpu_gemm_sweep.main(argv[argv.index("scripts/gpu_gemm_sweep.py") + 1:]) == 0
+        if sweeps:
+            written[name] = sorted(p.name for p in (tmp_path / name).iterdir())
+            assert len(written[name]) == len(sweeps), (name, written[name])
+    assert {"gemm_sweep", "gemm_table", "gemm_clusters", "gemm_segments", "gemm_swiglu", "gemm_fixup",
+            "gemm_qkv_k2"} <= set(written)
+    files = [f for fs in written.values() for f in fs]
+    assert len(set(files)) == len(files), written
+    assert written["gemm_table"] == ["h200_gemm_sweep_table.json"]
+    assert written["gemm_clusters"] == ["h200_gemm_sweep_clusters.json"]
+    assert written["gemm_fixup"] == ["h200_gemm_sweep_segments4_fixup.json"] and len(written["gemm_qkv_k2"]) == 2
+
+
+def test_the_sweep_names_a_schedule_in_its_default_file(tmp_path):
+    """--schedule other than registers gets its own default file (a fixup sweep never overwrites the registers one);
+    --schedule without segments is refused."""
+    import gpu_gemm_sweep
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the sweeps would run")
+    for extra, want in (([], "h200_gemm_sweep_segments4.json"),
+                        (["--schedule", "fixup"], "h200_gemm_sweep_segments4_fixup.json")):
+        out = tmp_path / want
+        assert gpu_gemm_sweep.main(["--segments", "4", *extra, "--out", str(out)]) == 0
+        assert [p.name for p in out.iterdir()] == [want]
+    with pytest.raises(SystemExit):
+        gpu_gemm_sweep.main(["--schedule", "fixup", "--out", str(tmp_path / "x")])
