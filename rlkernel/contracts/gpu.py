@@ -137,6 +137,24 @@ def segments_config(dtype_name: str, n: int, k: int, m: int | None, segments: in
     return _fit_accumulators(gemm_config(dtype_name, n, k, m), _LIVE_SEGMENT_ACCUMULATORS[segments])
 
 
+def fixup_config(dtype_name: str, n: int, k: int, m: int | None, segments: int, sms: int = 132) -> TileConfig:
+    """The tile of a GEMM over `segments` canonical K segments as separate work items of one launch (`matmul`'s
+    "fixup" schedule; the row-parallel layers): 128 x 256 with pointer loads wherever that tile gives at least 3/4 of
+    a wave of work items (tiles x segments), else the table's tile capped at 128 x 128. One accumulator is live, so
+    nothing is fitted. Session 13 (benchmarks/h200_gemm_sweep_segments4_fixup.json, 8B o/down, 4 segments, chain
+    timer vs plain cuBLAS): at M = 256 the 128 x 256 pointer tile 0.56 / 0.77x against the capped table tile's 0.41 /
+    0.53x; at M = 1,024 and 4,096 0.32-0.35 / 0.60-0.62x against 0.29-0.32 / 0.53-0.55x; at M <= 64 the table's tile
+    (0.73-0.98x). Scheduling only: every tile gives the same bits (gemm_segments_bits_vs_config)."""
+    if dtype_name in ("float32", "torch.float32"):
+        return FP32_GEMM
+    big = replace(BF16_GEMM["t128x256"], tma=False)
+    mm = 1 << 30 if m is None else m
+    if -(-mm // big.block_m) * -(-n // big.block_n) * segments * 4 >= 3 * sms:
+        return big
+    cfg = gemm_config(dtype_name, n, k, m)
+    return BF16_GEMM["t128x128"] if cfg.block_m * cfg.block_n > 128 * 128 else cfg
+
+
 def logprob_config(dtype_name: str, v: int, h: int) -> TileConfig:
     return FP32_GEMM if dtype_name in ("float32", "torch.float32") else LOGPROB_BF16
 

@@ -359,9 +359,12 @@ def _is_fp32(t: torch.Tensor) -> bool:
 
 def schedule_config(dtype_name: str, n: int, k: int, m: int, k_segments: int = 1,
                     schedule: str | None = None) -> C.TileConfig:
-    """The tile `matmul` runs without `config=`: the table's; split and fixup's partials capped at 128 x 128 (bf16);
-    registers and stream's live accumulators fitted by segments_config ("launches" runs plain GEMMs: the table's)."""
-    if k_segments > 1 and schedule in ("split", "fixup"):
+    """The tile `matmul` runs without `config=`: the table's; fixup's by contracts.gpu.fixup_config; split's partials
+    capped at 128 x 128 (bf16); registers and stream's live accumulators fitted by segments_config ("launches" runs
+    plain GEMMs: the table's)."""
+    if k_segments > 1 and schedule == "fixup":
+        return C.fixup_config(dtype_name, n, k, m, k_segments)
+    if k_segments > 1 and schedule == "split":
         cfg = C.gemm_config(dtype_name, n, k, m)
         return C.BF16_GEMM["t128x128"] if dtype_name != "float32" and cfg.block_n * cfg.block_m > 128 * 128 else cfg
     if k_segments > 1 and schedule in ("registers", "stream"):

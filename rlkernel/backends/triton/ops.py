@@ -90,7 +90,27 @@ TRITON = Prims("triton", torch.exp, torch.log, _mm32, _fold)
 
 # ---- linear -------------------------------------------------------------------------------
 
-REGISTERS_MAX_M = 2048  # rows up to which a k-segment linear runs in one launch (the "registers" schedule)
+REGISTERS_MAX_M = 2048  # rows up to which a k-segment linear may run in one launch of the "registers" schedule
+FIXUP_MAX_M = 4096  # rows up to which it may run as one "fixup" launch (above: one plain GEMM per segment)
+
+
+def segment_schedule(m: int, n: int, k: int, segments: int, dtype_name: str = "bfloat16") -> str | None:
+    """How a k-segment linear of m rows runs (`gemm.matmul`'s schedule; every one gives the same bits). Session 13 on
+    the H200 (benchmarks/h200_gemm_sweep_segments4_fixup*.json: o and down at the 8B and 0.6B shapes, 4 segments,
+    chain ratios vs plain cuBLAS):
+    - m <= 64: "fixup" (segments as separate work items, the tree by the last to finish): 8B o / down 0.73-0.86 /
+      0.93-0.98x against "registers" 0.54-0.66 / 0.50-0.78x; 0.6B at M = 64 0.80 / 0.94x against 0.68 / 0.69x.
+    - where fixup's 128 x 256 tile fills 3/4 of a wave (contracts.gpu.fixup_config; the 8B shapes from M = 256):
+      "fixup", o + down time 8B M = 256 86 vs 106 us, M = 1,024 375 vs 467 us, M = 4,096 1,531 vs 1,595 us ("launches").
+    - else "registers" up to REGISTERS_MAX_M rows (M = 128 on every shape, the 0.6B shapes up to 512: registers 0.55-0.80x
+      against fixup's 0.31-0.83x), one plain GEMM per segment above (None)."""
+    if segments <= 1:
+        return None
+    if m <= 64:
+        return "fixup"
+    if m <= FIXUP_MAX_M and G.fixup_config(dtype_name, n, k, m, segments).block_n == 256:
+        return "fixup"
+    return "registers" if m <= REGISTERS_MAX_M else None
 
 
 def _rows(x):
@@ -104,9 +124,8 @@ def _linear_fwd(x, weight, bias, k_segments):
     k, n = x.shape[-1], weight.shape[0]
     x2 = _rows(x)
     if bias is None and k_segments in (1, 2, 4, 8):
-        # every schedule gives the same bits (gemm.matmul); a few rows are launch-bound: one program walks every
-        # segment there, more rows take one plain GEMM per segment (session 7's timings)
-        schedule = "registers" if k_segments > 1 and x2.shape[0] <= REGISTERS_MAX_M else None
+        # every schedule gives the same bits (gemm.matmul); which one runs is segment_schedule's (session 13's timings)
+        schedule = segment_schedule(x2.shape[0], n, k, k_segments, G.dtype_name(x2.dtype))
         y = gemm.matmul(x2, weight, k_segments=k_segments, schedule=schedule)
     else:
         seg = k // k_segments
