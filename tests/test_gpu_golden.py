@@ -60,7 +60,7 @@ def test_a_case_that_raises_is_recorded_not_fatal():
 
 @pytest.fixture
 def fresh_state(monkeypatch):
-    monkeypatch.setattr(T, "_GOLDEN", {"result": None, "failed": None})
+    monkeypatch.setattr(T, "_GOLDEN", {"result": None, "failed": None, "seconds": None})
     return T._GOLDEN
 
 
@@ -75,13 +75,14 @@ def test_the_backend_check_policy(fresh_state, monkeypatch):
     monkeypatch.setattr(golden, "gpu_self_check", verdict_ok)
     assert T._golden_ok() and T._golden_ok() and len(calls) == 1  # once per process
     assert T.status()["golden"] == "12 golden cases reproduced (sm_90)"
+    assert isinstance(T.status()["golden_seconds"], float)  # what the start-up spent on it, in provenance
 
     def verdict_differs():
         raise golden.GoldenMismatch("the GPU kernels on sm_90 differ ... in: linear_bf16")
 
     monkeypatch.setattr(golden, "gpu_self_check", verdict_differs)
     for mode in ("check", "warn", "off"):
-        monkeypatch.setattr(T, "_GOLDEN", {"result": None, "failed": None})
+        monkeypatch.setattr(T, "_GOLDEN", {"result": None, "failed": None, "seconds": None})
         monkeypatch.setenv(T.GOLDEN_ENV, mode)
         if mode == "check":
             for _ in range(2):  # refused at the first use and at every later one
@@ -95,10 +96,10 @@ def test_the_backend_check_policy(fresh_state, monkeypatch):
                 assert T._golden_ok()
             assert T.status()["golden"].startswith("differs (warn)")
         else:
-            assert T._golden_ok() and T.status() == {"golden": "off (RLKERNEL_GPU_GOLDEN=off)", T.GOLDEN_ENV: "off",
-                                                      "unavailable": T.unavailable_reason()}
+            assert T._golden_ok() and T.status() == {"golden": "off (RLKERNEL_GPU_GOLDEN=off)", "golden_seconds": None,
+                                                      T.GOLDEN_ENV: "off", "unavailable": T.unavailable_reason()}
     monkeypatch.setenv(T.GOLDEN_ENV, "sometimes")
-    monkeypatch.setattr(T, "_GOLDEN", {"result": None, "failed": None})
+    monkeypatch.setattr(T, "_GOLDEN", {"result": None, "failed": None, "seconds": None})
     with pytest.raises(ValueError, match="check, warn or off"):
         T._golden_ok()
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 import threading
+import time
 import warnings
 
 from . import contracts
@@ -38,7 +40,8 @@ _LAZY = {
 __all__ = ["available", "unavailable_reason", "status", "GoldenCheckError", "contracts", *_LAZY]
 
 GOLDEN_ENV = "RLKERNEL_GPU_GOLDEN"  # check (default) | warn | off: the first use's golden-bits check
-_GOLDEN = {"result": None, "failed": None}  # the check's outcome in this process (one per process: one GPU kind)
+log = logging.getLogger(__name__)
+_GOLDEN = {"result": None, "failed": None, "seconds": None}  # the check's outcome in this process (one per process: one GPU kind)
 _REASON: list = []  # [unavailable reason or None], once a process
 _LOCK = threading.RLock()
 
@@ -101,12 +104,18 @@ def _golden_check() -> None:
         _GOLDEN["result"] = "running"
         from ... import golden
 
+        t0 = time.perf_counter()
         try:
             _GOLDEN["result"] = golden.gpu_self_check()
+            _GOLDEN["seconds"] = round(time.perf_counter() - t0, 2)
+            # once a process, and it compiles kernels: say what the start-up time went to
+            log.warning("rlkernel: Triton kernels' golden-bits check at first use: %s (%.1f s)", _GOLDEN["result"],
+                        _GOLDEN["seconds"])
         except golden.GoldenMismatch as e:
             msg = (f"rlkernel: {e}. Rollout and trainer running these same versions still agree with each other, but "
                    f"not with the recorded bits; set {GOLDEN_ENV}=warn to run anyway (recorded in provenance)")
             _GOLDEN["result"] = f"differs ({mode}): {e}"
+            _GOLDEN["seconds"] = round(time.perf_counter() - t0, 2)
             if mode == "check":
                 _GOLDEN["failed"] = msg
             else:
@@ -117,9 +126,9 @@ def _golden_check() -> None:
 
 
 def status() -> dict:
-    """What the Triton implementation did in this process (for run provenance): the golden check's outcome and its
-    setting; None where it has not run."""
-    return {"golden": _GOLDEN["result"], GOLDEN_ENV: os.environ.get(GOLDEN_ENV, "check"),
+    """What the Triton implementation did in this process (for run provenance): the golden check's outcome, its
+    duration and its setting; None where it has not run."""
+    return {"golden": _GOLDEN["result"], "golden_seconds": _GOLDEN["seconds"], GOLDEN_ENV: os.environ.get(GOLDEN_ENV, "check"),
             "unavailable": unavailable_reason()}
 
 
