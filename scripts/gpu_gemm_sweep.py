@@ -84,10 +84,16 @@ def bench_ms(fn):
 
 
 def _timed(fn, fn_i, base: dict, ref=None) -> dict:
-    """fn's two timers and their ratios to `base` (cuBLAS); with ref, whether fn() gives its bits."""
+    """fn's two timers and their ratios to `base` (cuBLAS); with ref, whether fn() gives its bits; the registers a
+    thread and the spilled bytes of the last _gemm_kernel fn launched (ptxas's figures; where it launched one)."""
     import torch
+    from rlkernel.backends.triton import gemm
+    gemm._LAST_KERNEL[0] = None
     y = fn()
     rec = {"equal": bool(torch.equal(y, ref))} if ref is not None else {}
+    k = gemm._LAST_KERNEL[0]
+    if k is not None:
+        rec.update(regs=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None))
     rec.update(bench_ms=round(bench_ms(fn), 4), chain_ms=round(chain_ms(fn_i), 4))
     for t in ("bench", "chain"):
         rec[f"{t}_ratio"] = round(base[f"{t}_ms"] / rec[f"{t}_ms"], 3)

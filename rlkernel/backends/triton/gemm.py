@@ -394,6 +394,10 @@ def _tma_ok(cfg, *tensors) -> bool:
     return True
 
 
+# the compiled kernel of the latest _gemm_kernel launch (None under the interpreter): scripts/gpu_gemm_sweep.py records
+# its registers and spills beside each timing
+_LAST_KERNEL: list = [None]
+
 SCHEDULES = ("launches", "split", "registers", "stream", "fixup")  # how k segments run (matmul's docstring): same bits
 
 # "fixup"'s per-tile arrival counters, int32, all zero between launches (each launch's last arrivals zero them again):
@@ -508,7 +512,7 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     tma = _tma_ok(cfg, a, bt) and (k_segments == 1 or (K // k_segments) % cfg.block_k == 0)
     if tma:
         _ensure_allocator()
-    _gemm_kernel[(progs,)](
+    _LAST_KERNEL[0] = _gemm_kernel[(progs,)](
         a, bt, out, M, N, K, a.stride(0), a.stride(1), sbn, sbk, out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGS=progs, TMA=tma, B_NK=b_nk, IEEE=_is_fp32(a), SEGS=k_segments, SPLIT=split,
