@@ -264,6 +264,8 @@ _WRAPPERS = textwrap.dedent('''
     # fixup's per-tile counters: zero again after every launch, so back-to-back calls agree; a launch with more tiles
     # grows the cached buffer (the interpreter runs programs one after another, so the last arrival varies by tile)
     cfg, counters = G.TileConfig(16, 16, 16, 2, 4, tma=False), gemm._FIXUP_COUNTERS
+    gemm._FIXUP_MIN_COUNTERS = 1  # so these small launches grow the buffer (default: 4096 counters from the start)
+    counters.clear()
     xl = torch.randn(40, 256)  # 3 x 3 tiles of 16 x 16 where xs has 1 x 3
     tall = G.TileConfig(64, 16, 16, 2, 4)  # a 64-row tile: the merge's two 32-row slices
     for xx in (xs, xl):
@@ -280,6 +282,8 @@ _WRAPPERS = textwrap.dedent('''
             again = gemm.matmul(xx, ws, k_segments=S, config=cfg, schedule="fixup")
             assert torch.equal(first, want) and torch.equal(again, want), (S, xx.shape)
     assert sizes[0] == 3 and sizes[1] >= 9 and sizes == sorted(sizes), sizes  # grown for xl, never shrunk
+    # the buffer it replaced is kept alive (a CUDA graph captured with it holds its address), all zero
+    assert [r.numel() for r in gemm._FIXUP_RETIRED][-1:] == [3] and not any(r.any() for r in gemm._FIXUP_RETIRED)
     buf[1] = 1  # control: a counter left at 1 makes the first arrival merge, and the tile ends at 1, not 0
     gemm.matmul(xs, ws, k_segments=2, config=cfg, schedule="fixup")
     assert buf.tolist().count(1) == 1 and buf.sum() == 1, buf

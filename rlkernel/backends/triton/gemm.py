@@ -403,6 +403,12 @@ SCHEDULES = ("launches", "split", "registers", "stream", "fixup")  # how k segme
 # "fixup"'s per-tile arrival counters, int32, all zero between launches (each launch's last arrivals zero them again):
 # one buffer per (device, stream), so launches on two streams never share a counter; grown, never shrunk
 _FIXUP_COUNTERS: dict[tuple, torch.Tensor] = {}
+# buffers a grown one replaced: kept for the life of the process, never freed. A CUDA graph captured with the old buffer
+# holds its address, not a reference (vLLM captures decode sizes, then a longer prefill grows the buffer): freed, that
+# memory would go to other tensors and the graph's replays would count arrivals in them. They stay all zero (every
+# launch zeroes what it counted), so a replay finds them ready.
+_FIXUP_RETIRED: list[torch.Tensor] = []
+_FIXUP_MIN_COUNTERS = 4096  # the first buffer's size (16 KiB): growth, and so retired buffers, are rare
 
 
 def _fixup_counters(device: torch.device, tiles: int) -> torch.Tensor:
@@ -414,9 +420,13 @@ def _fixup_counters(device: torch.device, tiles: int) -> torch.Tensor:
     buf = _FIXUP_COUNTERS.get(key)
     if buf is not None and buf.numel() >= tiles:
         return buf
-    buf = torch.zeros(max(tiles, 2 * buf.numel() if buf is not None else 0), device=device, dtype=torch.int32)
+    old = buf
+    buf = torch.zeros(max(tiles, _FIXUP_MIN_COUNTERS, 2 * old.numel() if old is not None else 0), device=device,
+                      dtype=torch.int32)
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         _FIXUP_COUNTERS[key] = buf
+        if old is not None:
+            _FIXUP_RETIRED.append(old)
     return buf
 
 
