@@ -83,13 +83,13 @@ STEPS: dict[str, tuple[int, str]] = {
     # them): every candidate, and each row's contract tile under launches, registers and fixup (bit-compared)
     "gemm_fixup": (360, "python3 scripts/gpu_gemm_sweep.py --segments 4 --schedule fixup --ms 1,16,64,256,1024,4096 "
                         "--shapes o,down --name h200_gemm_sweep_segments4_fixup.json --out {out}"),
-    # does a K-split qkv / gate_up beat wave quantisation at M = 256 (qkv: 96 tiles of 128x128 on 132 SMs)? 2 and 4
-    # segments under fixup against cuBLAS and the unsegmented contract (each row's "unsegmented")
     # the fixup schedule's tile rule (contracts.gpu.fixup_config) against its candidates, 8B and 0.6B row-parallel shapes
     "gemm_fixup_rule": (300, "python3 scripts/gpu_gemm_sweep.py --segments 4 --schedule fixup --ms 64,128,256,512,1024 "
                              "--shapes o,down,q06_o,q06_down --candidates contract,64x32x256_s4_w4,64x128x128_s4_w4,"
                              "128x128x64_s4_w8,128x256x64_s3_w8_ptr --name h200_gemm_sweep_segments4_fixup_rule.json "
                              "--out {out}"),
+    # does a K-split qkv / gate_up beat wave quantisation at M = 256 (qkv: 96 tiles of 128x128 on 132 SMs)? 2 and 4
+    # segments under fixup against cuBLAS and the unsegmented contract (each row's "unsegmented")
     "gemm_qkv_k2": (300, " && ".join(
         f"python3 scripts/gpu_gemm_sweep.py --segments {s} --schedule fixup --ms 256,512,1024 --shapes qkv,gate_up "
         "--candidates contract,64x128x128_s4_w4,128x128x64_s4_w8,128x128x128_s3_w8,128x256x64_s3_w8,64x256x64_s4_w4 "

@@ -68,6 +68,7 @@ BF16_GEMM = {
 }
 FP32_GEMM = TileConfig(64, 64, 32, 3, 4, tma=False)
 LOGPROB_BF16 = TileConfig(128, 256, 64, 3, 8)  # the fused linear-logprob's own tile
+FIXUP_TILE = replace(BF16_GEMM["t128x256"], tma=False)  # the "fixup" schedule's large tile (fixup_config)
 ATTENTION_TILES = AttentionTiles()
 
 
@@ -147,10 +148,9 @@ def fixup_config(dtype_name: str, n: int, k: int, m: int | None, segments: int, 
     (0.73-0.98x). Scheduling only: every tile gives the same bits (gemm_segments_bits_vs_config)."""
     if dtype_name in ("float32", "torch.float32"):
         return FP32_GEMM
-    big = replace(BF16_GEMM["t128x256"], tma=False)
     mm = 1 << 30 if m is None else m
-    if -(-mm // big.block_m) * -(-n // big.block_n) * segments * 4 >= 3 * sms:
-        return big
+    if -(-mm // FIXUP_TILE.block_m) * -(-n // FIXUP_TILE.block_n) * segments * 4 >= 3 * sms:
+        return FIXUP_TILE
     cfg = gemm_config(dtype_name, n, k, m)
     return BF16_GEMM["t128x128"] if cfg.block_m * cfg.block_n > 128 * 128 else cfg
 

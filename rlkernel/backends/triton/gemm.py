@@ -9,6 +9,7 @@ persistent grid size.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -357,6 +358,7 @@ def _is_fp32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32
 
 
+@functools.lru_cache(maxsize=4096)  # called per launch: a pure function of its arguments (the tables are constants)
 def schedule_config(dtype_name: str, n: int, k: int, m: int, k_segments: int = 1,
                     schedule: str | None = None) -> C.TileConfig:
     """The tile `matmul` runs without `config=`: the table's; fixup's by contracts.gpu.fixup_config; split's partials

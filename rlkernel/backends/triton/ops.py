@@ -94,6 +94,7 @@ REGISTERS_MAX_M = 2048  # rows up to which a k-segment linear may run in one lau
 FIXUP_MAX_M = 4096  # rows up to which it may run as one "fixup" launch (above: one plain GEMM per segment)
 
 
+@functools.lru_cache(maxsize=4096)  # called per k-segment linear: a pure function of its arguments
 def segment_schedule(m: int, n: int, k: int, segments: int, dtype_name: str = "bfloat16") -> str | None:
     """How a k-segment linear of m rows runs (`gemm.matmul`'s schedule; every one gives the same bits). Session 13 on
     the H200 (benchmarks/h200_gemm_sweep_segments4_fixup*.json: o and down at the 8B and 0.6B shapes, 4 segments,
@@ -108,7 +109,7 @@ def segment_schedule(m: int, n: int, k: int, segments: int, dtype_name: str = "b
         return None
     if m <= 64:
         return "fixup"
-    if m <= FIXUP_MAX_M and G.fixup_config(dtype_name, n, k, m, segments).block_n == 256:
+    if m <= FIXUP_MAX_M and G.fixup_config(dtype_name, n, k, m, segments) == G.FIXUP_TILE:
         return "fixup"
     return "registers" if m <= REGISTERS_MAX_M else None
 
