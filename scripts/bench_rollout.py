@@ -21,20 +21,29 @@ from pathlib import Path
 
 from gpu_session import last_json  # this script's directory is on sys.path
 
-WORKERS = ["strict", "stock", "stock_graphs", "strict_graphs", "strict_fa3_graphs"]
+WORKERS = ["strict", "stock", "stock_graphs", "strict_graphs", "strict_fa3_graphs",
+           # runner variants, to tell what the rollout gap is made of (issue 11): stock forced onto vLLM's V1 model runner
+           # (the runner the strict engine gets, since V2 refuses logprobs_mode="raw_logits"), and the strict engine on
+           # the V2 runner with raw_logprobs (vLLM log-softmaxes the contract's logprobs again: timing only, not our bits)
+           "stock_graphs_v1", "strict_graphs_v2"]
+VARIANT_ENV = {"stock_graphs_v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "strict_graphs_v2": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}
+VARIANT_ARGS = {"strict_graphs_v2": (("logprobs_mode", "raw_logprobs"),)}
 
 
 def worker(args) -> None:
+    import os
     import random
 
     from vime.records import SamplingSpec
     from vime.rollout import RolloutConfig, VLLMRollout
 
+    os.environ.update(VARIANT_ENV.get(args.worker, {}))
     engine = "rlkernel" if args.worker.startswith("strict") else "stock"
     eng = VLLMRollout(RolloutConfig(model=args.model, engine=engine, mode="strict" if engine == "rlkernel" else "native", dtype=args.dtype,
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=32,
-                                    max_model_len=args.prompt_len + args.max_tokens + 8, enforce_eager=not args.worker.endswith("_graphs"),
-                                    ops=(("attention", "fa3"),) if "_fa3" in args.worker else ()))
+                                    max_model_len=args.prompt_len + args.max_tokens + 8, enforce_eager="_graphs" not in args.worker,
+                                    ops=(("attention", "fa3"),) if "_fa3" in args.worker else (),
+                                    engine_args=VARIANT_ARGS.get(args.worker, ())))
     rng = random.Random(0)
     vocab = eng.llm.llm_engine.model_config.get_vocab_size()
     prompts = [[rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
@@ -48,10 +57,41 @@ def worker(args) -> None:
         dt = time.perf_counter() - t0
         toks = sum(len(c.response_ids) for c in out)
         best = max(best or 0.0, toks / dt)
-    rep = {"engine": args.worker, "tokens_per_second": best, "tokens": toks}
+    rep = {"engine": args.worker, "tokens_per_second": best, "tokens": toks, "runner": _runner(eng)}
+    if args.cprofile:  # host time by function for one more generate: where a host-bound engine spends its steps
+        rep["cprofile"] = _cprofiled(lambda: eng.generate(prompts, spec), eng, args.cprofile)
     if args.profile:  # one more generate under torch's profiler (in-process engine: its kernels are seen here)
         rep["profile"] = _profiled(lambda: eng.generate(prompts, spec), eng, args.profile)
     print(json.dumps(rep))
+
+
+def _runner(eng) -> dict:
+    """Which vLLM model runner and scheduling the engine got (vLLM picks V1 or V2 by model and options)."""
+    cfg = eng.llm.llm_engine.vllm_config
+    return {"v2_model_runner": bool(cfg.use_v2_model_runner), "async_scheduling": cfg.scheduler_config.async_scheduling,
+            "logprobs_mode": cfg.model_config.logprobs_mode, "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode)}
+
+
+def _cprofiled(fn, eng, top: int) -> dict:
+    """One call of fn under cProfile: its wall time, and the `top` functions by own time and by cumulative time."""
+    import cProfile
+    import pstats
+
+    eng.llm.reset_prefix_cache()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    fn()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    st = pstats.Stats(prof)
+
+    def rows(key):
+        items = sorted(st.stats.items(), key=lambda kv: -kv[1][key])[:top]
+        return [{"fn": f"{Path(f).name}:{line}({name})", "calls": v[1], "tottime": round(v[2], 4), "cumtime": round(v[3], 4)}
+                for (f, line, name), v in items]
+
+    return {"wall_seconds": round(wall, 3), "by_tottime": rows(2), "by_cumtime": rows(3)}
 
 
 def _profiled(fn, eng, top: int) -> dict:
@@ -93,6 +133,10 @@ def main():
                          "strict_fa3_graphs (strict_graphs with the FA3 attention contract: the loop's fastest strict arm; GPU, bf16)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the timed runs, profile one more generate per engine and keep its top N kernels by device time")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="one more generate per engine under cProfile: the top N functions by own and cumulative host time")
+    ap.add_argument("--keep-going", action="store_true",
+                    help="an engine that fails is recorded with its output's tail and left out of the ratios, not fatal")
     ap.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -102,20 +146,33 @@ def main():
         ap.error(f"unknown engines {sorted(set(engines) - set(WORKERS))}; known: {WORKERS}")
     res = {w: 0.0 for w in engines}
     per_round = {w: [] for w in engines}
-    profiles = {}
+    profiles, cprofiles, runners, failed = {}, {}, {}, {}
     for r in range(args.rounds):
         for w in engines:
+            if w in failed:
+                continue
             cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", w]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            rep = last_json(out)
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            rep = last_json(p.stdout) if p.returncode == 0 else None
             if rep is None:
-                raise SystemExit(f"bench_rollout: engine {w} printed no JSON result; its output ended with: {out[-2000:]}")
+                tail = (p.stdout + p.stderr)[-3000:]
+                if not args.keep_going:
+                    raise SystemExit(f"bench_rollout: engine {w} failed (rc {p.returncode}) or printed no JSON result; its output ended with: {tail}")
+                failed[w] = {"rc": p.returncode, "tail": tail}
+                print(f"round {r + 1} {w:>12}: FAILED rc={p.returncode}: {tail[-600:]}", flush=True)
+                continue
             tps = rep["tokens_per_second"]
+            runners.setdefault(w, rep.get("runner"))
+            if "cprofile" in rep:
+                cprofiles.setdefault(w, rep["cprofile"])
             if "profile" in rep:
                 profiles.setdefault(w, rep["profile"])
             res[w] = max(res[w], tps)
             per_round[w].append(round(tps, 1))
             print(f"round {r + 1} {w:>12}: {tps:8.1f} tokens/s", flush=True)
+    engines = [w for w in engines if w not in failed]
+    res = {w: v for w, v in res.items() if w not in failed}
+    per_round = {w: v for w, v in per_round.items() if w not in failed}
     ratios = {f"{s}_over_{w}": round(res[s] / res[w], 3) for s in engines if s.startswith("strict")
               for w in engines if w.startswith("stock")}
     # the median of rounds beside the best: engine starts on a shared host swing 1.3-2x between rounds (H200 session
@@ -131,7 +188,8 @@ def main():
     result = {"code": code_stamp(), "command": " ".join(sys.argv), "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
               "rounds": args.rounds, "repeat": args.repeat, **{f"{w}_tokens_per_second": v for w, v in res.items()}, **ratios,
               **{f"{w}_median_tokens_per_second": v for w, v in med.items()}, **med_ratios,
-              "per_round_tokens_per_second": per_round, **({"profiles": profiles} if profiles else {}),
+              "per_round_tokens_per_second": per_round, "runners": runners, **({"failed": failed} if failed else {}),
+              **({"profiles": profiles} if profiles else {}), **({"cprofiles": cprofiles} if cprofiles else {}),
               # device time of one profiled generate as a throughput ratio, stock / strict (< 1: strict spends more):
               # steadier than tokens/s on a host whose engine starts swing
               **{f"{s}_over_{w}_device_time": round(profiles[w]["device_kernel_ms"] / profiles[s]["device_kernel_ms"], 3)

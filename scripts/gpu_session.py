@@ -71,6 +71,12 @@ STEPS: dict[str, tuple[int, str]] = {
     "rollout_bench_fa3": (590, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
                                "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 2 "
                                "--engines stock_graphs,strict_graphs,strict_fa3_graphs --profile 25 --out {out}/h200_rollout_bench_graphs.json"),
+    # what the rollout gap is made of (issue 11): stock on V2 (its default) and forced onto V1, strict on V1 (raw_logits)
+    # and on V2 (raw_logprobs: timing only), one round each, runner and host time by function (cProfile) per engine
+    "rollout_diag": (590, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
+                          "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 1 --cprofile 30 "
+                          "--keep-going --engines stock_graphs,stock_graphs_v1,strict_graphs,strict_graphs_v2 "
+                          "--out {out}/h200_rollout_diag.json"),
     # the GEMM's tile configs vs cuBLAS at small and mid M, bit-checked, two timers (issue 10's M = 256 bar)
     "gemm_sweep": (560, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,256,1024 --out {out}"),
     # the row-parallel layers' 4 canonical K segments in one launch: the contract's segments_config (the table's tile fitted

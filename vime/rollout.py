@@ -66,6 +66,10 @@ class RolloutConfig:
     tp: int = 1  # vLLM's tensor parallelism (worker processes): stock layers, or the strict model's own TP layers
     gpu_memory_utilization: float | None = None  # on a GPU: vLLM's share of the device's memory (None: vLLM's default)
     enforce_eager: bool = True  # False, on a GPU: CUDA graphs (stock: vLLM's compile + graphs; strict: decode graphs, no compile)
+    # further vllm.LLM keyword arguments, applied last (they override ours; recorded in provenance): for experiments such
+    # as scripts/bench_rollout.py's runner variants. (("logprobs_mode", "raw_logprobs"),) on the strict engine reports
+    # vLLM's log-softmax of the contract's logprobs: not the contract's bits
+    engine_args: tuple = ()
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -80,6 +84,8 @@ class RolloutConfig:
             raise ValueError("temperature must be > 0")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if not all(isinstance(kv, (tuple, list)) and len(kv) == 2 and isinstance(kv[0], str) for kv in self.engine_args):
+            raise ValueError(f"engine_args must be (name, value) pairs of vllm.LLM arguments, got {self.engine_args!r}")
         if not self.enforce_eager and not graphs_proved(self.engine, self.tp):
             raise ValueError("the strict engine's CUDA graphs are proved at rollout TP=1 only; set enforce_eager "
                              "(rollout.enforce_eager=true) for TP>1")
@@ -196,6 +202,7 @@ class VLLMRollout:
                 args.update(compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
         else:
             args.update(logprobs_mode="processed_logprobs")
+        args.update(dict(c.engine_args))
         t0 = time.perf_counter()
         self.llm = LLM(**args)
         self.provenance = _Provenance(env=env, engine_args={k: v for k, v in args.items() if k != "additional_config"} | {"rlkernel": asdict(c), "allocator": allocator},
