@@ -46,10 +46,20 @@ def run(res, dev, bench, log):
     args = (h32, weight, targets, lse, grad, start, span, segments, 1.0, TRITON)
     a, b = vp.local_backward(*args), vp.local_backward_per_tile(*args)
     out["vocab_backward_chunks_equal_tiles"] = bool(all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and torch.equal(a[1], b[1]))
+    # the same shard split over two ranks (TP = 2 on one GPU: each half its own chunks and GEMM shapes): rank 0's
+    # segment partials then rank 1's, and their dW rows, are the whole shard's bit for bit (the vocab-parallel
+    # backward's TP invariance before the tree, under the bf16 operands of linear_logprob v3)
+    half = tiles // 2 * VOCAB_TILE
+    r0 = vp.local_backward(h32, weight[:half], targets, lse, grad, start, (start, start + half), segments[:2], 1.0, TRITON)
+    r1 = vp.local_backward(h32, weight[half:], targets, lse, grad, start + half, (start + half, span[1]), segments[2:], 1.0,
+                           TRITON)
+    out["vocab_backward_tp2_equal_tp1"] = bool(all(torch.equal(x, y) for x, y in zip(r0[0] + r1[0], a[0]))
+                                               and torch.equal(torch.cat([r0[1], r1[1]]), a[1]))
     t_c, t_t = bench(lambda: vp.local_backward(*args), 200), bench(lambda: vp.local_backward_per_tile(*args), 200)
     out["vocab_backward_ms"] = {"chunks": round(t_c, 3), "per_tile": round(t_t, 3), "speedup": round(t_t / t_c, 2),
                                 "shape": [T, H, tiles * VOCAB_TILE]}
-    log("vocab backward:", {k: out[k] for k in ("vocab_backward_chunks_equal_tiles", "vocab_backward_ms")})
+    log("vocab backward:", {k: out[k] for k in ("vocab_backward_chunks_equal_tiles", "vocab_backward_tp2_equal_tp1",
+                                                "vocab_backward_ms")})
     from rlkernel.ops.linear import linear_segment_partials
     from rlkernel.parallel.collectives import tree_all_reduce
     from rlkernel.parallel.tp_backward import RowParallelLinearFn

@@ -299,6 +299,33 @@ def test_vocab_parallel_backward_chunks_equal_the_per_tile_definition(prims_name
     assert want[1].abs().sum() > 0 and all(p.abs().sum() > 0 for p in want[0])
 
 
+def test_vocab_parallel_backward_operands_are_in_the_lm_head_dtype():
+    """A bf16 lm_head's backward takes dz rounded once to bf16 (the operand of dW = dz^T h and of the dh fold, as in
+    the single-process backward and a native bf16 output layer, and what lets the GPU run them on tensor cores). The
+    same inputs widened to float32 keep dz in float32: the gradients differ in their bits (the rounding is real) and
+    agree to bf16 precision (a correctness check against another rounding, hence a tolerance). A float32 lm_head is
+    unchanged by the rule: hidden given in bf16 or already widened, the same bits."""
+    from rlkernel.backends.reference.primitives import REFERENCE
+    from rlkernel.contracts.logprob import VOCAB_TILE
+    from rlkernel.parallel import vocab_parallel as vp
+
+    g = torch.Generator().manual_seed(9)
+    T, H, V = 6, 16, 2 * VOCAB_TILE
+    weight = (torch.randn(V, H, generator=g) * 0.3).bfloat16()
+    hidden = torch.randn(T, H, generator=g).bfloat16()
+    targets = torch.tensor([0, 5, VOCAB_TILE, V - 1, 300, 700])
+    lse = torch.logsumexp(hidden.float() @ weight.float().t(), dim=-1)
+    grad = torch.randn(T, generator=g)
+    args = (targets, lse, grad, 0, (0, V), None, 1.0, REFERENCE)
+    (gh16,), gw16 = vp.local_backward(hidden, weight, *args)
+    (gh32,), gw32 = vp.local_backward(hidden.float(), weight.float(), *args)
+    assert not torch.equal(gw16, gw32) and not torch.equal(gh16, gh32)
+    assert torch.allclose(gw16, gw32, rtol=0, atol=2e-2 * float(gw32.abs().max()))
+    assert torch.allclose(gh16, gh32, rtol=0, atol=2e-2 * float(gh32.abs().max()))
+    (gh_a,), gw_a = vp.local_backward(hidden, weight.float(), *args)
+    assert torch.equal(gh_a, gh32) and torch.equal(gw_a, gw32)
+
+
 @pytest.mark.parametrize("dim,stride,n", [(0, 1, 4), (0, 2, 4), (1, 1, 2), (1, 2, 8)])
 def test_grad_norm_segment_trees_equal_the_gathered_definition(dim, stride, n):
     """canonical_grad_norm's per-segment sums of squares of a sharded gradient ("chunks" spec), all segments in one

@@ -1,7 +1,7 @@
 """The vocab-parallel backward's tile fold in one Triton launch (`backends/triton/fold.py`) under TRITON_INTERPRET=1:
 the bits of the per-tile composition ((acc + a_0 @ b_0) + a_1 @ b_1) + ... with each product the strict float32 GEMM
 (`backends.triton.ops._mm32`), torch.equal, for several shapes (a short last tile, rows and columns that are not
-whole blocks, a bf16 right-hand side, a strided left-hand side); and through `parallel.vocab_parallel.local_backward`
+whole blocks, a bf16 right-hand side, a strided left-hand side, both operands bf16); and through `parallel.vocab_parallel.local_backward`
 (which takes the fold where the implementation's prims have it) against the per-tile definition, every partial and
 dW bit for bit. Negative control: one GEMM over the whole K range (no per-tile restart) differs from the fold.
 On the H200: `scripts/gpu_strict_parity.py --only reduce` (`vocab_backward_chunks_equal_tiles`).
@@ -28,9 +28,11 @@ _SCRIPT = textwrap.dedent('''
         return acc
 
     n = 0
-    for (m, k, nn, tile, dt) in ((5, 100, 7, 32, torch.float32), (70, 256, 65, 64, torch.bfloat16), (1, 40, 3, 40, torch.float32),
-                                 (33, 96, 129, 32, torch.bfloat16)):
-        a = torch.randn(m, 2 * k)[:, ::2]  # a strided view (gz's columns of a chunk)
+    for (m, k, nn, tile, dt, a_dt) in ((5, 100, 7, 32, torch.float32, torch.float32), (70, 256, 65, 64, torch.bfloat16, torch.float32),
+                                       (1, 40, 3, 40, torch.float32, torch.float32), (33, 96, 129, 32, torch.bfloat16, torch.float32),
+                                       # both operands bf16 (a bf16 model's rounded dz and lm_head): the GEMM kernel's K walk
+                                       (70, 256, 65, 64, torch.bfloat16, torch.bfloat16), (9, 1100, 40, 512, torch.bfloat16, torch.bfloat16)):
+        a = torch.randn(m, 2 * k).to(a_dt)[:, ::2]  # a strided view (gz's columns of a chunk)
         b = (torch.randn(k, nn) * 0.1).to(dt)
         acc = torch.randn(m, nn)
         got, want = F.fold_matmul(acc, a, b, tile), composition(acc, a, b, tile)
@@ -60,4 +62,4 @@ _SCRIPT = textwrap.dedent('''
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_fold_kernel_is_the_per_tile_composition_under_interpreter():
-    assert "fold checks 6" in run_interpreted(_SCRIPT)
+    assert "fold checks 8" in run_interpreted(_SCRIPT)

@@ -61,6 +61,8 @@ TP_BACKWARD_REFERENCE = Contract(
                                "rank s would hold at TP = S, stride chunks included); partial dY_s @ W_s per segment, float32"),
         ("vocab-parallel dhidden", "S_v = row_segments segments of ceil(tiles / S_v) VOCAB_TILEs each; tiles left to right inside a "
                                    "segment (each tile's share a contract GEMM)"),
+        ("vocab-parallel operands", "dz = (onehot - p) * g / T in float32, rounded once to the lm_head's dtype; the hidden in that "
+                                    "dtype; both backward GEMMs (dW = dz^T h, each tile's dz W) take them, float32 accumulate"),
         ("per-head norm weights", "S_h = canonical_segments(heads, row_segments) head segments; each segment's weight grad from the "
                                   "rms_norm backward of its rows"),
         ("grad norm", "per parameter: its S canonical segments (rows / columns as above), each a tree sum of squares; replicated "

@@ -285,11 +285,14 @@ LOGPROB = Contract(
               "entropy = lse - mean_z, mean_z a balanced tree over VOCAB_TILE tiles of each tile's balanced tree "
               "of p * z (zero-padded to the tile)",
               "backward (training only): vocab chunks in order, g = (onehot - p) * dlp / T in fp32 cast to the "
-              "weight dtype, dh summed over chunks in fp32 in order"),
+              "weight dtype, dh summed over chunks in fp32 in order",
+              "vocab-parallel backward (TP_BACKWARD_REFERENCE): the tile logits are the linear contract's GEMM on the "
+              "hidden in the weight dtype (tensor cores), g cast to the weight dtype, dW and the per-tile dh fold on "
+              "tensor cores with float32 accumulate (v3; v2: IEEE float32 operands)"),
     primitives=(("exp2", "ex2.approx.f32"), ("log", "tl.log (lg2.approx * ln 2)"), ("fp_contraction", "off")),
     invariant=("batch", "row position", "run to run",
                "vocab split over ranks at VOCAB_TILE boundaries (forward: rk.vocab_parallel_logprob / _entropy)"),
-    version=2,
+    version=3,
 )
 
 # RoPE on the GPU is the strict contract itself: a table of correctly rounded cos/sin (built on

@@ -44,13 +44,13 @@ class VocabParallelLogprob(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         args = (ctx.start, ctx.span, ctx.segments, ctx.temperature, ctx.prims)
         if ctx.tokens is None:
-            partials, gw = local_backward(hidden.float(), weight, targets, lse, grad.float(), *args)
+            partials, gw = local_backward(hidden, weight, targets, lse, grad.float(), *args)
         else:  # one token segment's rows at a time (dL/dhidden is per row: the same bits joined), dW per segment
             cuts = [0, *itertools.accumulate(ctx.tokens.row_splits)]
             pieces, gws = [], []
             for a, b in zip(cuts[:-1], cuts[1:]):
                 if b > a:
-                    p, g_w = local_backward(hidden[a:b].float(), weight, targets[a:b], lse[a:b], grad[a:b].float(), *args)
+                    p, g_w = local_backward(hidden[a:b], weight, targets[a:b], lse[a:b], grad[a:b].float(), *args)
                     pieces.append(p)
                     gws.append(g_w)
                 else:
@@ -66,30 +66,33 @@ class VocabParallelLogprob(torch.autograd.Function):
 CHUNK_ELEMENTS = 1 << 24  # float32 grad-logits per chunk (64 MiB): how many tiles run at once, never their bits
 
 
-def local_backward(h32, weight, targets, lse, g, start, span, segments, temperature, prims):
+def local_backward(hidden, weight, targets, lse, g, start, span, segments, temperature, prims):
     """(dL/dhidden partial of each of this rank's vocab segments [T, H] float32, dL/dweight [shard, H] float32).
 
-    The contract, per segment: dz of each VOCAB_TILE tile (z recomputed by the strict GEMM, p = exp(z - lse),
-    dz = (onehot - p) * g / T), dh = ((0 + dz_0 W_0) + dz_1 W_1) + ... in tile order, dW_tile = dz_tile^T h. The
-    tiles run in chunks: one GEMM gives a chunk's logits (each column's bits are its tile's: the GEMM is column
-    invariant), the element-wise steps act on the chunk at once (the target's +1 by a mask, no host sync), one GEMM
-    gives the chunk's dW rows (row invariant); only dh's partials stay per tile, in order (one call for a chunk's
-    tiles where the implementation has `fold_matmul`)."""
+    The contract, per segment: dz of each VOCAB_TILE tile (z recomputed by the strict GEMM on the hidden in the
+    lm_head's dtype — the forward's logits —, p = exp(z - lse), dz = (onehot - p) * g / T in float32, then rounded
+    once to the lm_head's dtype: the operand of both backward GEMMs, as in the single-process backward and in a
+    native bf16 output layer), dh = ((0 + dz_0 W_0) + dz_1 W_1) + ... in tile order, dW_tile = dz_tile^T h. A
+    float32 lm_head keeps every step in float32. The tiles run in chunks: one GEMM gives a chunk's logits (each
+    column's bits are its tile's: the GEMM is column invariant), the element-wise steps act on the chunk at once
+    (the target's +1 by a mask, no host sync), one GEMM gives the chunk's dW rows (row invariant); only dh's partials
+    stay per tile, in order (one call for a chunk's tiles where the implementation has `fold_matmul`)."""
     lo, hi = span
+    h = _operand(hidden, weight)
     gw = torch.zeros_like(weight, dtype=torch.float32)
-    tiles_per_chunk = max(1, min(64, CHUNK_ELEMENTS // max(1, h32.shape[0] * VOCAB_TILE)))
+    tiles_per_chunk = max(1, min(64, CHUNK_ELEMENTS // max(1, h.shape[0] * VOCAB_TILE)))
     partials = []
     for seg_lo, seg_hi in segments or [(lo, hi)]:
-        gh = torch.zeros_like(h32)
+        gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         a0, a1 = max(seg_lo, lo), min(seg_hi, hi)
         for c0 in range(a0, a1, tiles_per_chunk * VOCAB_TILE):
             c1 = min(c0 + tiles_per_chunk * VOCAB_TILE, a1)
-            z = _lp.tile_logits(h32, weight, c0 - start, c1 - start, temperature, prims)
+            z = _lp.tile_logits(h, weight, c0 - start, c1 - start, temperature, prims)
             gz = -prims.exp(z - lse[:, None])
             hit = targets[:, None] == torch.arange(c0, c1, device=targets.device)[None, :]
             gz = torch.where(hit, gz + 1.0, gz)
-            gz = gz * g[:, None] / temperature
-            gw[c0 - start:c1 - start] = prims.matmul(gz.t(), h32)
+            gz = (gz * g[:, None] / temperature).to(weight.dtype)
+            gw[c0 - start:c1 - start] = prims.matmul(gz.t(), h)
             if prims.fold_matmul is not None:  # the same fold in one call (tiles from c0, as below)
                 gh = prims.fold_matmul(gh, gz, weight[c0 - start:c1 - start], VOCAB_TILE)
                 continue
@@ -100,23 +103,29 @@ def local_backward(h32, weight, targets, lse, g, start, span, segments, temperat
     return partials, gw
 
 
-def local_backward_per_tile(h32, weight, targets, lse, g, start, span, segments, temperature, prims):
+def _operand(hidden, weight):
+    """The hidden as the backward GEMMs' operand: in the lm_head's dtype (exact where it already has it)."""
+    return hidden if hidden.dtype == weight.dtype else hidden.to(weight.dtype)
+
+
+def local_backward_per_tile(hidden, weight, targets, lse, g, start, span, segments, temperature, prims):
     """`local_backward`'s definition, one VOCAB_TILE tile at a time (slow: tests and scripts/gpu_strict_parity.py
     compare the chunked one with it, bit for bit)."""
     lo, hi = span
+    h = _operand(hidden, weight)
     gw = torch.zeros_like(weight, dtype=torch.float32)
     partials = []
     for seg_lo, seg_hi in segments or [(lo, hi)]:
-        gh = torch.zeros_like(h32)
+        gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         for a in range(max(seg_lo, lo), min(seg_hi, hi), VOCAB_TILE):
             b = min(a + VOCAB_TILE, hi)
-            z = _lp.tile_logits(h32, weight, a - start, b - start, temperature, prims)
+            z = _lp.tile_logits(h, weight, a - start, b - start, temperature, prims)
             gz = -prims.exp(z - lse[:, None])
             rows = ((targets >= a) & (targets < b)).nonzero()[:, 0]
             gz[rows, targets[rows] - a] += 1.0
-            gz = gz * g[:, None] / temperature
+            gz = (gz * g[:, None] / temperature).to(weight.dtype)
             gh = gh + prims.matmul(gz, weight[a - start:b - start])
-            gw[a - start:b - start] = prims.matmul(gz.t(), h32)
+            gw[a - start:b - start] = prims.matmul(gz.t(), h)
         partials.append(gh)
     return partials, gw
 
