@@ -30,7 +30,8 @@ VARIANT_ENV = {"stock_graphs_v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "strict_gra
 VARIANT_ARGS = {"strict_graphs_v2": (("logprobs_mode", "raw_logprobs"),)}
 
 
-def worker(args) -> None:
+def _build(args):
+    """(engine, prompts, sampling) for worker `args.worker`, warmed up by one small generate."""
     import os
     import random
 
@@ -43,19 +44,43 @@ def worker(args) -> None:
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=32,
                                     max_model_len=args.prompt_len + args.max_tokens + 8, enforce_eager="_graphs" not in args.worker,
                                     ops=(("attention", "fa3"),) if "_fa3" in args.worker else (),
+                                    gpu_memory_utilization=args.gpu_memory_utilization,
                                     engine_args=VARIANT_ARGS.get(args.worker, ())))
     rng = random.Random(0)
     vocab = eng.llm.llm_engine.model_config.get_vocab_size()
     prompts = [[rng.randrange(4, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
     spec = SamplingSpec(max_tokens=args.max_tokens)
     eng.generate(prompts[:2], spec)  # warm-up
+    return eng, prompts, spec
+
+
+def _timed(eng, prompts, spec) -> tuple[int, float]:
+    """(generated tokens, seconds) of one generate of every prompt, the prefix cache emptied first."""
+    eng.llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    out = eng.generate(prompts, spec)
+    return sum(len(c.response_ids) for c in out), time.perf_counter() - t0
+
+
+MARK = "@@bench "  # a served worker's replies on stdout (the engine may log there too)
+
+
+def serve(args) -> None:
+    """--paired's worker: build the engine once, say READY, then one timed generate per "gen" line on stdin."""
+    eng, prompts, spec = _build(args)
+    print(MARK + json.dumps({"ready": args.worker, "runner": _runner(eng)}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "gen":
+            break
+        toks, dt = _timed(eng, prompts, spec)
+        print(MARK + json.dumps({"tokens": toks, "seconds": dt}), flush=True)
+
+
+def worker(args) -> None:
+    eng, prompts, spec = _build(args)
     best = None
     for _ in range(args.repeat):
-        eng.llm.reset_prefix_cache()
-        t0 = time.perf_counter()
-        out = eng.generate(prompts, spec)
-        dt = time.perf_counter() - t0
-        toks = sum(len(c.response_ids) for c in out)
+        toks, dt = _timed(eng, prompts, spec)
         best = max(best or 0.0, toks / dt)
     rep = {"engine": args.worker, "tokens_per_second": best, "tokens": toks, "runner": _runner(eng)}
     if args.cprofile:  # host time by function for one more generate: where a host-bound engine spends its steps
@@ -115,6 +140,87 @@ def _profiled(fn, eng, top: int) -> dict:
             "kernels": [{"name": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2)} for e in evs[:top]]}
 
 
+def _code() -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from vime.stamp import code_stamp
+
+    return code_stamp()
+
+
+class _Served:
+    """One engine in its own process (vLLM: one engine a process), driven over stdin/stdout."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: str):
+        self.name = name
+        self.log = open(Path(log_dir) / f"{name}.log", "w")
+        self.proc = subprocess.Popen([sys.executable, __file__, *argv, "--serve", "--worker", name], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
+
+    def reply(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        self.proc.wait()
+        self.log.flush()
+        tail = Path(self.log.name).read_text()[-3000:]
+        raise SystemExit(f"bench_rollout --paired: engine {self.name} exited (rc {self.proc.returncode}); its log ends: {tail}")
+
+    def generate(self) -> dict:
+        self.proc.stdin.write("gen\n")
+        self.proc.stdin.flush()
+        return self.reply()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=120)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self.log.close()
+
+
+def paired(args, engines: list[str]) -> dict:
+    """Both engines alive at once (each its own process; on a GPU each takes --gpu-memory-utilization of it), their
+    generates interleaved: each round runs one generate per engine, the order flipped every round (A B, B A, ...), so
+    a slow or fast spell of the shared host lands on both; the ratio is per round, and the median of rounds is the
+    figure. What an engine start costs, or how fast the host was when it started, no longer decides the ratio."""
+    import tempfile
+
+    if len(engines) != 2 or not (engines[0].startswith("stock") ^ engines[1].startswith("stock")):
+        raise SystemExit(f"bench_rollout --paired: two engines, one stock* and one strict*; got {engines}")
+    stock, strict = sorted(engines, key=lambda w: not w.startswith("stock"))
+    argv = [a for a in sys.argv[1:] if a != "--paired"]
+    log_dir = tempfile.mkdtemp(prefix="bench_rollout_")
+    served, runners = {}, {}
+    try:
+        for w in (stock, strict):  # one at a time: each engine sizes its KV cache from the memory left when it starts
+            served[w] = _Served(w, argv, log_dir)
+            runners[w] = served[w].reply()["runner"]
+            print(f"{w:>14} ready: {runners[w]}", flush=True)
+        rounds, ratios = [], []
+        for r in range(args.rounds):
+            order = (stock, strict) if r % 2 == 0 else (strict, stock)
+            row = {}
+            for w in order:
+                rep = served[w].generate()
+                row[w] = round(rep["tokens"] / rep["seconds"], 1)
+            ratio = row[strict] / row[stock]
+            ratios.append(round(ratio, 4))
+            rounds.append({"order": list(order), **{f"{w}_tokens_per_second": v for w, v in row.items()}, "ratio": round(ratio, 4)})
+            print(f"round {r + 1} ({order[0]} first): {stock} {row[stock]:.1f}, {strict} {row[strict]:.1f} tokens/s, ratio "
+                  f"{ratio:.3f}", flush=True)
+    finally:
+        for sv in served.values():
+            sv.close()
+    return {"paired": True, "stock": stock, "strict": strict, "rounds_detail": rounds, "ratios": ratios,
+            "ratio_median": round(statistics.median(ratios), 4), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            f"{stock}_median_tokens_per_second": statistics.median(x[f"{stock}_tokens_per_second"] for x in rounds),
+            f"{strict}_median_tokens_per_second": statistics.median(x[f"{strict}_tokens_per_second"] for x in rounds),
+            "logs": log_dir, "runners": runners}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -137,13 +243,37 @@ def main():
                     help="one more generate per engine under cProfile: the top N functions by own and cumulative host time")
     ap.add_argument("--keep-going", action="store_true",
                     help="an engine that fails is recorded with its output's tail and left out of the ratios, not fatal")
+    ap.add_argument("--paired", action="store_true",
+                    help="both engines (one stock*, one strict*) alive at once, their generates interleaved for --rounds "
+                         "rounds (order flipped each round); the ratio per round and its median")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="each engine's share of the GPU's memory (default: vLLM's; --paired on a GPU: 0.4)")
     ap.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args)
+        return serve(args) if args.serve else worker(args)
     engines = args.engines.split(",")
     if set(engines) - set(WORKERS):
         ap.error(f"unknown engines {sorted(set(engines) - set(WORKERS))}; known: {WORKERS}")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    if args.paired:
+        if args.gpu_memory_utilization is None:
+            import torch
+
+            if torch.cuda.is_available():
+                sys.argv += ["--gpu-memory-utilization", "0.4"]
+        result = {"code": _code(), "command": " ".join(sys.argv), "model": args.model, "dtype": args.dtype,
+                  "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "rounds": args.rounds,
+                  **paired(args, engines)}
+        print(f"median of {args.rounds} paired rounds: {result['strict']} / {result['stock']} = {result['ratio_median']:.3f}x "
+              f"(range {result['ratio_min']:.3f}-{result['ratio_max']:.3f})")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        print(json.dumps(result))
+        return
     res = {w: 0.0 for w in engines}
     per_round = {w: [] for w in engines}
     profiles, cprofiles, runners, failed = {}, {}, {}, {}
@@ -182,10 +312,7 @@ def main():
                   for w in engines if w.startswith("stock") and med[w] > 0}
     print("best: " + ", ".join(f"{w} {v:.1f}" for w, v in res.items()) + " tokens/s; " + ", ".join(f"{k} = {v:.2f}x" for k, v in ratios.items())
           + "; median of rounds: " + ", ".join(f"{k} = {v:.2f}x" for k, v in med_ratios.items()))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from vime.stamp import code_stamp
-
-    result = {"code": code_stamp(), "command": " ".join(sys.argv), "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+    result = {"code": _code(), "command": " ".join(sys.argv), "model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
               "rounds": args.rounds, "repeat": args.repeat, **{f"{w}_tokens_per_second": v for w, v in res.items()}, **ratios,
               **{f"{w}_median_tokens_per_second": v for w, v in med.items()}, **med_ratios,
               "per_round_tokens_per_second": per_round, "runners": runners, **({"failed": failed} if failed else {}),

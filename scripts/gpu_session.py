@@ -77,6 +77,11 @@ STEPS: dict[str, tuple[int, str]] = {
                           "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 1 --cprofile 30 "
                           "--keep-going --engines stock_graphs,stock_graphs_v1,strict_graphs,strict_graphs_v2 "
                           "--out {out}/h200_rollout_diag.json"),
+    # the rollout ratio without the engine-start lottery: stock and strict alive at once (0.4 of the GPU each), their
+    # generates interleaved for 10 rounds, order flipped each round; the median of the per-round ratios
+    "rollout_paired": (560, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
+                            "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --rounds 10 --paired "
+                            "--engines stock_graphs,strict_graphs --out {out}/h200_rollout_paired.json"),
     # the GEMM's tile configs vs cuBLAS at small and mid M, bit-checked, two timers (issue 10's M = 256 bar)
     "gemm_sweep": (560, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,256,1024 --out {out}"),
     # the row-parallel layers' 4 canonical K segments in one launch: the contract's segments_config (the table's tile fitted
