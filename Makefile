@@ -27,7 +27,7 @@ run: install
 	$(VENV)/bin/vime train --config-name grpo_tiny
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: install
 	$(PY) scripts/bench_ops.py

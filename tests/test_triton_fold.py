@@ -2,8 +2,9 @@
 the bits of the per-tile composition ((acc + a_0 @ b_0) + a_1 @ b_1) + ... with each product the strict float32 GEMM
 (`backends.triton.ops._mm32`), torch.equal, for several shapes (a short last tile, rows and columns that are not
 whole blocks, a bf16 right-hand side, a strided left-hand side, both operands bf16); and through `parallel.vocab_parallel.local_backward`
-(which takes the fold where the implementation's prims have it) against the per-tile definition, every partial and
-dW bit for bit. Negative control: one GEMM over the whole K range (no per-tile restart) differs from the fold.
+(which takes the fold, and for a bf16 head the fused dz kernel, where the implementation's prims have them) against
+the per-tile definition, every partial and dW bit for bit, and the fused dz against the composition it replaces (to a
+tolerance: another exp). Negative control: one GEMM over the whole K range (no per-tile restart) differs from the fold.
 On the H200: `scripts/gpu_strict_parity.py --only reduce` (`vocab_backward_chunks_equal_tiles`).
 """
 from __future__ import annotations
@@ -56,10 +57,20 @@ _SCRIPT = textwrap.dedent('''
         assert len(pa) == len(pb) and all(torch.equal(x, y) for x, y in zip(pa, pb)) and torch.equal(gwa, gwb)
         assert TRITON.fold_matmul is not None
         n += 1
+    # the fused dz kernel (a bf16 head on the Triton prims) against the composition it replaces (the tile's logits
+    # GEMM, torch's exp, the target's +1, the cast): another exp (exp2 of a scaled argument), so a tolerance, not bits
+    import dataclasses
+    comp = dataclasses.replace(TRITON, grad_z=None)
+    args = (h32, weight, targets, lse, grad, start, span, None, 0.9)
+    (pf,), gwf = vp.local_backward(*args, TRITON)
+    (pc,), gwc = vp.local_backward(*args, comp)
+    assert torch.allclose(pf, pc, rtol=0, atol=1e-2 * float(pc.abs().max())) and pc.abs().sum() > 0
+    assert torch.allclose(gwf, gwc, rtol=0, atol=1e-2 * float(gwc.abs().max())) and gwc.abs().sum() > 0
+    n += 1
     print("fold checks", n, "control differs in", control, "of", whole.numel())
 ''')
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_fold_kernel_is_the_per_tile_composition_under_interpreter():
-    assert "fold checks 8" in run_interpreted(_SCRIPT)
+    assert "fold checks 9" in run_interpreted(_SCRIPT)

@@ -286,9 +286,11 @@ LOGPROB = Contract(
               "of p * z (zero-padded to the tile)",
               "backward (training only): vocab chunks in order, g = (onehot - p) * dlp / T in fp32 cast to the "
               "weight dtype, dh summed over chunks in fp32 in order",
-              "vocab-parallel backward (TP_BACKWARD_REFERENCE): the tile logits are the linear contract's GEMM on the "
-              "hidden in the weight dtype (tensor cores), g cast to the weight dtype, dW and the per-tile dh fold on "
-              "tensor cores with float32 accumulate (v3; v2: IEEE float32 operands)"),
+              "vocab-parallel backward (TP_BACKWARD_REFERENCE), bf16/fp16 head: dz of each vocab chunk from the fused "
+              "kernel above (its tile logits on the hidden in the weight dtype, p = exp2((z - lse) * log2 e), "
+              "dz = (onehot - p) * g / T cast to the weight dtype; column-invariant, so a chunk's dz is its tiles'), "
+              "dW and the per-tile dh fold on tensor cores with float32 accumulate (v3; v2: IEEE float32 operands "
+              "and torch's exp); a float32 head: as v2"),
     primitives=(("exp2", "ex2.approx.f32"), ("log", "tl.log (lg2.approx * ln 2)"), ("fp_contraction", "off")),
     invariant=("batch", "row position", "run to run",
                "vocab split over ranks at VOCAB_TILE boundaries (forward: rk.vocab_parallel_logprob / _entropy)"),

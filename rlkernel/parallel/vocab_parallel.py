@@ -79,6 +79,7 @@ def local_backward(hidden, weight, targets, lse, g, start, span, segments, tempe
     stay per tile, in order (one call for a chunk's tiles where the implementation has `fold_matmul`)."""
     lo, hi = span
     h = _operand(hidden, weight)
+    fused, local = _fused_dz(prims, weight, targets, start)
     gw = torch.zeros_like(weight, dtype=torch.float32)
     tiles_per_chunk = max(1, min(64, CHUNK_ELEMENTS // max(1, h.shape[0] * VOCAB_TILE)))
     partials = []
@@ -87,11 +88,14 @@ def local_backward(hidden, weight, targets, lse, g, start, span, segments, tempe
         a0, a1 = max(seg_lo, lo), min(seg_hi, hi)
         for c0 in range(a0, a1, tiles_per_chunk * VOCAB_TILE):
             c1 = min(c0 + tiles_per_chunk * VOCAB_TILE, a1)
-            z = _lp.tile_logits(h, weight, c0 - start, c1 - start, temperature, prims)
-            gz = -prims.exp(z - lse[:, None])
-            hit = targets[:, None] == torch.arange(c0, c1, device=targets.device)[None, :]
-            gz = torch.where(hit, gz + 1.0, gz)
-            gz = (gz * g[:, None] / temperature).to(weight.dtype)
+            if fused:
+                gz = prims.grad_z(h, weight, local, lse, g, temperature, c0 - start, c1 - start)
+            else:
+                z = _lp.tile_logits(h, weight, c0 - start, c1 - start, temperature, prims)
+                gz = -prims.exp(z - lse[:, None])
+                hit = targets[:, None] == torch.arange(c0, c1, device=targets.device)[None, :]
+                gz = torch.where(hit, gz + 1.0, gz)
+                gz = (gz * g[:, None] / temperature).to(weight.dtype)
             gw[c0 - start:c1 - start] = prims.matmul(gz.t(), h)
             if prims.fold_matmul is not None:  # the same fold in one call (tiles from c0, as below)
                 gh = prims.fold_matmul(gh, gz, weight[c0 - start:c1 - start], VOCAB_TILE)
@@ -101,6 +105,14 @@ def local_backward(hidden, weight, targets, lse, g, start, span, segments, tempe
                 gh = gh + prims.matmul(gz[:, a - c0:b - c0], weight[a - start:b - start])
         partials.append(gh)
     return partials, gw
+
+
+def _fused_dz(prims, weight, targets, start):
+    """(whether dz comes from the implementation's fused kernel, the targets in the shard's row numbering): a bf16 /
+    fp16 head on an implementation with `grad_z` (the Triton backend: the tile's logits, p = exp2((z - lse) log2 e)
+    and dz in one kernel, nothing float32 of the vocabulary's size stored); a float32 head keeps the composition."""
+    fused = prims.grad_z is not None and weight.dtype in (torch.bfloat16, torch.float16)
+    return fused, (targets - start if fused else None)
 
 
 def _operand(hidden, weight):
@@ -113,17 +125,21 @@ def local_backward_per_tile(hidden, weight, targets, lse, g, start, span, segmen
     compare the chunked one with it, bit for bit)."""
     lo, hi = span
     h = _operand(hidden, weight)
+    fused, local = _fused_dz(prims, weight, targets, start)
     gw = torch.zeros_like(weight, dtype=torch.float32)
     partials = []
     for seg_lo, seg_hi in segments or [(lo, hi)]:
         gh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         for a in range(max(seg_lo, lo), min(seg_hi, hi), VOCAB_TILE):
             b = min(a + VOCAB_TILE, hi)
-            z = _lp.tile_logits(h, weight, a - start, b - start, temperature, prims)
-            gz = -prims.exp(z - lse[:, None])
-            rows = ((targets >= a) & (targets < b)).nonzero()[:, 0]
-            gz[rows, targets[rows] - a] += 1.0
-            gz = (gz * g[:, None] / temperature).to(weight.dtype)
+            if fused:
+                gz = prims.grad_z(h, weight, local, lse, g, temperature, a - start, b - start)
+            else:
+                z = _lp.tile_logits(h, weight, a - start, b - start, temperature, prims)
+                gz = -prims.exp(z - lse[:, None])
+                rows = ((targets >= a) & (targets < b)).nonzero()[:, 0]
+                gz[rows, targets[rows] - a] += 1.0
+                gz = (gz * g[:, None] / temperature).to(weight.dtype)
             gh = gh + prims.matmul(gz, weight[a - start:b - start])
             gw[a - start:b - start] = prims.matmul(gz.t(), h)
         partials.append(gh)

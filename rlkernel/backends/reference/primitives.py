@@ -221,6 +221,10 @@ class Prims:
     # optional: fold_matmul(acc, a, b, tile) = ((acc + a_0 @ b_0) + a_1 @ b_1) + ... over K tiles of `tile` in order,
     # each product `matmul`'s (from zero): the loop in one call (the Triton backend's kernel); None: the loop
     fold_matmul: Callable | None = None
+    # optional: grad_z(hidden, weight, targets, lse, g, temperature, lo, hi) -> dz [T, hi - lo] in weight's dtype, the
+    # logprob backward's operand for weight rows [lo, hi) (targets in those rows' numbering) fused with its logits (the
+    # Triton backend's kernel): where present, the vocab-parallel backward of a bf16 / fp16 head takes dz from it
+    grad_z: Callable | None = None
 
 
 REFERENCE = Prims("reference", strict_exp, strict_log, matmul)

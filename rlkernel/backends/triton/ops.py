@@ -85,7 +85,11 @@ def _fold(acc, a, b, tile):
     return fold_matmul(acc, a, b, tile)
 
 
-TRITON = Prims("triton", torch.exp, torch.log, _mm32, _fold)
+def _grad_z(hidden, weight, targets, lse, g, temperature, lo, hi):
+    return _k()[3].grad_z(hidden, weight, targets, lse, g, temperature, lo, hi)
+
+
+TRITON = Prims("triton", torch.exp, torch.log, _mm32, _fold, _grad_z)
 
 
 # ---- linear -------------------------------------------------------------------------------
