@@ -15,9 +15,11 @@ the per-tile composition, torch.equal).
 
 Operands in bf16 or fp16 (both the same dtype: the vocab-parallel backward of a bf16 model rounds dz to the lm_head's
 dtype) run `_fold_lowp_kernel`: each tile's product is the plain GEMM kernel's own K walk (`gemm._k_span`: tensor
-cores, float32 accumulate, K blocks in order from the tile's start) on the tile the GEMM contract gives that
-product alone (`contracts.gpu.gemm_config` for its N, K = tile, M), so it has the bits of
-`gemm.matmul(a_t, b=b_t, out_dtype=float32)`, and the running sum is the same IEEE add.
+cores, float32 accumulate, K blocks in order from the tile's start) with the K block the GEMM contract gives that
+product alone (`contracts.gpu.gemm_config` for its N, K = tile, M; its columns halved while the two live
+accumulators would not fit the registers), so it has the bits of `gemm.matmul(a_t, b=b_t, out_dtype=float32)` (a
+wgmma chain's bits do not depend on the tile: every GEMM config measured on the H200), and the running sum is the
+same IEEE add.
 """
 from __future__ import annotations
 
@@ -87,8 +89,10 @@ def fold_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, tile: int) 
     out = torch.empty((M, N), dtype=torch.float32, device=a.device)
     if M == 0 or N == 0:
         return out
-    if lowp:  # each tile's product on the tile the GEMM contract gives it alone: the plain GEMM's K walk and blocks
-        cfg = C.gemm_config(C.dtype_name(a.dtype), N, tile, M)
+    if lowp:  # each tile's product by the plain GEMM's K walk on the GEMM contract's blocks for it; the running sum and
+        # the tile's product are two live accumulators, so the tile's columns are halved until both fit the registers
+        # (128x256 -> 128x128 from M > 1024): scheduling only, a wgmma chain's bits do not depend on the tile
+        cfg = C._fit_accumulators(C.gemm_config(C.dtype_name(a.dtype), N, tile, M), 2)
         grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n))
         _fold_lowp_kernel[grid](a, b, acc, out, M, N, K, tile, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                                 acc.stride(0), out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
