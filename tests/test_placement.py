@@ -35,6 +35,18 @@ def test_strict_graphs_at_rollout_tp_above_one_are_refused(tmp_path):
         RolloutConfig(model=str(tmp_path), engine="rlkernel", tp=2, enforce_eager=False)
 
 
+def test_engine_args_must_be_named_pairs(tmp_path):
+    """RolloutConfig.engine_args (extra vllm.LLM arguments for experiments, applied last and recorded in provenance)
+    takes (name, value) pairs; anything else is refused before an engine is built."""
+    from vime.rollout import RolloutConfig
+
+    (tmp_path / "config.json").write_text("{}")
+    RolloutConfig(model=str(tmp_path), engine_args=(("logprobs_mode", "raw_logprobs"),))
+    for bad in (("logprobs_mode",), (("logprobs_mode", "raw_logprobs", 1),), ((1, "x"),)):
+        with pytest.raises(ValueError, match="engine_args must be"):
+            RolloutConfig(model=str(tmp_path), engine_args=bad)
+
+
 def test_one_gpu_colocated_shares_the_device_and_syncs_by_ipc():
     cfg, _ = load_config("grpo_qwen3_gpu")
     assert gpu_placement(cfg, visible="") == {"trainer": ["0"], "engines": ["0"]}
