@@ -199,7 +199,7 @@ def paired(args, engines: list[str]) -> dict:
             served[w] = _Served(w, argv, log_dir)
             runners[w] = served[w].reply()["runner"]
             print(f"{w:>14} ready: {runners[w]}", flush=True)
-        rounds, ratios = [], []
+        rounds = []
         for r in range(args.rounds):
             order = (stock, strict) if r % 2 == 0 else (strict, stock)
             row = {}
@@ -207,13 +207,13 @@ def paired(args, engines: list[str]) -> dict:
                 rep = served[w].generate()
                 row[w] = round(rep["tokens"] / rep["seconds"], 1)
             ratio = row[strict] / row[stock]
-            ratios.append(round(ratio, 4))
             rounds.append({"order": list(order), **{f"{w}_tokens_per_second": v for w, v in row.items()}, "ratio": round(ratio, 4)})
             print(f"round {r + 1} ({order[0]} first): {stock} {row[stock]:.1f}, {strict} {row[strict]:.1f} tokens/s, ratio "
                   f"{ratio:.3f}", flush=True)
     finally:
         for sv in served.values():
             sv.close()
+    ratios = [x["ratio"] for x in rounds]
     return {"paired": True, "stock": stock, "strict": strict, "rounds_detail": rounds, "ratios": ratios,
             "ratio_median": round(statistics.median(ratios), 4), "ratio_min": min(ratios), "ratio_max": max(ratios),
             f"{stock}_median_tokens_per_second": statistics.median(x[f"{stock}_tokens_per_second"] for x in rounds),

@@ -78,7 +78,7 @@ def local_backward(hidden, weight, targets, lse, g, start, span, segments, tempe
     (the target's +1 by a mask, no host sync), one GEMM gives the chunk's dW rows (row invariant); only dh's partials
     stay per tile, in order (one call for a chunk's tiles where the implementation has `fold_matmul`)."""
     lo, hi = span
-    h = _operand(hidden, weight)
+    h = hidden.to(weight.dtype)  # the backward GEMMs' operand (no copy where it already has that dtype)
     fused, local = _fused_dz(prims, weight, targets, start)
     gw = torch.zeros_like(weight, dtype=torch.float32)
     tiles_per_chunk = max(1, min(64, CHUNK_ELEMENTS // max(1, h.shape[0] * VOCAB_TILE)))
@@ -115,16 +115,11 @@ def _fused_dz(prims, weight, targets, start):
     return fused, (targets - start if fused else None)
 
 
-def _operand(hidden, weight):
-    """The hidden as the backward GEMMs' operand: in the lm_head's dtype (exact where it already has it)."""
-    return hidden if hidden.dtype == weight.dtype else hidden.to(weight.dtype)
-
-
 def local_backward_per_tile(hidden, weight, targets, lse, g, start, span, segments, temperature, prims):
     """`local_backward`'s definition, one VOCAB_TILE tile at a time (slow: tests and scripts/gpu_strict_parity.py
     compare the chunked one with it, bit for bit)."""
     lo, hi = span
-    h = _operand(hidden, weight)
+    h = hidden.to(weight.dtype)  # the backward GEMMs' operand (no copy where it already has that dtype)
     fused, local = _fused_dz(prims, weight, targets, start)
     gw = torch.zeros_like(weight, dtype=torch.float32)
     partials = []
