@@ -7,7 +7,8 @@ costs 1.32x: at the loop's size the strict update looks launch-bound. This scrip
 both modes on the same model and batches (warm-up first, then the median of timed updates), then profiles one update
 of each with torch.profiler: wall time, device-kernel time and count, kernel-launch calls on the host, and the top ops
 by host and by device time; then counts one more update's tensor ops by the line of this repository that issued them
-(`op_sites`). JSON to --out (`h200_update_profile.json`). On a machine without CUDA it exits at once
+(`op_sites`), and where it reads device values back to the host (`readbacks`: each such read makes the host wait for
+the device). JSON to --out (`h200_update_profile.json`). On a machine without CUDA it exits at once
 unless `--device cpu` (a smoke run at tiny size: what CI runs).
 """
 from __future__ import annotations
@@ -107,6 +108,69 @@ def _op_sites(tr, batch, top: int) -> dict:
     return {"ops": total[0], "top": [{"site": k, "ops": v} for k, v in counts.most_common(top)]}
 
 
+# ops that read a device value back to the host (the host waits for the device's queue to drain there: on a launch-bound
+# update every one serialises host and device time)
+_READBACKS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique", "_unique2", "allclose"}
+
+
+def _sync_sites(tr, batch, top: int) -> dict:
+    """Where one update reads device values back to the host, by the line of this repository (or the innermost
+    Megatron / torch frame when none of ours is on the stack): a TorchDispatchMode over the ops that must wait for the
+    device (`.item()`, `int(t)`, `bool(t)`, `torch.equal`, `nonzero`, boolean indexing), plus every copy to the CPU. On
+    CUDA, one more update under torch's sync debug mode counts every call that made the host wait, blocking host-to-device
+    copies included (`cuda_syncs`, `cuda_sync_sites`)."""
+    import collections
+    import traceback
+    import warnings
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    root, counts, total = str(ROOT) + "/", collections.Counter(), [0]
+
+    def site(stack) -> str:
+        ours = [f for f in stack if f.filename.startswith(root) and "/scripts/" not in f.filename and "/.venv/" not in f.filename]
+        if ours:
+            return " < ".join(f"{f.filename[len(root):]}:{f.lineno}" for f in ours[-2:][::-1])
+        inner = [f for f in stack if "/torch/utils/_python_dispatch" not in f.filename and "gpu_update_profile" not in f.filename]
+        return f"{'/'.join(inner[-1].filename.split('/')[-3:])}:{inner[-1].lineno}" if inner else "(outside)"
+
+    class Readbacks(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            to_cpu = name in ("_to_copy", "copy_") and any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) and (
+                str((kwargs or {}).get("device", "")) == "cpu" or (name == "copy_" and not args[0].is_cuda))
+            if name in _READBACKS or to_cpu:
+                total[0] += 1
+                counts[f"{name} @ {site(traceback.extract_stack(limit=64))}"] += 1
+            return func(*args, **(kwargs or {}))
+
+    report = {}
+    with Readbacks():
+        tr.update(batch)
+    report.update(readbacks=total[0], top=[{"site": k, "count": v} for k, v in counts.most_common(top)])
+    if torch.cuda.is_available() and next(tr.model.parameters()).is_cuda:
+        # torch's sync debug mode warns at every call that makes the host wait for the device (the reads above, and
+        # blocking host-to-device copies: torch.tensor(..., device="cuda"), .to("cuda") of a host tensor); each warning
+        # is counted at the line of this repository on the stack when it fires
+        seen = collections.Counter()
+
+        def hook(message, category, filename, lineno, file=None, line=None):
+            seen[site(traceback.extract_stack(limit=64)[:-1])] += 1
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = hook
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                tr.update(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        report["cuda_syncs"] = sum(seen.values())
+        report["cuda_sync_sites"] = [{"site": k, "count": v} for k, v in seen.most_common(top)]
+    return report
+
+
 def _poison_check(ckpt, args) -> dict:
     """The trainer turns torch's NaN fill of fresh allocations off (TrainerConfig.fill_uninitialized_memory): one strict
     update with the fill on (every fresh allocation poisoned) against one with it off, every parameter bit for bit."""
@@ -170,6 +234,8 @@ def run(args) -> dict:
                 prof = _profile(tr, _batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"]), args.device, args.top)
                 step += 1
                 prof["op_sites"] = _op_sites(tr, _batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"]), args.top)
+                step += 1
+                prof["readbacks"] = _sync_sites(tr, _batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"]), args.top)
                 report["modes"][mode] = {"update_seconds": [round(t, 4) for t in times], "median_seconds": round(statistics.median(times), 4),
                                          "profile": prof}
             print(f"{mode}: median update {report['modes'][mode]['median_seconds']} s, {prof['device_kernels']} device kernels, "

@@ -127,6 +127,9 @@ def test_gpu_harness_skips_without_cuda(tmp_path):
         assert m["median_seconds"] > 0 and m["profile"]["wall_seconds"] > 0 and m["profile"]["top_by_host"], (mode, m)
         sites = m["profile"]["op_sites"]
         assert sites["ops"] >= sum(x["ops"] for x in sites["top"]) > 0 and all(":" in x["site"] for x in sites["top"][:3])
+        reads = m["profile"]["readbacks"]  # every update reads at least its loss and grad norm back to the host
+        assert reads["readbacks"] >= sum(x["count"] for x in reads["top"]) >= 2 and all(" @ " in x["site"] for x in reads["top"])
+        assert any("vime/trainer.py" in x["site"] for x in reads["top"]), reads
     assert rep["ratio_strict_over_native"] > 0 and rep["code"]["source_sha256"]
     poison = rep["poisoned_equal"]  # a strict update with torch's NaN fill on equals the default (fill off)
     assert poison["tensors"] > 0 and poison["tensors_differ"] == 0 and poison["loss_equal"] and poison["grad_norm_equal"], poison
