@@ -199,6 +199,11 @@ def paired(args, engines: list[str]) -> dict:
             served[w] = _Served(w, argv, log_dir)
             runners[w] = served[w].reply()["runner"]
             print(f"{w:>14} ready: {runners[w]}", flush=True)
+        warmup = {}  # one untimed generate each first: an engine's first generate compiles its kernels for the shapes
+        for w in (stock, strict):  # of this workload (Triton's JIT, vLLM's warm-up misses) and is not a round
+            rep = served[w].generate()
+            warmup[w] = round(rep["tokens"] / rep["seconds"], 1)
+        print(f"warm-up (not a round): {stock} {warmup[stock]:.1f}, {strict} {warmup[strict]:.1f} tokens/s", flush=True)
         rounds = []
         for r in range(args.rounds):
             order = (stock, strict) if r % 2 == 0 else (strict, stock)
@@ -214,8 +219,10 @@ def paired(args, engines: list[str]) -> dict:
         for sv in served.values():
             sv.close()
     ratios = [x["ratio"] for x in rounds]
-    return {"paired": True, "stock": stock, "strict": strict, "rounds_detail": rounds, "ratios": ratios,
-            "ratio_median": round(statistics.median(ratios), 4), "ratio_min": min(ratios), "ratio_max": max(ratios),
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    return {"paired": True, "stock": stock, "strict": strict, "warmup_tokens_per_second": warmup, "rounds_detail": rounds,
+            "ratios": ratios, "ratio_median": round(statistics.median(ratios), 4), "ratio_quartiles": [round(q[0], 4), round(q[2], 4)],
+            "ratio_geometric_mean": round(statistics.geometric_mean(ratios), 4), "ratio_min": min(ratios), "ratio_max": max(ratios),
             f"{stock}_median_tokens_per_second": statistics.median(x[f"{stock}_tokens_per_second"] for x in rounds),
             f"{strict}_median_tokens_per_second": statistics.median(x[f"{strict}_tokens_per_second"] for x in rounds),
             "logs": log_dir, "runners": runners}

@@ -80,7 +80,7 @@ STEPS: dict[str, tuple[int, str]] = {
     # the rollout ratio without the engine-start lottery: stock and strict alive at once (0.4 of the GPU each), their
     # generates interleaved for 10 rounds, order flipped each round; the median of the per-round ratios
     "rollout_paired": (560, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
-                            "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --rounds 10 --paired "
+                            "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --rounds 20 --paired "
                             "--engines stock_graphs,strict_graphs --out {out}/h200_rollout_paired.json"),
     # the GEMM's tile configs vs cuBLAS at small and mid M, bit-checked, two timers (issue 10's M = 256 bar)
     "gemm_sweep": (560, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,256,1024 --out {out}"),
