@@ -99,6 +99,25 @@ def test_segment_schedule_follows_the_measured_rule():
     assert G.fixup_config("float32", 4096, 4096, 256, 4) == G.FP32_GEMM
 
 
+def test_stage_fit_counts_the_unshared_segment_loops():
+    """The GEMM's pipeline depth fits shared memory with the "registers" schedule's segment loops counted when they run
+    on pointer loads (each loop its own buffers under Triton 3.6): the model reproduces what the H200 refused (a 2-layer
+    toy Qwen3, hidden 64, its row-parallel GEMM at M = 1,152: 128 x 64 x 64, 3 stages, 4 segments, bf16, "Required:
+    311296"), the depth chosen for it fits, and one loop (TMA, or no segments) keeps the depths the H200 ran."""
+    from dataclasses import replace
+    from rlkernel.backends.triton import gemm as K
+    from rlkernel.contracts import gpu as G
+    toy = G.segments_config("bfloat16", 64, 64, 1152, 4)
+    assert (toy.block_m, toy.block_n, toy.block_k, toy.num_stages) == (128, 64, 64, 3)
+    assert K._smem_bytes(toy, 3, 2, 2, loops=4) - 1024 == 311296 > K._SMEM_LIMIT  # the H200's figure, refused
+    assert K._smem_bytes(toy, K._stages(toy, 2, 2), 2, 2, loops=4) > K._SMEM_LIMIT  # one loop counted: what crashed
+    st = K._stages(toy, 2, 2, loops=4)
+    assert st == 2 and K._smem_bytes(toy, st, 2, 2, loops=4) <= K._SMEM_LIMIT
+    assert K._stages(replace(toy, num_stages=1), 2, 2, loops=8) == 1  # never below one stage
+    for cfg in G.BF16_GEMM.values():  # one loop: what every table tile ran with on the H200
+        assert K._stages(cfg, 2, 2) == K._stages(cfg, 2, 2, loops=1) and K._smem_bytes(cfg, K._stages(cfg, 2, 2), 2, 2) <= K._SMEM_LIMIT
+
+
 def test_gpu_harness_skips_without_cuda(tmp_path):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():

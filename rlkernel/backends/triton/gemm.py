@@ -377,12 +377,21 @@ def schedule_config(dtype_name: str, n: int, k: int, m: int, k_segments: int = 1
 _SMEM_LIMIT = 232448  # bytes per block on sm_90
 
 
-def _stages(cfg, in_bytes: int, out_bytes: int) -> int:
+def _smem_bytes(cfg, stages: int, in_bytes: int, out_bytes: int, loops: int = 1) -> int:
+    """Shared memory of a launch: `loops` pipelined K loops, each with its own `stages` buffers of an A and a B block,
+    plus the output tile's staging buffer and 1 KiB of barriers. `loops` > 1: the "registers" schedule's segment loops
+    on pointer loads (no TMA), which Triton 3.6 gives buffers each (the H200 refused 128 x 64 x 64, 3 stages, 4
+    segments, bf16 out: "Required: 311296" = 4 x 3 x 24,576 + 16,384; with TMA the loops' buffers are shared, e.g. the
+    0.6B o/down at 64 x 32 x 256, 4 stages, 4 segments run)."""
+    return loops * stages * (cfg.block_m + cfg.block_n) * cfg.block_k * in_bytes + cfg.block_m * cfg.block_n * out_bytes + 1024
+
+
+def _stages(cfg, in_bytes: int, out_bytes: int, loops: int = 1) -> int:
     """Pipeline depth that fits shared memory with this output dtype's epilogue (a wider output
-    needs a larger staging buffer). The depth only changes when loads are issued, never the
-    arithmetic: configs that differ only in stages give identical bits (tested)."""
+    needs a larger staging buffer) and `loops` unshared K loops (_smem_bytes). The depth only changes when loads are
+    issued, never the arithmetic: configs that differ only in stages give identical bits (tested)."""
     st = cfg.num_stages
-    while st > 1 and st * (cfg.block_m + cfg.block_n) * cfg.block_k * in_bytes + cfg.block_m * cfg.block_n * out_bytes + 1024 > _SMEM_LIMIT:
+    while st > 1 and _smem_bytes(cfg, st, in_bytes, out_bytes, loops) > _SMEM_LIMIT:
         st -= 1
     return st
 
@@ -529,7 +538,8 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGS=progs, TMA=tma, B_NK=b_nk, IEEE=_is_fp32(a), SEGS=k_segments, SPLIT=split,
         K_FIXED=K if k_segments > 1 else 0, STREAM=stream, FIXUP=fixup, **extra,
-        num_warps=cfg.num_warps, num_stages=_stages(cfg, a.element_size(), out.element_size()),
+        num_warps=cfg.num_warps,
+        num_stages=_stages(cfg, a.element_size(), out.element_size(), k_segments if not (tma or split or fixup or stream) else 1),
         **({"num_ctas": num_ctas} if num_ctas != 1 else {}))
     if split:  # the segments' balanced binary tree, adjacent pairs: the in-register tree's bits
         p = out.view(k_segments, M, N)
