@@ -9,7 +9,9 @@ It claims:
    split and unsplit forward give the same lse bits;
 2. run to run: two calls give the same bits (no atomics, fixed walks);
 3. batch invariance: a sequence's forward + backward alone, or packed in another order, gives
-   the bits it gets inside the packed batch (torch.equal).
+   the bits it gets inside the packed batch (torch.equal);
+4. a host bound on the longest sequence (`max_seqlen`, exact or larger; the trainer's hint that spares a read-back
+   a layer) gives the same bits, forward and backward, also through the op's autograd node.
 
 Negative control for 3: a second tiling gives different bits for the same inputs (while still
 matching torch), so the equalities in 3 are not equal by accident of the data. The
@@ -96,6 +98,23 @@ _SCRIPT = textwrap.dedent('''
     shuffled = fwd_bwd(q[perm], k[perm], v[perm], dout[perm], cu_p, cfg_a, split=True)
     for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), shuffled, packed):
         assert torch.equal(x, y[perm]), name
+
+    # 4. a host bound on the longest sequence (max_seqlen: exact or larger) sizes the launch only: the same bits,
+    # forward and backward, and through the op's autograd node (the hint the trainer passes, no read-back)
+    for bound in (29, 40):
+        out_b, lse_b = rk.attention_varlen(q, k, v, cu, config=fcfg, return_lse=True, max_seqlen=bound)
+        assert torch.equal(out_b, out) and torch.equal(lse_b, lse), bound
+        grads_b = rk.attention_varlen_backward(q, k, v, out, lse, dout, cu, config=cfg_a, max_seqlen=bound)
+        assert all(torch.equal(x, y) for x, y in zip(grads_b, packed[2:])), bound
+    from rlkernel.backends.triton import ops as O
+
+    def via_op(**hint):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        o = O.attention("varlen", *leaves, cu, d ** -0.5, **hint)
+        o.backward(dout)
+        return (o.detach(), *(x.grad for x in leaves))
+
+    assert all(torch.equal(x, y) for x, y in zip(via_op(max_query_len=40), via_op()))
 
     # negative control: the bits do depend on the tiling
     assert not all(torch.equal(x, y) for x, y in zip(packed[2:], other[2:]))

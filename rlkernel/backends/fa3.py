@@ -185,7 +185,7 @@ def attention(kind, *args, max_query_len=None, max_seq_len=None):
         _need_half(q, k, v)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         cu = cu.to(torch.int32)
-        max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        max_len = max_query_len if max_query_len is not None else int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             from .triton.ops import VarlenFn
 
@@ -193,7 +193,7 @@ def attention(kind, *args, max_query_len=None, max_seq_len=None):
                 out, lse = run(q, k, v, cu, max_len, scale, cu_k=cu, lse=True)
                 return out, lse.transpose(0, 1).contiguous().float()
 
-            return VarlenFn.apply(q, k, v, cu, scale, fwd)
+            return VarlenFn.apply(q, k, v, cu, scale, fwd, max_len)
         return run(q, k, v, cu, max_len, scale, cu_k=cu)
     q, kc, vc, bt, seq_lens, qsl, scale = args
     _need_half(q, kc, vc)

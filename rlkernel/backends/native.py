@@ -78,15 +78,18 @@ def _varlen_api():
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def flash_varlen(q, k, v, cu_seqlens, scale, api=None):
+def flash_varlen(q, k, v, cu_seqlens, scale, api=None, max_len=None):
     """Packed causal attention by torch's varlen flash attention, or None where it does not apply (not CUDA, not
-    half precision, no such API, or an API without a `scale` for a non-default scale). `api`: (fn, its keywords)."""
+    half precision, no such API, or an API without a `scale` for a non-default scale). `api`: (fn, its keywords);
+    `max_len`: the host's bound on the longest sequence (as Megatron passes flash attention its max_seqlen), else
+    read back here."""
     api = api or _varlen_api()
     if api is None or q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
         return None
     fn, params = api
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    if max_len is None:
+        max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
     default = scale is None or math.isclose(scale, q.shape[-1] ** -0.5, rel_tol=1e-6)
     if "window_size" not in params and ("is_causal" not in params or not (default or "scale" in params)):
         return None
@@ -104,7 +107,7 @@ def flash_varlen(q, k, v, cu_seqlens, scale, api=None):
 @dispatch.register("attention", "native", c_attention.NATIVE)
 def attention(kind, *args, max_query_len=None, max_seq_len=None):
     if kind == "varlen":
-        out = flash_varlen(*args)
+        out = flash_varlen(*args, max_len=max_query_len)
         if out is not None:
             return out
     return (varlen if kind == "varlen" else paged)(_sdpa, *args)

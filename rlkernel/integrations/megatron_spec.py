@@ -289,7 +289,8 @@ class StrictCoreAttention(torch.nn.Module):
         # per call, two a layer); the table's rows do not depend on its size (rope_table), so neither do the bits
         q = rk.rope(query, pos, self.rope_theta, max_position=query.shape[0])
         k = rk.rope(key, pos, self.rope_theta, max_position=query.shape[0])
-        out = rk.attention_varlen(q, k, value, cu, scale=self.softmax_scale)
+        # the longest sequence as the host knows it (hidden_states reads it once a forward): no read-back a layer
+        out = rk.attention_varlen(q, k, value, cu, scale=self.softmax_scale, max_seqlen=packed_seq_params.max_seqlen_q)
         return out.reshape(out.shape[0], -1)
 
 

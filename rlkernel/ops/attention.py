@@ -16,11 +16,17 @@ def _check(q, k, v):
         raise ValueError(f"attention: {q.shape[1]} query heads cannot share {k.shape[1]} kv heads of dim {k.shape[-1]}")
 
 
-def attention_varlen(q, k, v, cu_seqlens, *, scale: float | None = None, backend: str | None = None) -> torch.Tensor:
-    """Causal attention over packed sequences: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1] (int)."""
+def attention_varlen(q, k, v, cu_seqlens, *, scale: float | None = None, backend: str | None = None,
+                     max_seqlen: int | None = None) -> torch.Tensor:
+    """Causal attention over packed sequences: q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1] (int).
+
+    max_seqlen: a bound >= the longest sequence, when the host has it (Megatron's PackedSeqParams does); a GPU
+    implementation then launches without reading it back (no device sync; a device-side assert checks it). It sizes
+    the launch only, never a value."""
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return dispatch.call("attention", backend, (q, k, v), "varlen", q, k, v, cu_seqlens, scale)
+    hints = {} if max_seqlen is None else {"max_query_len": int(max_seqlen)}
+    return dispatch.call("attention", backend, (q, k, v), "varlen", q, k, v, cu_seqlens, scale, **hints)
 
 
 def attention_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale: float | None = None, backend: str | None = None,

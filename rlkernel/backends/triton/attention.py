@@ -306,6 +306,8 @@ def attention_varlen(q, k, v, cu_seqlens, *, scale=None, max_seqlen=None, split=
     q_len = (cu[1:] - cu[:-1]).contiguous()
     if max_seqlen is None:
         max_seqlen = int(q_len.max()) if q_len.numel() else 0
+    elif q_len.numel():  # the caller's bound sizes the grid: a shorter one would leave rows unwritten
+        torch._assert_async((q_len <= max_seqlen).all(), "attention_varlen: a sequence is longer than max_seqlen")
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], device=q.device, dtype=torch.float32) if return_lse else None
     if max_seqlen == 0:

@@ -241,6 +241,8 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens, *, scale=None
     q_len = (cu[1:] - cu[:-1]).contiguous()
     if max_seqlen is None:
         max_seqlen = int(q_len.max()) if q_len.numel() else 0
+    elif q_len.numel():  # the caller's bound sizes the grid: a shorter one would leave rows without gradients
+        torch._assert_async((q_len <= max_seqlen).all(), "attention_varlen_backward: a sequence is longer than max_seqlen")
     dq, dk, dv = (torch.zeros(x.shape, device=x.device, dtype=x.dtype) for x in (q, k, v))
     if max_seqlen == 0:
         return dq, dk, dv

@@ -271,31 +271,31 @@ class VarlenFn(torch.autograd.Function):
     float32) — the Triton kernel, or FA3 (backends/fa3.py); the backward: the Triton recompute kernels on that out/lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale, fwd):
+    def forward(ctx, q, k, v, cu_seqlens, scale, fwd, max_seqlen=None):
         out, lse = fwd(q, k, v, cu_seqlens, scale)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.scale = scale
+        ctx.scale, ctx.max_seqlen = scale, max_seqlen
         return out
 
     @staticmethod
     def backward(ctx, dout):
         from .attention_bwd import attention_varlen_backward
         q, k, v, out, lse, cu = ctx.saved_tensors
-        dq, dk, dv = attention_varlen_backward(q, k, v, out, lse, dout.contiguous(), cu, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
-
-
-def _varlen_fwd(q, k, v, cu_seqlens, scale):
-    return _k()[2].attention_varlen(q, k, v, cu_seqlens, scale=scale, return_lse=True)
+        dq, dk, dv = attention_varlen_backward(q, k, v, out, lse, dout.contiguous(), cu, scale=ctx.scale,
+                                               max_seqlen=ctx.max_seqlen)
+        return dq, dk, dv, None, None, None, None
 
 
 def attention(kind, *args, max_query_len=None, max_seq_len=None):
     att = _k()[2]
-    if kind == "varlen":
+    if kind == "varlen":  # max_query_len: the host's bound on the longest sequence (no read-back), else read here
         q, k, v, cu, scale = args
         if wants_grad(q, k, v):
-            return VarlenFn.apply(q, k, v, cu, scale, _varlen_fwd)
-        return att.attention_varlen(q, k, v, cu, scale=scale)
+            def fwd(q, k, v, cu_seqlens, scale):
+                return att.attention_varlen(q, k, v, cu_seqlens, scale=scale, return_lse=True, max_seqlen=max_query_len)
+
+            return VarlenFn.apply(q, k, v, cu, scale, fwd, max_query_len)
+        return att.attention_varlen(q, k, v, cu, scale=scale, max_seqlen=max_query_len)
     q, kc, vc, bt, seq_lens, qsl, scale = args
     if wants_grad(q, kc, vc):
         raise dispatch.BackendUnavailable("rlkernel triton: paged attention is for inference; train with attention_varlen")
