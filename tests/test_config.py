@@ -21,10 +21,24 @@ def test_documented_overrides():
 
 
 @pytest.mark.parametrize("override,key", [("rlkernel.mode=fast", "rlkernel.mode"), ("rlkernel.ops.attention=fast", "rlkernel.ops.attention"),
-                                          ("data.layout=alpaca", "data.layout"), ("run.executor=slurm", "run.executor")])
+                                          ("data.layout=alpaca", "data.layout"), ("run.executor=slurm", "run.executor"),
+                                          ("rlkernel.row_segments=3", "rlkernel.row_segments"),
+                                          ("rlkernel.row_segments=0", "rlkernel.row_segments")])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(Exception, match=key.replace(".", r"\.")):
         load_config("grpo_tiny", [override])
+
+
+def test_row_segments_reach_both_engines_and_bound_the_tp_size():
+    """rlkernel.row_segments is one key for both engines (the roles pass it to the vLLM plugin and to the trainer); a TP
+    size that does not divide it is refused at load, naming the key and the fix."""
+    cfg, plain = load_config("grpo_tiny", ["rlkernel.row_segments=1"])
+    assert cfg.rlkernel.row_segments == 1 and plain["rlkernel"]["row_segments"] == 1
+    assert load_config("grpo_tiny")[0].rlkernel.row_segments == 4  # the default: TP invariant up to TP=4
+    with pytest.raises(Exception, match=r"trainer\.tp.*rlkernel\.row_segments=1"):
+        load_config("grpo_tiny", ["rlkernel.row_segments=1", "trainer.tp=2", "run.executor=ray"])
+    with pytest.raises(Exception, match=r"rollout\.tp.*rlkernel\.row_segments=2"):
+        load_config("grpo_tiny", ["rlkernel.row_segments=2", "rollout.tp=4"])
 
 
 def test_unknown_recipe():

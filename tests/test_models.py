@@ -43,6 +43,24 @@ def test_strict_decoder_matches_hf_transformers(checkpoint):
             assert lp.dtype == torch.float32 and (lp.double() - lp_ref).abs().max().item() < 1e-4
 
 
+def test_row_segments_is_the_same_function_in_another_order(checkpoint):
+    """rlkernel.row_segments=1 (plain GEMMs in the row-parallel layers, what vime passes both engines for a TP=1 run):
+    still HF transformers' function (the tolerance above), and another sum order than the default 4 canonical segments
+    (the bits differ: the knob reaches the layers; a run's two engines must agree on it)."""
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    plain, default = StrictDecoder.from_pretrained(checkpoint, row_segments=1), StrictDecoder.from_pretrained(checkpoint)
+    assert (plain.config.row_segments, default.config.row_segments) == (1, 4)
+    g, differ = torch.Generator().manual_seed(0), 0
+    with torch.no_grad():
+        for s in _seqs(plain.config.vocab_size, g):
+            cu = torch.tensor([0, len(s)])
+            got = plain.logits(plain.forward_packed(torch.tensor(s), cu))
+            ref = hf(torch.tensor([s])).logits[0]
+            assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-4
+            differ += int((got != default.logits(default.forward_packed(torch.tensor(s), cu))).sum())
+    assert differ > 0
+
+
 def test_packed_scoring_is_batch_invariant(checkpoint):
     """Each sequence's logprobs are bitwise the same scored alone or packed with others."""
     m = StrictDecoder.from_pretrained(checkpoint, dtype=torch.bfloat16)

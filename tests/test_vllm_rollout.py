@@ -89,10 +89,14 @@ def test_engine_behaviour_alone_vs_batch_and_versions(models):
 
 
 def test_vllm_strict_rollout_matches_megatron_scoring(models):
-    """`vime parity --scorer megatron`: vLLM rollout vs the Megatron-core engine, before and after an update."""
+    """`vime parity --scorer megatron`: vLLM rollout vs the Megatron-core engine, before and after an update; with
+    `--row-segments 1` (rlkernel.row_segments=1, plain GEMMs in the row-parallel layers: another sum order than the
+    default 4 segments, tests/test_models.py) reaching the engine's strict model (its worker reports it) and the
+    trainer alike. The default 4 runs in the loop tests (tests/test_e2e_loop.py)."""
     r = _parity(models["qwen3-tied"], "--scorer", "megatron", "--num-prompts", "64", "--max-tokens", "12", "--max-num-seqs", "4",
-                "--max-num-batched-tokens", "32", "--dtype", "bfloat16", "--update-weights")
+                "--max-num-batched-tokens", "32", "--dtype", "bfloat16", "--update-weights", "--row-segments", "1")
     assert r["scorer"] == "megatron" and set(r["phases"]) == {"v0", "v1"}
+    assert r["row_segments"] == r["engine_row_segments"] == 1
     _assert_strict(r, 2 * 64 * 3)
 
 

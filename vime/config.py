@@ -263,10 +263,18 @@ class RlkernelSection:
     # the rollout engine of a run whose rollout side is native everywhere: "stock" (production vLLM, its own kernels:
     # no rlkernel code in vLLM — the drift users see in production) or "rlkernel" (the plugin with rlkernel's native ops)
     native_rollout: str = "stock"
+    # both engines: the canonical K segments of the row-parallel layers (o, down) and of the column-parallel input
+    # gradient, the largest power of two <= this that divides K (rlkernel.ops.linear.canonical_segments). What makes the
+    # strict path TP invariant: runs at TP sizes dividing it are bitwise equal. 1: plain GEMMs there (faster), TP=1 only
+    # on both sides; runs with different values are not bitwise comparable
+    row_segments: int = 4
 
     def __post_init__(self):
         _choice("rlkernel.mode", self.mode, ("strict", "native"))
         _choice("rlkernel.native_rollout", self.native_rollout, ("stock", "rlkernel"))
+        s = self.row_segments
+        _require(isinstance(s, int) and 1 <= s <= 64 and not s & (s - 1), "rlkernel.row_segments",
+                 f"must be a power of two from 1 to 64, got {s!r}", "set rlkernel.row_segments=4 (the default)")
 
     def rollout_engine(self) -> str:
         """"stock" when the rollout runs no strict op and native_rollout=stock; otherwise "rlkernel" (the plugin)."""
@@ -356,6 +364,10 @@ class VimeConfig:
             _require(r.max_model_len <= self.model.tiny.max_position_embeddings, "rollout.max_model_len",
                      f"{r.max_model_len} exceeds the tiny model's max_position_embeddings={self.model.tiny.max_position_embeddings}",
                      f"set rollout.max_model_len<={self.model.tiny.max_position_embeddings}")
+        for key, v in (("trainer.tp", t.tp), ("rollout.tp", r.tp)):  # a TP size must divide the canonical segment count
+            _require(self.rlkernel.row_segments % v == 0, key, f"{v} does not divide rlkernel.row_segments="
+                     f"{self.rlkernel.row_segments}: each rank must hold whole canonical segments",
+                     f"set rlkernel.row_segments={max(v, self.rlkernel.row_segments)} (a multiple of {v}) or {key}=1")
         for key, v in (("trainer.tp", t.tp), ("trainer.cp", t.cp), ("rollout.num_engines", r.num_engines)):
             _require(v == 1 or self.run.executor == "ray", key, f"{v} processes need the Ray executor, got run.executor={self.run.executor}",
                      "set run.executor=ray")

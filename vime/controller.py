@@ -248,6 +248,11 @@ def _roles(cfg: VimeConfig, model_path: Path, resume: checkpoint.ResumePoint | N
 def _write_provenance(run_dir, cfg, config_dict, rollout, trainer):
     prov = {"config": config_dict, "rollout": rollout.call("provenance"), "trainer": trainer.call("provenance"),
             "torch": torch.__version__, "pid": os.getpid()}
+    engine_segments = (prov["rollout"].get("rlkernel") or {}).get("row_segments")
+    if engine_segments is not None and engine_segments != prov["trainer"].get("row_segments"):
+        raise RuntimeError(f"the rollout engine's strict model runs {engine_segments} canonical K segments but the trainer "
+                           f"{prov['trainer'].get('row_segments')}: their row-parallel sums would differ (rlkernel.row_segments "
+                           "is passed to both; a plugin or engine that ignores it is not vime's)")
     (run_dir / "provenance.json").write_text(json.dumps(prov, indent=1, default=str))
 
 

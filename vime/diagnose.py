@@ -35,7 +35,7 @@ import torch
 import rlkernel as rk
 
 from .capture import HEAD_SITES, LAYER_SITES, Sites, capture_megatron, capture_vllm, vllm_engine
-from .replay import run_config, run_threads, side_policy, step_records
+from .replay import run_config, run_row_segments, run_threads, side_policy, step_records
 
 SIDES = ("rollout", "trainer")
 
@@ -236,7 +236,8 @@ class Diagnosis:
     """Both engines built once on one model and one frozen batch; `run(sides)` captures and compares
     under the given policies (switching policies between runs needs no new engine)."""
 
-    def __init__(self, model: str, *, dtype: str, temperature: float, seed: int, version: int, sched: dict, sides: dict[str, Side]):
+    def __init__(self, model: str, *, dtype: str, temperature: float, seed: int, version: int, sched: dict, sides: dict[str, Side],
+                 row_segments: int = 4):
         from rlkernel.models.decoder import DecoderConfig
 
         from .trainer import MegatronTrainer, TrainerConfig
@@ -245,8 +246,9 @@ class Diagnosis:
         self.decoder, self.temperature = DecoderConfig.from_hf(hf), temperature
         r, t = sides["rollout"], sides["trainer"]
         self.llm = vllm_engine(model, mode=r.mode, ops=r.ops, dtype=dtype, temperature=temperature,
-                               max_model_len=min(hf.get("max_position_embeddings", 2048), 2048), seed=seed, **sched)
-        self.trainer = MegatronTrainer(TrainerConfig(mode=t.mode, ops=t.ops, dtype=dtype, seed=seed))
+                               max_model_len=min(hf.get("max_position_embeddings", 2048), 2048), seed=seed, row_segments=row_segments,
+                               **sched)
+        self.trainer = MegatronTrainer(TrainerConfig(mode=t.mode, ops=t.ops, dtype=dtype, seed=seed, row_segments=row_segments))
         self.trainer.load_hf(model)
         self.trainer.weight_version = version
         self.sequences: list[list[int]] = []
@@ -348,7 +350,8 @@ def diagnose(args) -> tuple[dict, list[str]]:
             ran = run_threads(config, s) if args.run_dir else None
             sides[s].threads = getattr(args, f"{s}_threads") or ran or torch.get_num_threads()
         parse_overrides(sides, args.overrides)
-        dg = Diagnosis(model, dtype=dtype, temperature=temperature, seed=seed, version=version, sched=sched, sides=sides)
+        dg = Diagnosis(model, dtype=dtype, temperature=temperature, seed=seed, version=version, sched=sched, sides=sides,
+                       row_segments=run_row_segments(config) if args.run_dir else 4)
         try:
             if args.run_dir:
                 dg.freeze(seqs, plens)

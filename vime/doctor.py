@@ -114,7 +114,15 @@ STOCK = "stock vLLM kernels (no rlkernel contract)"
 
 
 def decoder_config(cfg) -> DecoderConfig | None:
-    """The model's dimensions (for the probe): its config.json, the tiny model the recipe will build, or None."""
+    """The model's dimensions (for the probe): its config.json, the tiny model the recipe will build, or None; with the
+    run's canonical K segments (rlkernel.row_segments)."""
+    import dataclasses
+
+    d = _dimensions(cfg)
+    return None if d is None else dataclasses.replace(d, row_segments=cfg.rlkernel.row_segments)
+
+
+def _dimensions(cfg) -> DecoderConfig | None:
     hf = Path(cfg.model.path) / "config.json"
     if hf.exists():
         return DecoderConfig.from_hf(json.loads(hf.read_text()))

@@ -38,10 +38,11 @@ def _prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list[int]]
 class _ReferenceScorer:
     """rlkernel's standalone packed scorer (StrictDecoder)."""
 
-    def __init__(self, model_dir: str, dtype: torch.dtype, mode: str, device: str, ops: dict):
+    def __init__(self, model_dir: str, dtype: torch.dtype, mode: str, device: str, ops: dict, row_segments: int):
         from rlkernel.models import StrictDecoder
 
-        self.model, self.mode, self.ops = StrictDecoder.from_pretrained(model_dir, dtype=dtype, device=device), mode, ops
+        self.model = StrictDecoder.from_pretrained(model_dir, dtype=dtype, device=device, row_segments=row_segments)
+        self.mode, self.ops = mode, ops
 
     def response_logprobs(self, comps, temperature):
         import rlkernel as rk
@@ -60,11 +61,11 @@ class _ReferenceScorer:
 class _MegatronScorer:
     """The Megatron-core training engine's `score`."""
 
-    def __init__(self, model_dir: str, dtype: torch.dtype, mode: str, device: str, ops: dict):
+    def __init__(self, model_dir: str, dtype: torch.dtype, mode: str, device: str, ops: dict, row_segments: int):
         from .trainer import MegatronTrainer, TrainerConfig
 
         self.trainer = MegatronTrainer(TrainerConfig(mode=mode, dtype=str(dtype).removeprefix("torch."), device=device,
-                                                     ops=tuple(sorted(ops.items()))))
+                                                     ops=tuple(sorted(ops.items())), row_segments=row_segments))
         self.trainer.load_hf(model_dir)
 
     def response_logprobs(self, comps, temperature):
@@ -95,6 +96,9 @@ def run(args) -> dict:
     from .records import SamplingSpec
     from .rollout import RolloutConfig, VLLMRollout, graphs_proved
 
+    rs = args.row_segments
+    if not (1 <= rs <= 64 and not rs & (rs - 1)) or rs % args.tp:
+        raise SystemExit(f"vime parity: --row-segments must be a power of two from 1 to 64 that --tp={args.tp} divides, got {rs}")
     if args.cuda_graphs == "on" and not torch.cuda.is_available():
         raise SystemExit("vime parity: --cuda-graphs needs a CUDA GPU (vLLM on the CPU runs eager)")
     dtype = getattr(torch, args.dtype)
@@ -115,10 +119,10 @@ def run(args) -> dict:
         model=args.model, engine=kind, mode=args.mode, dtype=args.dtype, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=block, seed=args.seed, tp=args.tp,
         max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True, enforce_eager=not graphs,
-        ops=tuple(sorted(ops.items())),
+        ops=tuple(sorted(ops.items())), row_segments=args.row_segments,
     ))
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    scorer = (_ReferenceScorer if args.scorer == "reference" else _MegatronScorer)(args.model, dtype, args.mode, device, ops)
+    scorer = (_ReferenceScorer if args.scorer == "reference" else _MegatronScorer)(args.model, dtype, args.mode, device, ops, args.row_segments)
     from pathlib import Path
 
     vocab = DecoderConfig.from_hf(json.loads(Path(args.model, "config.json").read_text())).vocab_size
@@ -142,7 +146,7 @@ def run(args) -> dict:
                      versions_ok=all(c.weight_version == version for c in comps))
         phases[f"v{version}"] = stats
     last = phases[f"v{versions[-1]}"]
-    report = dict(mode=args.mode, attention=args.attention, engine=engine.config.engine, cuda_graphs=not engine.config.enforce_eager, scorer=args.scorer, scorer_device=device, engine_tp=args.tp, engine_workers=engine.provenance.engine_args.get("worker", {}).get("workers"), engine_tp_ranks=engine.provenance.engine_args.get("worker", {}).get("tp_ranks"), model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
+    report = dict(mode=args.mode, attention=args.attention, engine=engine.config.engine, cuda_graphs=not engine.config.enforce_eager, scorer=args.scorer, scorer_device=device, engine_tp=args.tp, row_segments=args.row_segments, engine_row_segments=engine.provenance.engine_args.get("worker", {}).get("row_segments"), engine_workers=engine.provenance.engine_args.get("worker", {}).get("workers"), engine_tp_ranks=engine.provenance.engine_args.get("worker", {}).get("tp_ranks"), model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
                   temperature=args.temperature, engine_start_seconds=round(engine.provenance.start_seconds, 2),
                   total_seconds=round(time.perf_counter() - t0, 2), phases=phases,
                   mismatch_count=sum(p["mismatch_count"] for p in phases.values()),
@@ -160,6 +164,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=["strict", "fa3"], default="strict",
                    help="fa3: both sides' attention by FlashAttention 3 (vLLM's build, one KV split; GPU, bf16; checked at load)")
     p.add_argument("--tp", type=int, default=1, help="the engine's tensor parallelism (the scorer stays at TP=1)")
+    p.add_argument("--row-segments", type=int, default=4,
+                   help="canonical K segments of the row-parallel layers, both sides (rlkernel.row_segments; the TP size must divide it)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="the scorer's device (auto: cuda where there is one, as vLLM does); both sides must share a contract family")
     p.add_argument("--num-prompts", type=int, default=16)

@@ -44,6 +44,11 @@ def side_policy(config: dict, side: str) -> tuple[str, dict]:
     return rl.get("mode", "strict"), ops
 
 
+def run_row_segments(config: dict) -> int:
+    """The canonical K-segment count both engines of a run used (rlkernel.row_segments; runs before the key: 4)."""
+    return int((config.get("rlkernel") or {}).get("row_segments", 4))
+
+
 def apply_overrides(mode: str, ops: dict, overrides: list[str], side: str) -> tuple[str, dict]:
     """Apply `OP=C`, `rlkernel.mode=M`, `rlkernel.ops.OP=C`, `rlkernel.<side>_ops.OP=C` to one side's policy."""
     ops = dict(ops)
@@ -102,7 +107,8 @@ def replay(run_dir: Path, step: int, overrides: list[str], threads: int | None =
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = version_checkpoint(run_dir, version, Path(tmp) / "hf")
         trainer = MegatronTrainer(TrainerConfig(mode=mode, ops=ops, dtype=config["model"]["dtype"], seed=config["run"]["seed"],
-                                                threads=threads or run_threads(config, "trainer")))
+                                                threads=threads or run_threads(config, "trainer"),
+                                                row_segments=run_row_segments(config)))
         try:
             trainer.load_hf(ckpt)
             trainer.weight_version = version  # the weights loaded are that version's

@@ -84,6 +84,7 @@ class RolloutRole:
             max_num_batched_tokens=r.max_num_batched_tokens, block_size=r.block_size,
             enable_prefix_caching=r.enable_prefix_caching, kv_cache_gb=r.kv_cache_gb, seed=cfg.run.seed, engine_id=engine_id,
             max_model_len=r.max_model_len, tp=r.tp, gpu_memory_utilization=gpu_memory_utilization(cfg),
+            row_segments=cfg.rlkernel.row_segments,
             enforce_eager=r.enforce_eager if r.enforce_eager is not None else default_enforce_eager(cfg),
         ))
         self.tokenizer = self.engine.tokenizer
@@ -177,6 +178,7 @@ class TrainerRole:
             mode=cfg.rlkernel.mode, ops=cfg.rlkernel.side_ops("trainer"), tp=t.tp, cp=t.cp, token_segments=t.token_segments, dtype=cfg.model.dtype,
             seed=cfg.run.seed, threads=t.threads, lr=t.lr, grad_clip=t.grad_clip, grpo=grpo,
             rank=rank, world_size=world_size, init_method=init_method, device="cuda" if cfg.resources.gpus else "cpu",
+            row_segments=cfg.rlkernel.row_segments,
         ))
         self._ipc_keep = None  # the tensors behind the last IPC handles: alive until the engine has copied them
         self.rank = rank

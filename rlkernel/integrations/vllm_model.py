@@ -19,6 +19,7 @@ rlkernel execution policy, for ablations).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
 import torch
@@ -41,13 +42,14 @@ class StrictForCausalLM(StrictDecoder):
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         hf = vllm_config.model_config.hf_config
-        config = DecoderConfig.from_hf(hf.to_dict())
+        settings = plugin_settings(vllm_config)
+        # the canonical K segments of the row-parallel layers: the trainer's (vime passes rlkernel.row_segments)
+        config = dataclasses.replace(DecoderConfig.from_hf(hf.to_dict()), row_segments=int(settings.get("row_segments", 4)))
         super().__init__(config, dtype=vllm_config.model_config.dtype, device=vllm_config.device_config.device, tp=_vllm_tp())
         self.set_max_positions(vllm_config.model_config.max_model_len)  # RoPE without reading positions back
         # the engine layout: q/k/v and gate/up one GEMM each over views of one weight, gate/up + SwiGLU, head norm +
         # RoPE and each residual add + norm one op each (one launch on CUDA): the same bits
         self.fuse_projections()
-        settings = plugin_settings(vllm_config)
         self.rollout_temperature = float(settings.get("temperature", 1.0))
         if not self.rollout_temperature > 0:
             raise ValueError(f"rlkernel rollout temperature must be > 0, got {self.rollout_temperature}")

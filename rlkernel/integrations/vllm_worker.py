@@ -69,4 +69,5 @@ class StrictWorkerExtension:
             "policy": repr(getattr(model, "policy", None)),
             "weight_version": self.rlkernel_weight_version(),
             "tp": [model.tp.rank, model.tp.world] if getattr(model, "tp", None) is not None else [0, 1],  # [rank, world]
+            "row_segments": getattr(getattr(model, "config", None), "row_segments", None),
         }

@@ -19,6 +19,7 @@ every rank's output is the unsplit model's, bit for bit.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -426,8 +427,9 @@ class StrictDecoder(nn.Module):
         return value.narrow(dim, self.tp.rank * n, n)
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype=torch.float32, device="cpu") -> "StrictDecoder":
-        """Load a local HF checkpoint directory (config.json + *.safetensors)."""
+    def from_pretrained(cls, path: str, *, dtype=torch.float32, device="cpu", row_segments: int | None = None) -> "StrictDecoder":
+        """Load a local HF checkpoint directory (config.json + *.safetensors); row_segments: the canonical K segments
+        (None: DecoderConfig's default)."""
         import json
         from pathlib import Path
 
@@ -435,6 +437,8 @@ class StrictDecoder(nn.Module):
 
         root = Path(path)
         config = DecoderConfig.from_hf(json.loads((root / "config.json").read_text()))
+        if row_segments is not None:
+            config = dataclasses.replace(config, row_segments=int(row_segments))
         files = sorted(root.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors under {root}")
