@@ -22,6 +22,8 @@ from pathlib import Path
 from gpu_session import last_json  # this script's directory is on sys.path
 
 WORKERS = ["strict", "stock", "stock_graphs", "strict_graphs", "strict_fa3_graphs",
+           # the strict engine at rlkernel.row_segments=1 (plain GEMMs in the row-parallel layers: a TP=1 run's choice)
+           "strict_rs1", "strict_graphs_rs1",
            # runner variants, to tell what the rollout gap is made of (issue 11): stock forced onto vLLM's V1 model runner
            # (the runner the strict engine gets, since V2 refuses logprobs_mode="raw_logits"), and the strict engine on
            # the V2 runner with raw_logprobs (vLLM log-softmaxes the contract's logprobs again: timing only, not our bits)
@@ -44,7 +46,7 @@ def _build(args):
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=32,
                                     max_model_len=args.prompt_len + args.max_tokens + 8, enforce_eager="_graphs" not in args.worker,
                                     ops=(("attention", "fa3"),) if "_fa3" in args.worker else (),
-                                    gpu_memory_utilization=args.gpu_memory_utilization,
+                                    gpu_memory_utilization=args.gpu_memory_utilization, row_segments=1 if "_rs1" in args.worker else 4,
                                     engine_args=VARIANT_ARGS.get(args.worker, ())))
     rng = random.Random(0)
     vocab = eng.llm.llm_engine.model_config.get_vocab_size()
@@ -243,7 +245,8 @@ def main():
     ap.add_argument("--engines", default="stock,strict",
                     help="engines to time, alternating: strict (eager), stock (eager), stock_graphs (stock vLLM compiled, with "
                          "CUDA graphs, on a GPU), strict_graphs (the strict engine with decode CUDA graphs, on a GPU), "
-                         "strict_fa3_graphs (strict_graphs with the FA3 attention contract: the loop's fastest strict arm; GPU, bf16)")
+                         "strict_fa3_graphs (strict_graphs with the FA3 attention contract: the loop's fastest strict arm; GPU, bf16), "
+                         "strict_rs1 / strict_graphs_rs1 (the strict engine at rlkernel.row_segments=1)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the timed runs, profile one more generate per engine and keep its top N kernels by device time")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",

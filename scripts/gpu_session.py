@@ -50,6 +50,10 @@ STEPS: dict[str, tuple[int, str]] = {
     "loop_qwen3_native": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native --out {out}"),
     "loop_qwen3_strict": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
                                "--reuse native --out {out}"),
+    # the strict arm at rlkernel.row_segments=1 (a TP=1 run's plain row-parallel GEMMs) against the native arm of a
+    # previous call on this machine (loop_qwen3_native first)
+    "loop_qwen3_strict_rs1": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
+                                   "--reuse native --tag h200_loop_grpo_qwen3_gpu_rs1 --out {out} strict:rlkernel.row_segments=1"),
     # the same with FA3 as the strict arm's attention (the opt-in contract): benchmarks/h200_loop_grpo_qwen3_gpu.json
     "loop_qwen3_strict_fa3": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
                                    "--reuse native --out {out} strict:rlkernel.ops.attention=fa3"),
@@ -82,6 +86,9 @@ STEPS: dict[str, tuple[int, str]] = {
     "rollout_paired": (560, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
                             "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --rounds 20 --paired "
                             "--engines stock_graphs,strict_graphs --out {out}/h200_rollout_paired.json"),
+    "rollout_paired_rs1": (560, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
+                                "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --rounds 20 --paired "
+                                "--engines stock_graphs,strict_graphs_rs1 --out {out}/h200_rollout_paired_rs1.json"),
     # the GEMM's tile configs vs cuBLAS at small and mid M, bit-checked, two timers (issue 10's M = 256 bar)
     "gemm_sweep": (560, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,256,1024 --out {out}"),
     # the row-parallel layers' 4 canonical K segments in one launch: the contract's segments_config (the table's tile fitted
