@@ -89,6 +89,9 @@ STEPS: dict[str, tuple[int, str]] = {
     "rollout_paired_rs1": (560, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
                                 "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --rounds 20 --paired "
                                 "--engines stock_graphs,strict_graphs_rs1 --out {out}/h200_rollout_paired_rs1.json"),
+    # the strict path on four other model shapes (toy, SmolLM2-135M, Qwen3-1.7B, Llama-1B widths; 2 layers each): every
+    # kernel launches, vLLM == trainer before/after an update, two strict updates (scripts/gpu_shape_smoke.py)
+    "shape_smoke": (590, "python3 scripts/gpu_shape_smoke.py --out {out}"),
     # the GEMM's tile configs vs cuBLAS at small and mid M, bit-checked, two timers (issue 10's M = 256 bar)
     "gemm_sweep": (560, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,256,1024 --out {out}"),
     # the row-parallel layers' 4 canonical K segments in one launch: the contract's segments_config (the table's tile fitted

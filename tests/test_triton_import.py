@@ -134,6 +134,14 @@ def test_gpu_harness_skips_without_cuda(tmp_path):
                           capture_output=True, text=True, timeout=300)  # the FA3 comparison: skips, writes nothing
     assert proc.returncode == 0 and last_json(proc.stdout) == {"skipped": "no CUDA device"}
     assert not (tmp_path / "fa3").exists()
+    smoke = ROOT / "scripts" / "gpu_shape_smoke.py"  # other model shapes: skips without CUDA; its update check on the CPU
+    proc = subprocess.run([sys.executable, str(smoke), "--out", str(tmp_path / "smoke")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and last_json(proc.stdout)["skipped"].startswith("no CUDA device")
+    proc = subprocess.run([sys.executable, str(smoke), "--device", "cpu", "--shapes", "toy", "--checks", "updates", "--out",
+                           str(tmp_path / "smoke")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    toy = json.loads((tmp_path / "smoke" / "shape_smoke.json").read_text())["shapes"]["toy"]["updates"]
+    assert toy["ok"] and toy["rescore_equal"] and toy["weights_moved"] and len(toy["losses"]) == 2, toy
     prof = ROOT / "scripts" / "gpu_update_profile.py"  # the update profiler: skips without CUDA, runs on the CPU if asked
     proc = subprocess.run([sys.executable, str(prof), "--out", str(tmp_path / "prof")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and last_json(proc.stdout)["skipped"].startswith("no CUDA device")
