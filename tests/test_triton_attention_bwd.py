@@ -11,7 +11,8 @@ It claims:
 3. batch invariance: a sequence's forward + backward alone, or packed in another order, gives
    the bits it gets inside the packed batch (torch.equal);
 4. a host bound on the longest sequence (`max_seqlen`, exact or larger; the trainer's hint that spares a read-back
-   a layer) gives the same bits, forward and backward, also through the op's autograd node.
+   a layer) gives the same bits, forward and backward, also through the op's autograd node;
+5. a GQA group that does not divide the tiles (G = 3) is computed right (against torch) and alone == packed.
 
 Negative control for 3: a second tiling gives different bits for the same inputs (while still
 matching torch), so the equalities in 3 are not equal by accident of the data. The
@@ -115,6 +116,24 @@ _SCRIPT = textwrap.dedent('''
         return (o.detach(), *(x.grad for x in leaves))
 
     assert all(torch.equal(x, y) for x, y in zip(via_op(max_query_len=40), via_op()))
+
+    # 5. a GQA group that does not divide the tiles (G = 3: 6 query heads on 2 kv heads; dq tiles of 8 and 16 rows hold
+    # 2 and 5 tokens plus padding rows): against torch autograd, and a sequence alone == inside the pack
+    q3, dout3 = torch.randn(49, 6, d), torch.randn(49, 6, d)
+    for cfg in (cfg_a, cfg_b):
+        res3 = fwd_bwd(q3, k, v, dout3, cu, cfg)
+        for a, b in bounds:
+            qs = q3[a:b].transpose(0, 1).clone().requires_grad_()
+            ks = k[a:b].transpose(0, 1).clone().requires_grad_()
+            vs = v[a:b].transpose(0, 1).clone().requires_grad_()
+            ref = F.scaled_dot_product_attention(qs, ks.repeat_interleave(3, 0), vs.repeat_interleave(3, 0), is_causal=True)
+            ref.backward(dout3[a:b].transpose(0, 1))
+            want = [ref.detach(), qs.grad, ks.grad, vs.grad]
+            for name, g, w in zip(("out", "dq", "dk", "dv"), (res3[0], *res3[2:]), want):
+                err = (g[a:b] - w.transpose(0, 1)).abs().max().item()
+                assert err < 1e-4, ("G=3", a, name, err)
+            alone = fwd_bwd(q3[a:b], k[a:b], v[a:b], dout3[a:b], torch.tensor([0, b - a]), cfg)
+            assert all(torch.equal(x, y[a:b]) for x, y in zip(alone, res3)), ("G=3 alone", a)
 
     # negative control: the bits do depend on the tiling
     assert not all(torch.equal(x, y) for x, y in zip(packed[2:], other[2:]))

@@ -236,6 +236,23 @@ _INTERPRET = textwrap.dedent('''
     od = rk.attention_paged(q[10:32], kc1, vc1, tab, torch.tensor([29, 3], dtype=torch.int32), torch.tensor([0, 19, 22], dtype=torch.int32),
                             config=acfg)
     assert torch.equal(od, full[10:32])
+    # a GQA group that does not divide the tile (G = 3 in an 8-row tile: 2 tokens x 3 heads + 2 padding rows; SmolLM2's
+    # 9/3 heads, Qwen2.5's 7): every row against torch, split == unsplit, decode rows == prefill rows, chunked prefill
+    hq3 = 6
+    q3 = torch.randn(32, hq3, d)
+    full3 = rk.attention_varlen(q3, k, v, cu, config=acfg)
+    for lo, hi in ((0, 29), (29, 32)):
+        ref3 = torch.nn.functional.scaled_dot_product_attention(
+            q3[lo:hi].transpose(0, 1), k[lo:hi].transpose(0, 1).repeat_interleave(3, 0),
+            v[lo:hi].transpose(0, 1).repeat_interleave(3, 0), is_causal=True).transpose(0, 1)
+        assert (full3[lo:hi] - ref3).abs().max() < 1e-4, (lo, hi)
+    assert torch.equal(full3, rk.attention_varlen(q3, k, v, cu, config=acfg, split=True))
+    for t in (0, 1, 2, 7, 8, 15, 28):
+        od = rk.attention_paged(q3[[t]], kc, vc, bt[:1], torch.tensor([t + 1], dtype=torch.int32), torch.arange(2), config=acfg)
+        assert torch.equal(od, full3[[t]]), ("G=3 decode", t)
+    out3 = torch.cat([rk.attention_paged(q3[lo:hi], kc, vc, bt[:1], torch.tensor([hi]), torch.tensor([0, hi - lo]), config=acfg)
+                      for lo, hi in ((0, 5), (5, 17), (17, 29))])
+    assert torch.equal(out3, full3[:29])
     print("ok")
 ''')
 

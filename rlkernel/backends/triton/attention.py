@@ -4,7 +4,8 @@ One formulation serves packed varlen prefill, paged-KV decode and chunked prefil
 
 * a query tile is BLOCK_M rows = (BLOCK_M // G) consecutive tokens of one request x the G
   query heads of one kv head, in every path (a decode token fills G rows of the tile,
-  the rest are zero rows), so q.k and p.v are the same tl.dot shapes everywhere;
+  the rest are zero rows; where G does not divide BLOCK_M the last BLOCK_M % G rows are
+  padding too), so q.k and p.v are the same tl.dot shapes everywhere;
 * keys are walked in chunks of BLOCK_N at absolute positions; chunks are grouped into
   segments of SEG keys at absolute positions (a fixed split size, never a number of
   splits); each segment runs an online softmax from (-inf, 0, 0), and segments are merged
@@ -116,7 +117,9 @@ def _tile_setup(ql_ptr, qs_ptr, kl_ptr, req, tile, G: tl.constexpr, BLOCK_M: tl.
     first = kv_len - q_len
     r = tl.arange(0, BLOCK_M)
     tok = tok0 + r // G
-    row_ok = tok < q_len
+    # a group G that does not divide BLOCK_M (GQA 3, 5, 6, 7) leaves BLOCK_M - TOK * G padding rows: they would hold the
+    # next tile's first token, so they are masked (when G divides BLOCK_M the mask is all true: the same rows, bits)
+    row_ok = (tok < q_len) & (r < TOK * G)
     tok_c = tl.minimum(tok, q_len - 1)
     qpos = first + tok_c
     pos_min = first + tok0
@@ -250,8 +253,9 @@ def _launch(q, k, v, out, bt, q_start, q_len, kv_len, kv_start, n_tiles, max_kv,
     T, hq, d = q.shape
     hkv = strides_kv[3]
     G = hq // hkv
-    if cfg.block_m % G or cfg.seg_keys % cfg.block_n:
-        raise ValueError("attention: block_m must be a multiple of the GQA group and seg_keys of block_n")
+    if cfg.block_m < G or cfg.seg_keys % cfg.block_n:
+        raise ValueError(f"attention: block_m={cfg.block_m} must hold one token's {G} query heads (the GQA group) and "
+                         f"seg_keys={cfg.seg_keys} be a multiple of block_n={cfg.block_n}")
     B = q_len.shape[0]
     nseg = triton.cdiv(max(max_kv, 1), cfg.seg_keys)
     if split is None:

@@ -81,7 +81,8 @@ def _q_tile(qs_ptr, ql_ptr, req, tile, kvh, G: tl.constexpr, BLOCK_M: tl.constex
     tok = tok0 + r // G
     head = kvh * G + r % G
     row = (q_start + tok).to(tl.int64)
-    return q_len, q_start, tok0, tok, head, row, tok < q_len
+    # BLOCK_M % G padding rows (a group that does not divide the tile) would hold the next tile's first token: masked
+    return q_len, q_start, tok0, tok, head, row, (tok < q_len) & (r < TOK * G)
 
 
 @triton.jit(do_not_specialize=["n_tiles"])
@@ -232,8 +233,8 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens, *, scale=None
         raise ValueError(f"attention_varlen_backward: Hq={hq} must be a multiple of Hkv={hkv}, D={d} a power of two")
     G = hq // hkv
     cfg = config or bwd_config(d, G, str(q.dtype).removeprefix("torch."))
-    if cfg.dq_block_m % G:
-        raise ValueError(f"attention_varlen_backward: dq_block_m={cfg.dq_block_m} must be a multiple of G={G}")
+    if cfg.dq_block_m < G:
+        raise ValueError(f"attention_varlen_backward: dq_block_m={cfg.dq_block_m} must hold one token's G={G} query heads")
     q, k, v, out, dout = (_inner_contiguous(x) for x in (q, k, v, out, dout))
     lse = lse.to(torch.float32).contiguous()
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
