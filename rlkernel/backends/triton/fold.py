@@ -31,7 +31,7 @@ from . import contracts as C
 from .gemm import _k_span
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M, the scored tokens, changes every step: one compiled variant, not three
 def _fold_kernel(a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, TILE, sam, sak, sbk, sbn, scm, som,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -54,7 +54,7 @@ def _fold_kernel(a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, TILE, sam, sak, sbk, sbn
     tl.store(out_ptr + rm[:, None].to(tl.int64) * som + rn[None, :], acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _fold_lowp_kernel(a_ptr, b_ptr, c_ptr, out_ptr, M, N, K, TILE, sam, sak, sbk, sbn, scm, som,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
