@@ -253,6 +253,11 @@ _INTERPRET = textwrap.dedent('''
     out3 = torch.cat([rk.attention_paged(q3[lo:hi], kc, vc, bt[:1], torch.tensor([hi]), torch.tensor([0, hi - lo]), config=acfg)
                       for lo, hi in ((0, 5), (5, 17), (17, 29))])
     assert torch.equal(out3, full3[:29])
+    try:  # a head dim the kernels cannot tile (not a power of two) is refused with the reason, not a compile error
+        rk.attention_varlen(torch.randn(5, 4, 12), torch.randn(5, 2, 12), torch.randn(5, 2, 12), torch.tensor([0, 5]))
+        raise SystemExit("head_dim 12 was not refused")
+    except ValueError as e:
+        assert "power of two" in str(e) and "got 12" in str(e), e
     print("ok")
 ''')
 
