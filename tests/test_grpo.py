@@ -95,3 +95,23 @@ def test_bad_config_and_missing_inputs():
         grpo_loss(x, x, x, torch.ones(3), GRPOConfig(kl_coef=0.1))
     with pytest.raises(ValueError):
         grpo_loss(x, x, x, torch.ones(3), GRPOConfig(tis_cap=2.0))
+
+
+def test_metrics_read_after_the_step_are_the_same_floats():
+    """grpo_loss(read_back=False) keeps its metrics on the device (the trainer reads them after its optimizer step, in
+    one read): read_metrics gives exactly the floats read_back=True gives, the loss the same bits; with no token in the
+    mask ratio_max is 1.0 either way."""
+    from vime.grpo import read_metrics
+
+    g = torch.Generator().manual_seed(5)
+    T = 40
+    lp, old, adv = torch.randn(T, generator=g) - 2, torch.randn(T, generator=g) - 2, torch.randn(T, generator=g)
+    ent, ref, roll = torch.rand(T, generator=g), torch.randn(T, generator=g) - 2, torch.randn(T, generator=g) - 2
+    cfg = GRPOConfig(kl_coef=0.05, entropy_coef=0.01, tis_cap=2.0)
+    for mask in ((torch.rand(T, generator=g) > 0.3).float(), torch.zeros(T)):
+        eager_loss, eager = grpo_loss(lp, old, adv, mask, cfg, ref_logprobs=ref, rollout_logprobs=roll, entropy=ent)
+        lazy_loss, lazy = grpo_loss(lp, old, adv, mask, cfg, ref_logprobs=ref, rollout_logprobs=roll, entropy=ent, read_back=False)
+        assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in lazy.values()), lazy
+        assert all(isinstance(v, float) for v in eager.values()) and read_metrics(lazy) == eager
+        assert torch.equal(lazy_loss, eager_loss)
+    assert eager["ratio_max"] == 1.0  # the empty mask

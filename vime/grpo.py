@@ -74,12 +74,16 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    read_back: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level GRPO loss. All inputs are per token [T] (advantages broadcast per token).
 
     logprobs: current policy (requires grad); old_logprobs: the policy that is the ratio's
     denominator (training engine's recompute, or the rollout's when use_rollout_logprobs);
-    rollout_logprobs: needed only for TIS.
+    rollout_logprobs: needed only for TIS. read_back=False: the metrics stay 0-d tensors on the
+    loss's device (`read_metrics` turns them into floats in one read): a trainer on a GPU reads
+    them after its optimizer step, so the host is not made to wait for the forward before it
+    launches the backward.
     """
     mask = mask.float()
     ratio = torch.exp(logprobs - old_logprobs)
@@ -92,23 +96,33 @@ def grpo_loss(
             raise ValueError("tis_cap is set but no rollout_logprobs were given")
         w = torch.clamp(torch.exp(old_logprobs - rollout_logprobs), max=cfg.tis_cap).detach()
         pg = pg * w
-        metrics["tis_weight_mean"] = _masked_mean(w, mask).item()
+        metrics["tis_weight_mean"] = _masked_mean(w, mask)
     loss_tok = pg
     if cfg.kl_coef:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
         kl = kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator)
         loss_tok = loss_tok + cfg.kl_coef * kl
-        metrics["kl"] = _masked_mean(kl.detach(), mask).item()
+        metrics["kl"] = _masked_mean(kl.detach(), mask)
     if cfg.entropy_coef:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs entropy")
         loss_tok = loss_tok - cfg.entropy_coef * entropy
     if entropy is not None:
-        metrics["entropy"] = _masked_mean(entropy.detach(), mask).item()
+        metrics["entropy"] = _masked_mean(entropy.detach(), mask)
     loss = _masked_mean(loss_tok, mask)
     with torch.no_grad():
-        metrics["clip_fraction"] = _masked_mean((pg2 > pg1).float(), mask).item()
-        metrics["approx_kl_old"] = _masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask).item()
-        metrics["ratio_max"] = float((ratio * mask).max()) if mask.any() else 1.0
-    return loss, metrics
+        metrics["clip_fraction"] = _masked_mean((pg2 > pg1).float(), mask)
+        metrics["approx_kl_old"] = _masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
+        one = torch.ones((), dtype=ratio.dtype, device=ratio.device)  # no token: 1.0, decided on the device (no read)
+        metrics["ratio_max"] = torch.where(mask.any(), (ratio * mask).max(), one) if ratio.numel() else one
+    return loss, (read_metrics(metrics) if read_back else metrics)
+
+
+def read_metrics(metrics: dict) -> dict[str, float]:
+    """0-d metric tensors (grpo_loss(read_back=False)) as floats, in one device-to-host read; floats pass through."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    if not keys:
+        return dict(metrics)
+    vals = torch.stack([metrics[k].detach().float() for k in keys]).tolist()
+    return {**metrics, **dict(zip(keys, vals))}

@@ -57,7 +57,7 @@ from rlkernel.parallel import token_segments
 
 from .batch import Scored, TrainBatch
 from .gate import ScoreDigest
-from .grpo import GRPOConfig, grpo_loss
+from .grpo import GRPOConfig, grpo_loss, read_metrics
 
 _MODES = ("strict", "native")
 _QK_NORMS = ("q_layernorm", "k_layernorm")
@@ -317,7 +317,8 @@ class MegatronTrainer:
         """Per-sample logprobs of response tokens; with entropy=True also the flat [R] entropy
         of the policy at those positions (tp=1: the strict tile-by-tile linear_entropy)."""
         ids, cu, rows = packed if packed is not None else self._pack(batch)
-        hidden, rows_l, local, gather = self._local_forward(model, ids, cu, rows)
+        longest = max(len(s) for s in batch.sequences)  # on the host: attention needs no read-back of cu
+        hidden, rows_l, local, gather = self._local_forward(model, ids, cu, rows, longest)
         with self._head_rows(hidden.shape[0], rows_l):
             lp = gather(model.logprobs(hidden[rows_l], ids[rows + 1][local], batch.temperature).float())
         lp = list(lp.split(batch.response_lens))
@@ -333,7 +334,7 @@ class MegatronTrainer:
                                             vocab_size=vocab, temperature=batch.temperature, group=self.tp_group)
         return lp, gather(ent)
 
-    def _local_forward(self, model, ids, cu, rows):
+    def _local_forward(self, model, ids, cu, rows, longest: int | None = None):
         """(hidden states of this rank's tokens, the scored rows among them as local indices, the mask of those rows
         among all scored rows, a function joining
         per-row results of every CP rank in global row order). CP=1: the whole stream. CP>1: the stream padded
@@ -347,8 +348,10 @@ class MegatronTrainer:
         if padded > total:  # a padding sequence, never scored
             ids = torch.cat([ids, torch.zeros(padded - total, dtype=ids.dtype, device=ids.device)])
             cu = torch.cat([cu, cu.new_tensor([padded])])
+        if longest is not None:  # the host's longest sequence (a padding sequence may be longer)
+            longest = max(longest, padded - total)
         if cp == 1:  # the whole stream (under token segments: padded, attention by pieces)
-            return model.hidden_states(ids, cu), rows, torch.ones_like(rows, dtype=torch.bool), (lambda x: x)
+            return model.hidden_states(ids, cu, max_seqlen=longest), rows, torch.ones_like(rows, dtype=torch.bool), (lambda x: x)
         from rlkernel.parallel.context_parallel import GatherRows
 
         per = padded // cp
@@ -421,16 +424,20 @@ class MegatronTrainer:
                 if batch.rollout_logprobs is None:
                     raise ValueError("update: tis_cap is set but the batch has no rollout_logprobs")
                 roll = torch.cat(batch.rollout_logprobs).to(dev)
-            loss, metrics = grpo_loss(lp, old, adv, mask, g, ref_logprobs=ref, rollout_logprobs=roll, entropy=entropy)
+            # the metrics stay on the device until the step is done, and the loss is checked once the backward is
+            # launched: no read-back between the forward and the backward (the host launches the backward while the
+            # device still runs the forward); a non-finite loss still stops the update before the optimizer steps
+            loss, metrics = grpo_loss(lp, old, adv, mask, g, ref_logprobs=ref, rollout_logprobs=roll, entropy=entropy, read_back=False)
             inputs = {"advantages": batch.advantages, "old_logprobs": old, "logprobs": lp, "ref_logprobs": ref, "rollout_logprobs": roll}
+            loss.backward()
             if not torch.isfinite(loss):
                 raise NonFiniteUpdateError(self._nonfinite("loss", loss.item(), inputs))
-            loss.backward()
             grad_norm = self._cuda_step() if self._ddp is not None else self._cpu_step()
             if not math.isfinite(grad_norm):  # _cpu_step refuses to step on it; Megatron's DDP checks before its step
                 raise NonFiniteUpdateError(self._nonfinite("global grad norm", grad_norm, inputs))
         self.weight_version += 1
-        metrics.update(loss=loss.item(), grad_norm=grad_norm, weight_version=self.weight_version, tokens=int(mask.numel()))
+        metrics = read_metrics({**metrics, "loss": loss.detach()})  # one read, after the step
+        metrics.update(grad_norm=grad_norm, weight_version=self.weight_version, tokens=int(mask.numel()))
         return metrics
 
     def _nonfinite(self, what: str, value: float, inputs: dict) -> str:

@@ -426,12 +426,14 @@ class StrictGPTModel(MegatronModule):
     def output_weight(self) -> torch.Tensor:
         return self.gpt.embedding.word_embeddings.weight if self.spec_config.decoder.tie_word_embeddings else self.output_layer.weight
 
-    def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cp: tuple | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, cp: tuple | None = None,
+                      max_seqlen: int | None = None) -> torch.Tensor:
         """Final-normed hidden states [T, H] of packed whole sequences (flat ids [T], cu_seqlens [B+1]). Under context
         parallelism `cp` = (offset, group): input_ids are this rank's tokens [offset, offset + len) of the stream
-        cu_seqlens describes, and the hidden states are theirs (rlkernel.parallel.context_parallel)."""
+        cu_seqlens describes, and the hidden states are theirs (rlkernel.parallel.context_parallel). max_seqlen: a
+        bound >= the longest sequence when the caller knows it on the host (else read back from cu_seqlens)."""
         cu = cu_seqlens.to(torch.int32)
-        longest = int((cu[1:] - cu[:-1]).max())
+        longest = int((cu[1:] - cu[:-1]).max()) if max_seqlen is None else int(max_seqlen)
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
         segmented = token_segments.current() is not None and torch.is_grad_enabled()
         if segmented and cp is None:  # a token-segmented backward runs attention by pieces at CP=1 too (CPAttention), in

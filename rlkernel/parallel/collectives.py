@@ -327,7 +327,9 @@ def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"vocab_parallel_logprob: want hidden [T, H], targets [T]; got {tuple(hidden.shape)}, {tuple(targets.shape)}")
     targets = targets.long()
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
+    if targets.numel() and targets.is_cuda:  # a device-side assert: no read-back in the middle of the forward
+        torch._assert_async(((targets >= 0) & (targets < vocab_size)).all(), "vocab_parallel_logprob: targets outside the vocab")
+    elif targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
         raise ValueError(f"vocab_parallel_logprob: targets outside [0, {vocab_size})")
     (lo, hi), meta, n_tiles = _vocab_shards("vocab_parallel_logprob", hidden, weight_shard, vocab_start, vocab_size, temperature, group)
     impl = _strict_logprob_impl(hidden.device)
