@@ -41,6 +41,17 @@ def test_row_segments_reach_both_engines_and_bound_the_tp_size():
         load_config("grpo_tiny", ["rlkernel.row_segments=2", "rollout.tp=4"])
 
 
+def test_gpu_preflight_refuses_a_head_dim_the_triton_attention_cannot_tile():
+    """On GPUs the strict attention is rlkernel's Triton kernel, which tiles a head dim that is a power of two >= 16: a
+    model with head_dim 12 is refused before any engine starts, naming the fix; head_dim 16 is not refused for it."""
+    over = ["resources.gpus=1", "model.path=/nonexistent/tiny", "model.init=tiny_sft"]
+    with pytest.raises(PreflightError, match=r"head_dim=12 is not a power of two.*rlkernel\.ops\.attention=fa3"):
+        check_resources(load_config("grpo_tiny", over + ["model.tiny.head_dim=12"])[0])
+    with pytest.raises(PreflightError) as e:  # refused for the missing GPU only
+        check_resources(load_config("grpo_tiny", over + ["model.tiny.head_dim=16"])[0])
+    assert "head_dim" not in str(e.value) and "needs 1 GPUs" in str(e.value)
+
+
 def test_unknown_recipe():
     with pytest.raises(FileNotFoundError, match="grpo_tiny"):
         load_config("nope")

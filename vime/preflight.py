@@ -31,10 +31,32 @@ def check_resources(cfg) -> None:
         problems += _tp_layout_problems(cfg, hf)
     if cfg.rollout.tp > 1 and cfg.rlkernel.rollout_engine() != "stock":  # the strict vLLM model shards like the trainer
         problems += _tp_layout_problems(cfg, hf, "rollout.tp", cfg.rollout.tp)
+    if need:
+        problems += _gpu_attention_problems(cfg, hf)
     if not cfg.data.generate and not Path(cfg.data.path).exists():
         problems.append(f"data.path {cfg.data.path!r} does not exist")
     if problems:
         raise PreflightError("vime: cannot run this recipe here:\n  - " + "\n  - ".join(problems))
+
+
+def _gpu_attention_problems(cfg, hf: Path) -> list[str]:
+    """Why a side running rlkernel's Triton attention on a GPU cannot take this model's heads (the kernels tile a head
+    dim that is a power of two >= 16), before any engine starts; [] when it can, or when the model is not known yet."""
+    from .doctor import decoder_config
+
+    if not hf.exists() and cfg.model.init != "tiny_sft":
+        return []
+    sides = [s for s in ("rollout", "trainer")
+             if dict(cfg.rlkernel.side_ops(s)).get("attention") not in ("native", "fa3")
+             and (cfg.rlkernel.mode == "strict" or dict(cfg.rlkernel.side_ops(s)).get("attention") == "strict")
+             and not (s == "rollout" and cfg.rlkernel.rollout_engine() == "stock")]
+    d = decoder_config(cfg).head_dim
+    if not sides or (d >= 16 and not d & (d - 1)):
+        return []
+    fix = "rlkernel.ops.attention=fa3 (FlashAttention 3's contract, bf16 on sm_90)" if cfg.model.dtype == "bfloat16" else \
+        "model.dtype=bfloat16 with rlkernel.ops.attention=fa3 (FlashAttention 3's contract, sm_90)"
+    return [f"the model's head_dim={d} is not a power of two >= 16, which rlkernel's Triton attention needs on a GPU "
+            f"({' and '.join(sides)} would run it); set {fix}, or run on the CPU (resources.gpus=0)"]
 
 
 def _tp_layout_problems(cfg, hf: Path, key: str = "trainer.tp", tp: int | None = None) -> list[str]:
