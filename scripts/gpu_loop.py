@@ -154,6 +154,11 @@ def _report(args, arms: dict, out: Path, tag: str, torch):
     for arm, a in arms.items():
         if a["lines"]:
             (out / f"{tag}_{arm}_metrics.jsonl").write_text("\n".join(json.dumps(x) for x in a["lines"]) + "\n")
+        for prof in sorted(Path(a["run_dir"]).glob("profile/update_step_*.json")):  # trainer.profile_update
+            data = json.loads(prof.read_text())
+            (out / f"{tag}_{arm}_{prof.name}").write_text(json.dumps(data, indent=1))
+            report["arms"][arm].setdefault("update_profiles", {})[prof.stem] = {
+                k: data.get(k) for k in ("wall_seconds", "device_kernel_ms", "device_kernels", "launch_calls", "host_waits", "memcpy_calls")}
     dirs = [a["run_dir"] for a in arms.values() if a["lines"]]
     if dirs:
         p = subprocess.run([sys.executable, "-m", "vime.cli", "plot", *dirs, "--out", str(out / f"{tag}_curves.png")], cwd=ROOT, stdout=subprocess.PIPE,

@@ -47,13 +47,15 @@ STEPS: dict[str, tuple[int, str]] = {
     # the whole loop, strict then native arm (scripts/gpu_loop.py writes its JSON, metrics and curves to {out})
     "loop_qwen3": (520, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --out {out}"),
     # the same in two device calls (each arm ~5 min with the model build and engine starts): native, then strict + report
-    "loop_qwen3_native": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native --out {out}"),
+    "loop_qwen3_native": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native --out {out} "
+                                 "trainer.profile_update=10"),
     "loop_qwen3_strict": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
-                               "--reuse native --out {out}"),
+                               "--reuse native --out {out} trainer.profile_update=10"),
     # the strict arm at rlkernel.row_segments=1 (a TP=1 run's plain row-parallel GEMMs) against the native arm of a
     # previous call on this machine (loop_qwen3_native first)
     "loop_qwen3_strict_rs1": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
-                                   "--reuse native --tag h200_loop_grpo_qwen3_gpu_rs1 --out {out} strict:rlkernel.row_segments=1"),
+                                   "--reuse native --tag h200_loop_grpo_qwen3_gpu_rs1 --out {out} strict:rlkernel.row_segments=1 "
+                                   "trainer.profile_update=10"),
     # the same with FA3 as the strict arm's attention (the opt-in contract): benchmarks/h200_loop_grpo_qwen3_gpu.json
     "loop_qwen3_strict_fa3": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
                                    "--reuse native --out {out} strict:rlkernel.ops.attention=fa3"),

@@ -48,32 +48,9 @@ def _sync(device: str) -> None:
 
 
 def _profile(tr, batch, device: str, top: int) -> dict:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from vime.profiling import profiled
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    _sync(device)
-    t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
-        tr.update(batch)
-        _sync(device)
-    wall = time.perf_counter() - t0
-    events = prof.events()
-    dev = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    launches = sum(1 for e in events if "LaunchKernel" in e.name)
-    table = prof.key_averages()
-
-    def rows(key):
-        out = []
-        for e in sorted(table, key=lambda e: getattr(e, key, 0), reverse=True)[:top]:
-            out.append({"name": e.key[:120], "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
-                        "self_device_ms": round(getattr(e, "self_device_time_total", 0) / 1e3, 3)})
-        return out
-
-    return {"wall_seconds": round(wall, 4), "device_kernels": len(dev),
-            "device_kernel_ms": round(sum(e.time_range.elapsed_us() for e in dev) / 1e3, 3),  # each kernel's own span
-            "launch_calls": launches, "top_by_host": rows("self_cpu_time_total"),
-            "top_by_device": rows("self_device_time_total") if device == "cuda" else []}
+    return profiled(lambda: tr.update(batch), device, top)[1]
 
 
 _VIEWS = {"view", "_unsafe_view", "as_strided", "t", "transpose", "expand", "permute", "unsqueeze", "squeeze", "detach",

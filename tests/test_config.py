@@ -23,7 +23,8 @@ def test_documented_overrides():
 @pytest.mark.parametrize("override,key", [("rlkernel.mode=fast", "rlkernel.mode"), ("rlkernel.ops.attention=fast", "rlkernel.ops.attention"),
                                           ("data.layout=alpaca", "data.layout"), ("run.executor=slurm", "run.executor"),
                                           ("rlkernel.row_segments=3", "rlkernel.row_segments"),
-                                          ("rlkernel.row_segments=0", "rlkernel.row_segments")])
+                                          ("rlkernel.row_segments=0", "rlkernel.row_segments"),
+                                          ("trainer.profile_update=-1", "trainer.profile_update")])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(Exception, match=key.replace(".", r"\.")):
         load_config("grpo_tiny", [override])

@@ -375,15 +375,21 @@ def test_native_loop_mismatches(tmp):
 def test_inprocess_executor_and_plot(tmp):
     """The same roles without Ray (debugging executor), then `vime plot` draws the curves. This run also takes
     rlkernel.row_segments=1 (plain GEMMs in the row-parallel layers instead of 4 canonical segments: another sum order,
-    tests/test_models.py): both engines report it and still agree bit for bit."""
+    tests/test_models.py): both engines report it and still agree bit for bit; and trainer.profile_update=1."""
     from collections import Counter
 
     out = tmp / "inprocess"
     rows = _train(tmp, out, "trainer.total_steps=2", "run.executor=inprocess", "logging.wandb=false",
-                  "reward.fn=faulty_rewards:by_truth", "reward.timeout_s=0.5", "rlkernel.row_segments=1")
+                  "reward.fn=faulty_rewards:by_truth", "reward.timeout_s=0.5", "rlkernel.row_segments=1",
+                  "trainer.profile_update=1")
     assert [m["mismatch_count"] for m in rows] == [0, 0] and all(m["compared_tokens"] > 0 for m in rows)
     run = json.loads((out / "provenance.json").read_text())
     assert run["rollout"]["rlkernel"]["row_segments"] == run["trainer"]["row_segments"] == 1
+    # trainer.profile_update=1: step 1's update under torch.profiler, summarised beside the run (and only that step)
+    assert [p.name for p in (out / "profile").iterdir()] == ["update_step_000001.json"]
+    prof = json.loads((out / "profile" / "update_step_000001.json").read_text())
+    assert prof["step"] == 1 and prof["mode"] == "strict" and prof["wall_seconds"] > 0 and prof["tokens"] > 0
+    assert prof["top_by_host"] and prof["host_waits"] == 0  # on the CPU nothing waits for a device
     failed = Counter()
     for m in rows:
         recs = read_records(out / "records" / f"step_{m['step']:06d}.parquet")

@@ -184,9 +184,15 @@ class TrainerSection:
     # two, a multiple of cp) = every sum over tokens per segment and one tree, so runs at CP=1, 2, ... S with the same S
     # are bitwise equal (slower: attention's backward by pieces, one GEMM per segment for each weight gradient)
     token_segments: int = 1
+    # profile the update of this step (0-based; the update that makes weight version N+1) with torch.profiler:
+    # run_dir/profile/update_step_N.json (host and device time, kernel launches, the host's waits for the device). That
+    # step's wall times include the profiler's overhead
+    profile_update: Optional[int] = None
 
     def __post_init__(self):
         _positive("trainer.total_steps", self.total_steps, example=20)
+        _require(self.profile_update is None or (isinstance(self.profile_update, int) and self.profile_update >= 0),
+                 "trainer.profile_update", f"must be a step index >= 0 or null, got {self.profile_update!r}", "set trainer.profile_update=10")
         _positive("trainer.lr", self.lr, example=1e-3)
         if self.grad_clip is not None:
             _positive("trainer.grad_clip", self.grad_clip, example="1.0 (or null: no clipping)")

@@ -8,6 +8,9 @@ reports them in `provenance()`.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from .batch import Scored, TrainBatch
@@ -200,7 +203,17 @@ class TrainerRole:
         return self.trainer.score_with_digest(batch)
 
     def update(self, batch: TrainBatch) -> dict:
-        return self.trainer.update(batch)
+        at = self.cfg.trainer.profile_update
+        if at is None or self.trainer.weight_version != at:
+            return self.trainer.update(batch)
+        from .profiling import profiled  # trainer.profile_update: this step's update under torch.profiler
+
+        metrics, summary = profiled(lambda: self.trainer.update(batch), self.trainer.config.device)
+        if self.rank == 0:
+            out = Path(self.cfg.run.output_dir) / "profile" / f"update_step_{at:06d}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"step": at, "mode": self.trainer.config.mode, "tokens": metrics.get("tokens"), **summary}, indent=1))
+        return metrics
 
     def export_weights(self, version: int) -> dict | None:
         """The full HF-named weights; in a group every rank takes part in the gather, rank 0 returns them."""
