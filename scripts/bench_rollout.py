@@ -46,7 +46,7 @@ def _build(args):
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=32,
                                     max_model_len=args.prompt_len + args.max_tokens + 8, enforce_eager="_graphs" not in args.worker,
                                     ops=(("attention", "fa3"),) if "_fa3" in args.worker else (),
-                                    gpu_memory_utilization=args.gpu_memory_utilization, row_segments=1 if "_rs1" in args.worker else 4,
+                                    gpu_memory_utilization=args.gpu_memory_utilization, row_segments=1 if "_rs1" in args.worker else None,
                                     engine_args=VARIANT_ARGS.get(args.worker, ())))
     rng = random.Random(0)
     vocab = eng.llm.llm_engine.model_config.get_vocab_size()

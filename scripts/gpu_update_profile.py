@@ -47,12 +47,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _profile(tr, batch, device: str, top: int) -> dict:
-    from vime.profiling import profiled
-
-    return profiled(lambda: tr.update(batch), device, top)[1]
-
-
 _VIEWS = {"view", "_unsafe_view", "as_strided", "t", "transpose", "expand", "permute", "unsqueeze", "squeeze", "detach",
           "alias", "select", "slice", "reshape", "_reshape_alias", "unbind", "split", "split_with_sizes", "chunk",
           "movedim", "empty", "empty_like", "empty_strided", "lift_fresh", "sym_size", "is_same_size", "_local_scalar_dense"}
@@ -175,6 +169,7 @@ def run(args) -> dict:
     import torch
 
     from vime.grpo import GRPOConfig
+    from vime.profiling import profiled
     from vime.tiny_model import make_tiny_checkpoint
     from vime.trainer import MegatronTrainer, TrainerConfig
 
@@ -208,7 +203,8 @@ def run(args) -> dict:
                     _sync(args.device)
                     times.append(time.perf_counter() - t0)
                 step += 1
-                prof = _profile(tr, _batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"]), args.device, args.top)
+                b = _batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"])
+                prof = profiled(lambda: tr.update(b), args.device, args.top)[1]
                 step += 1
                 prof["op_sites"] = _op_sites(tr, _batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"]), args.top)
                 step += 1

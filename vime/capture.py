@@ -188,7 +188,7 @@ def _make_forced_cls():
 
 
 def vllm_engine(model: str, *, mode: str, ops: dict, dtype: str, temperature: float, max_num_seqs: int, max_num_batched_tokens: int,
-                block_size: int, max_model_len: int, seed: int, row_segments: int = 4):
+                block_size: int, max_model_len: int, seed: int, row_segments: int | None = None):
     """An in-process vLLM with the rlkernel plugin (as vime.rollout builds it), no prefix cache, forced-token sampling."""
     os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": "rlkernel_strict", "VLLM_CPU_KVCACHE_SPACE": "1",
                        "TORCHDYNAMO_DISABLE": "1", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")})
@@ -205,7 +205,8 @@ def vllm_engine(model: str, *, mode: str, ops: dict, dtype: str, temperature: fl
                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, enable_prefix_caching=False,
                enable_chunked_prefill=True, logprobs_mode="raw_logits", logits_processors=[_make_forced_cls()],
                worker_extension_cls="rlkernel.integrations.vllm_worker.StrictWorkerExtension",
-               additional_config={"rlkernel": {"temperature": temperature, "mode": mode, "ops": dict(ops), "row_segments": row_segments}})
+               additional_config={"rlkernel": {"temperature": temperature, "mode": mode, "ops": dict(ops)}
+                                  | ({} if row_segments is None else {"row_segments": row_segments})})
 
 
 def _vllm_model(worker):

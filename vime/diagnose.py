@@ -237,7 +237,7 @@ class Diagnosis:
     under the given policies (switching policies between runs needs no new engine)."""
 
     def __init__(self, model: str, *, dtype: str, temperature: float, seed: int, version: int, sched: dict, sides: dict[str, Side],
-                 row_segments: int = 4):
+                 row_segments: int | None = None):
         from rlkernel.models.decoder import DecoderConfig
 
         from .trainer import MegatronTrainer, TrainerConfig
@@ -351,7 +351,7 @@ def diagnose(args) -> tuple[dict, list[str]]:
             sides[s].threads = getattr(args, f"{s}_threads") or ran or torch.get_num_threads()
         parse_overrides(sides, args.overrides)
         dg = Diagnosis(model, dtype=dtype, temperature=temperature, seed=seed, version=version, sched=sched, sides=sides,
-                       row_segments=run_row_segments(config) if args.run_dir else 4)
+                       row_segments=run_row_segments(config) if args.run_dir else None)
         try:
             if args.run_dir:
                 dg.freeze(seqs, plens)

@@ -40,18 +40,18 @@ def check_resources(cfg) -> None:
 
 
 def _gpu_attention_problems(cfg, hf: Path) -> list[str]:
-    """Why a side running rlkernel's Triton attention on a GPU cannot take this model's heads (the kernels tile a head
-    dim that is a power of two >= 16), before any engine starts; [] when it can, or when the model is not known yet."""
-    from .doctor import decoder_config
+    """Why a side running rlkernel's Triton attention on a GPU cannot take this model's heads
+    (contracts.gpu.attention_head_dim_ok), before any engine starts; [] when it can, or when the model is not known yet."""
+    from rlkernel.contracts.gpu import attention_head_dim_ok
+
+    from .doctor import decoder_config, side_policy
 
     if not hf.exists() and cfg.model.init != "tiny_sft":
         return []
-    sides = [s for s in ("rollout", "trainer")
-             if dict(cfg.rlkernel.side_ops(s)).get("attention") not in ("native", "fa3")
-             and (cfg.rlkernel.mode == "strict" or dict(cfg.rlkernel.side_ops(s)).get("attention") == "strict")
+    sides = [s for s in ("rollout", "trainer") if side_policy(cfg, s).choice("attention") == "strict"
              and not (s == "rollout" and cfg.rlkernel.rollout_engine() == "stock")]
     d = decoder_config(cfg).head_dim
-    if not sides or (d >= 16 and not d & (d - 1)):
+    if not sides or attention_head_dim_ok(d):
         return []
     fix = "rlkernel.ops.attention=fa3 (FlashAttention 3's contract, bf16 on sm_90)" if cfg.model.dtype == "bfloat16" else \
         "model.dtype=bfloat16 with rlkernel.ops.attention=fa3 (FlashAttention 3's contract, sm_90)"

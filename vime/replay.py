@@ -45,8 +45,11 @@ def side_policy(config: dict, side: str) -> tuple[str, dict]:
 
 
 def run_row_segments(config: dict) -> int:
-    """The canonical K-segment count both engines of a run used (rlkernel.row_segments; runs before the key: 4)."""
-    return int((config.get("rlkernel") or {}).get("row_segments", 4))
+    """The canonical K-segment count both engines of a run used (rlkernel.row_segments; runs before the key: the
+    default)."""
+    from rlkernel.models import ROW_SEGMENTS
+
+    return int((config.get("rlkernel") or {}).get("row_segments", ROW_SEGMENTS))
 
 
 def apply_overrides(mode: str, ops: dict, overrides: list[str], side: str) -> tuple[str, dict]:

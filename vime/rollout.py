@@ -65,7 +65,7 @@ class RolloutConfig:
     engine_id: str = "vllm-0"
     tp: int = 1  # vLLM's tensor parallelism (worker processes): stock layers, or the strict model's own TP layers
     gpu_memory_utilization: float | None = None  # on a GPU: vLLM's share of the device's memory (None: vLLM's default)
-    row_segments: int = 4  # the strict model's canonical K segments (rlkernel.row_segments): the trainer's, always
+    row_segments: int | None = None  # the strict model's canonical K segments (rlkernel.row_segments: the trainer's); None: the model's default
     enforce_eager: bool = True  # False, on a GPU: CUDA graphs (stock: vLLM's compile + graphs; strict: decode graphs, no compile)
     # further vllm.LLM keyword arguments, applied last (they override ours; recorded in provenance): for experiments such
     # as scripts/bench_rollout.py's runner variants. (("logprobs_mode", "raw_logprobs"),) on the strict engine reports
@@ -195,8 +195,8 @@ class VLLMRollout:
                 hf_overrides={"architectures": [strict_architecture(hf_archs)]},  # opt in: stock names stay stock
                 logprobs_mode="raw_logits",
                 worker_extension_cls="rlkernel.integrations.vllm_worker.StrictWorkerExtension",
-                additional_config={"rlkernel": {"temperature": c.temperature, "mode": c.mode, "ops": dict(c.ops),
-                                                "row_segments": c.row_segments}},
+                additional_config={"rlkernel": {"temperature": c.temperature, "mode": c.mode, "ops": dict(c.ops)}
+                                   | ({} if c.row_segments is None else {"row_segments": c.row_segments})},
             )
             if not c.enforce_eager:
                 # whole-step CUDA graphs of decode-only batches, captured from the eager model (no torch.compile):

@@ -72,6 +72,12 @@ FIXUP_TILE = replace(BF16_GEMM["t128x256"], tma=False)  # the "fixup" schedule's
 ATTENTION_TILES = AttentionTiles()
 
 
+def attention_head_dim_ok(d: int) -> bool:
+    """Whether the Triton attention tiles a head dim: a power of two >= 16 (tl.arange(0, D); the tensor-core dot's
+    K >= 16). The kernels refuse others, and `vime train`'s preflight before any engine starts."""
+    return d >= 16 and not d & (d - 1)
+
+
 def dtype_name(dtype) -> str:
     """A torch dtype as the config functions below name it ("bfloat16", "float32")."""
     return str(dtype).replace("torch.", "")

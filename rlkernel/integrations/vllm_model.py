@@ -43,8 +43,9 @@ class StrictForCausalLM(StrictDecoder):
     def __init__(self, *, vllm_config, prefix: str = ""):
         hf = vllm_config.model_config.hf_config
         settings = plugin_settings(vllm_config)
-        # the canonical K segments of the row-parallel layers: the trainer's (vime passes rlkernel.row_segments)
-        config = dataclasses.replace(DecoderConfig.from_hf(hf.to_dict()), row_segments=int(settings.get("row_segments", 4)))
+        config = DecoderConfig.from_hf(hf.to_dict())
+        if "row_segments" in settings:  # the canonical K segments of the row-parallel layers: the trainer's (vime passes them)
+            config = dataclasses.replace(config, row_segments=int(settings["row_segments"]))
         super().__init__(config, dtype=vllm_config.model_config.dtype, device=vllm_config.device_config.device, tp=_vllm_tp())
         self.set_max_positions(vllm_config.model_config.max_model_len)  # RoPE without reading positions back
         # the engine layout: q/k/v and gate/up one GEMM each over views of one weight, gate/up + SwiGLU, head norm +

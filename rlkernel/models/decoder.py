@@ -56,6 +56,7 @@ def _split(n: int, tp: TensorParallel | None, what: str) -> int:
         raise ValueError(f"tensor parallel size {tp.world} does not divide {what}={n}")
     return n // tp.world
 _ARCHS = {"qwen3": True, "llama": False}  # arch -> has q/k norm
+ROW_SEGMENTS = 4  # the canonical K-segment count when none is given (vime's rlkernel.row_segments defaults to it)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,7 +75,7 @@ class DecoderConfig:
     attention_bias: bool = False  # bias on q/k/v projections
     # Canonical K-segments of the row-parallel GEMMs (o_proj, down_proj): their partials are
     # merged by one fixed tree, so any TP size dividing this count gives the same bits.
-    row_segments: int = 4
+    row_segments: int = ROW_SEGMENTS
 
     def __post_init__(self):
         if self.arch not in _ARCHS:

@@ -288,7 +288,7 @@ def _launch(q, k, v, out, bt, q_start, q_len, kv_len, kv_start, n_tiles, max_kv,
 def _check_qkv(q, hkv, d):
     if q.dim() != 3 or q.shape[-1] != d or q.shape[1] % hkv:
         raise ValueError(f"attention: q {tuple(q.shape)} does not fit {hkv} kv heads of dim {d}")
-    if d < 16 or d & (d - 1):  # tl.arange(0, D) and the tensor-core dot's K >= 16
+    if not C.attention_head_dim_ok(d):
         raise ValueError(f"rlkernel's Triton attention needs a head_dim that is a power of two >= 16 (64 and 128 are "
                          f"measured), got {d}: this model cannot run the GPU strict contract")
     if q.stride(-1) != 1:

@@ -539,7 +539,7 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         NUM_PROGS=progs, TMA=tma, B_NK=b_nk, IEEE=_is_fp32(a), SEGS=k_segments, SPLIT=split,
         K_FIXED=K if k_segments > 1 else 0, STREAM=stream, FIXUP=fixup, **extra,
         num_warps=cfg.num_warps,
-        num_stages=_stages(cfg, a.element_size(), out.element_size(), k_segments if not (tma or split or fixup or stream) else 1),
+        num_stages=_stages(cfg, a.element_size(), out.element_size(), k_segments if schedule == "registers" and not tma else 1),
         **({"num_ctas": num_ctas} if num_ctas != 1 else {}))
     if split:  # the segments' balanced binary tree, adjacent pairs: the in-register tree's bits
         p = out.view(k_segments, M, N)
