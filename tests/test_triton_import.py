@@ -226,6 +226,18 @@ _INTERPRET = textwrap.dedent('''
             if s >= 0:
                 assert torch.equal(kc2[s // 4, s % 4], kk[t]) and torch.equal(vc2[s // 4, s % 4], vv[t])
         assert int((~torch.isnan(kc2[..., 0, 0])).sum()) == 5
+    # Hkv and D not powers of two (SmolLM2's 3 KV heads; the kernel pads to 4 and 32 and masks): the kernel writes
+    # them itself (the indexed copy's host sync breaks a CUDA graph capture), nothing past the real heads or dims
+    kk, vv = torch.randn(4, 3, 24), torch.randn(4, 3, 24)
+    big_k, big_v = torch.full((3, 4, 4, 32), float("nan")), torch.full((3, 4, 4, 32), float("nan"))
+    kc3, vc3 = big_k[:, :, :3, :24], big_v[:, :, :3, :24]  # a view: padding beyond it must stay untouched
+    assert rk.write_kv_supported(kk, vv, kc3, vc3)
+    slots = torch.tensor([5, -1, 0, 11])
+    rk.write_kv_cache(kk, vv, kc3, vc3, slots)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(kc3[s // 4, s % 4], kk[t]) and torch.equal(vc3[s // 4, s % 4], vv[t])
+    assert int((~torch.isnan(big_k)).sum()) == 3 * 3 * 24 and torch.isnan(big_k[..., 3, :]).all() and torch.isnan(big_v[..., 24:]).all()
     out = torch.cat([rk.attention_paged(q[lo:hi], kc, vc, bt[:1], torch.tensor([hi]), torch.tensor([0, hi - lo]), config=acfg)
                      for lo, hi in ((0, 5), (5, 17), (17, 29))])
     assert torch.equal(out, full[:29])

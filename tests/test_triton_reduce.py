@@ -54,6 +54,14 @@ _SCRIPT = textwrap.dedent('''
             assert got.shape == want[d].shape and torch.equal(bits(got), bits(want[d])), d
         y = x.clone().requires_grad_()
         assert P.tree_sum(y, dim=1).grad_fn is not None  # autograd keeps the composition
+        # an empty sum is +0.0 through the hook too (a 211-token vocab's last canonical segment holds no rows: the GPU
+        # grad norm of a toy model raised here on the H200, session 16)
+        assert torch.equal(bits(P.tree_sum(torch.zeros(0), dim=0)), bits(torch.zeros(())))
+        assert torch.equal(bits(P.tree_sum(torch.zeros(0, 3), dim=0)), bits(torch.zeros(3)))
+        from rlkernel.parallel import tp_backward as TB
+        vg = torch.randn(5, 4, generator=g)
+        vals = TB._segment_values(vg, ("rows", 2, 4))  # rows 0:2, 2:4, 4:5 and an empty fourth segment
+        assert [float(v) for v in vals[3:]] == [0.0] and torch.equal(vals[2], P.tree_sum(vg[4].square(), dim=0))
     finally:
         P._DEVICE_TREE.pop("cpu")
     print(cases, "ok")

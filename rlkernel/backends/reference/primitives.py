@@ -149,7 +149,9 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     there in a few launches, with the same adds and so the same bits.
     """
     fast = _DEVICE_TREE.get(x.device.type)
-    if fast is not None and x.dtype == torch.float32 and x.dim() and not (torch.is_grad_enabled() and x.requires_grad):
+    # an empty sum (a vocab's last canonical segment may hold no rows) is the composition's +0.0 (no kernel launch)
+    if (fast is not None and x.dtype == torch.float32 and x.dim() and x.shape[dim]
+            and not (torch.is_grad_enabled() and x.requires_grad)):
         impl, ready = fast
         if ready():
             y = x.movedim(dim, 0)

@@ -34,6 +34,7 @@ _LAZY = {
     "attention_paged": "attention",
     "attention_varlen_backward": "attention_bwd",
     "write_kv_cache": "attention",
+    "write_kv_supported": "attention",
     "linear_logprob": "logprob",
 }
 

@@ -357,25 +357,26 @@ def attention_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
 
 @triton.jit(do_not_specialize=["n_tok"])
 def _write_kv(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_tok, skt, skh, svt, svh, scb, sco, sch, svb, svo, svhh,
-              BS: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+              BS: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HKV_P2: tl.constexpr, D_P2: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # vLLM's padding slots (PAD_SLOT_ID = -1) are skipped on the device
         blk = slot // BS
         off = slot % BS
-        h = tl.arange(0, HKV)[:, None]
-        d = tl.arange(0, D)[None, :]
-        kx = tl.load(k_ptr + t * skt + h * skh + d)
-        vx = tl.load(v_ptr + t * svt + h * svh + d)
-        tl.store(kc_ptr + blk * scb + off * sco + h * sch + d, kx.to(kc_ptr.dtype.element_ty))
-        tl.store(vc_ptr + blk * svb + off * svo + h * svhh + d, vx.to(vc_ptr.dtype.element_ty))
+        h = tl.arange(0, HKV_P2)[:, None]  # padded to powers of two (tl.arange), the padding masked off
+        d = tl.arange(0, D_P2)[None, :]
+        m = (h < HKV) & (d < D)
+        kx = tl.load(k_ptr + t * skt + h * skh + d, mask=m)
+        vx = tl.load(v_ptr + t * svt + h * svh + d, mask=m)
+        tl.store(kc_ptr + blk * scb + off * sco + h * sch + d, kx.to(kc_ptr.dtype.element_ty), mask=m)
+        tl.store(vc_ptr + blk * svb + off * svo + h * svhh + d, vx.to(vc_ptr.dtype.element_ty), mask=m)
 
 
 def write_kv_supported(k, v, k_cache, v_cache) -> bool:
-    """Whether the kernel takes this layout: contiguous head dims, power-of-two Hkv and D."""
-    hkv, d = k.shape[1], k.shape[2]
-    return (k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-            and not hkv & (hkv - 1) and not d & (d - 1))
+    """Whether the kernel takes this layout: contiguous head dims (any Hkv and D: the kernel pads them to powers of
+    two and masks the padding, so SmolLM2's 3 KV heads write without the indexed copy's host sync, which a CUDA
+    graph capture refuses)."""
+    return k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
@@ -386,12 +387,13 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     n = slot_mapping.shape[0]
     hkv, d = k.shape[1], k.shape[2]
     if not write_kv_supported(k, v, k_cache, v_cache):
-        raise ValueError("write_kv_cache: head dims must be contiguous and Hkv, D powers of two")
+        raise ValueError("write_kv_cache: head dims must be contiguous")
     if n == 0:
         return
     _write_kv[(n,)](k, v, k_cache, v_cache, slot_mapping, n, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-                    v_cache.stride(2), BS=k_cache.shape[1], HKV=hkv, D=d, num_warps=4)
+                    v_cache.stride(2), BS=k_cache.shape[1], HKV=hkv, D=d, HKV_P2=triton.next_power_of_2(hkv),
+                    D_P2=triton.next_power_of_2(d), num_warps=4)
 
 
 __all__ = ["attention_varlen", "attention_paged", "write_kv_cache"]
