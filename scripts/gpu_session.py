@@ -94,6 +94,14 @@ STEPS: dict[str, tuple[int, str]] = {
     # the strict path on four other model shapes (toy, SmolLM2-135M, Qwen3-1.7B, Llama-1B widths; 2 layers each): every
     # kernel launches, vLLM == trainer before/after an update, two strict updates (scripts/gpu_shape_smoke.py)
     "shape_smoke": (590, "python3 scripts/gpu_shape_smoke.py --out {out}"),
+    # session 16: after `--update-weights` the engine and Megatron differed on the toy shape (12 of 951 tokens eager, 794
+    # with CUDA graphs) where the 0.6B loop holds 0: which side holds other weights (--check-weights), with and
+    # without graphs, against Megatron and against rlkernel's reference scorer
+    "update_diag": (560, "python3 scripts/make_tiny_checkpoint.py /tmp/toy --vocab-size 211 --hidden-size 64 "
+                         "--intermediate-size 96 --dtype bfloat16 > /dev/null && " + "; ".join(  # each parity runs
+        [f"vime parity --model /tmp/toy --dtype bfloat16 --num-prompts 64 --max-tokens 24 --max-num-seqs 64 "
+           f"--max-num-batched-tokens 512 --update-weights --check-weights --scorer {sc} --cuda-graphs {g} "
+           f"> {{out}}/update_diag_{sc}_{g}.json" for sc, g in (("megatron", "off"), ("megatron", "on"), ("reference", "on"))])),
     # the GEMM's tile configs vs cuBLAS at small and mid M, bit-checked, two timers (issue 10's M = 256 bar)
     "gemm_sweep": (560, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,256,1024 --out {out}"),
     # the row-parallel layers' 4 canonical K segments in one launch: the contract's segments_config (the table's tile fitted

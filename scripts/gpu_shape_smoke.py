@@ -43,7 +43,7 @@ def _tail(text: str, n: int = 12) -> list[str]:
 
 def _parity(ckpt: str, device: str) -> dict:
     cmd = [sys.executable, "-m", "vime.cli", "parity", "--model", ckpt, "--scorer", "megatron", "--dtype", "bfloat16",
-           "--update-weights", "--num-prompts", "64", "--max-tokens", "24", "--max-num-seqs", "64",
+           "--update-weights", "--check-weights", "--num-prompts", "64", "--max-tokens", "24", "--max-num-seqs", "64",
            "--max-num-batched-tokens", "512", "--device", device]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -54,7 +54,9 @@ def _parity(ckpt: str, device: str) -> dict:
     phases = rep.get("phases", {})
     ok = bool(phases) and all(p["mismatch_count"] == 0 and p["compared_tokens"] > 0 for p in phases.values())
     return out | {"ok": ok, "compared_tokens": rep.get("compared_tokens"), "mismatch_count": rep.get("mismatch_count"),
-                  "max_abs_diff": rep.get("max_abs_diff")}
+                  "max_abs_diff": rep.get("max_abs_diff"),
+                  "phases": {k: {x: v.get(x) for x in ("mismatch_count", "compared_tokens", "max_abs_diff", "weights")}
+                             for k, v in phases.items()}}
 
 
 def _updates(ckpt: str, vocab: int, device: str) -> dict:
@@ -88,6 +90,19 @@ def _updates(ckpt: str, vocab: int, device: str) -> dict:
         return {"ok": False, "error": _tail(traceback.format_exc()), "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def _updates_in_child(ckpt: str, vocab: int, device: str) -> dict:
+    """`_updates` in a process of its own: the trainer's GPU memory (allocator cache, Megatron's state) goes with it, so
+    the next shape's vLLM engine finds the GPU free (session 16: 11 GB left behind refused Llama-1B's engine start)."""
+    code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import gpu_shape_smoke as s; "
+            f"print(json.dumps(s._updates({ckpt!r}, {vocab}, {device!r})))")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode or not lines:
+        return {"ok": False, "rc": proc.returncode, "error": _tail(proc.stderr), "seconds": round(time.perf_counter() - t0, 1)}
+    return json.loads(lines[-1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".", help="directory for shape_smoke.json")
@@ -115,7 +130,7 @@ def main() -> int:
             if "parity" in args.checks:
                 row["parity"] = _parity(ckpt, args.device)
             if "updates" in args.checks:
-                row["updates"] = _updates(ckpt, kw["vocab_size"], args.device)
+                row["updates"] = _updates_in_child(ckpt, kw["vocab_size"], args.device)
             row["ok"] = all(row[c]["ok"] for c in ("parity", "updates") if c in row)
             report["shapes"][name] = row
             print(json.dumps({name: {k: v for k, v in row.items() if k != "dims"}}), flush=True)

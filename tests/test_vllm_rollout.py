@@ -94,10 +94,40 @@ def test_vllm_strict_rollout_matches_megatron_scoring(models):
     default 4 segments, tests/test_models.py) reaching the engine's strict model (its worker reports it) and the
     trainer alike. The default 4 runs in the loop tests (tests/test_e2e_loop.py)."""
     r = _parity(models["qwen3-tied"], "--scorer", "megatron", "--num-prompts", "64", "--max-tokens", "12", "--max-num-seqs", "4",
-                "--max-num-batched-tokens", "32", "--dtype", "bfloat16", "--update-weights", "--row-segments", "1")
+                "--max-num-batched-tokens", "32", "--dtype", "bfloat16", "--update-weights", "--row-segments", "1",
+                "--check-weights")
     assert r["scorer"] == "megatron" and set(r["phases"]) == {"v0", "v1"}
     assert r["row_segments"] == r["engine_row_segments"] == 1
     _assert_strict(r, 2 * 64 * 3)
+    for name, phase in r["phases"].items():  # --check-weights: both sides hold the sent weights, bit for bit
+        for side in ("engine", "scorer"):
+            w = phase["weights"][side]
+            assert w["compared"] >= 10 and w["differ_count"] == 0 and not w["absent"], (name, side, w)
+
+
+def test_parity_weights_check_names_the_side_that_differs(models):
+    """`--check-weights`'s comparison (vime.parity._weights_check) with the real reference scorer and an engine
+    reporting one tensor with other bits: that side and that tensor are named, the other side is clean."""
+    import torch
+
+    from vime.parity import _ReferenceScorer, _weights_check
+    from rlkernel.golden import digest
+
+    scorer = _ReferenceScorer(str(models["qwen3-tied"]), torch.float32, "strict", "cpu", {}, 4)
+    sent = {k: v.clone() for k, v in scorer.weights().items()}
+
+    class Engine:  # what VLLMRollout.weight_digests returns: the engine's tensors' digests
+        def __init__(self, tensors):
+            self.tensors = tensors
+
+        def weight_digests(self):
+            return {k: digest([v]) for k, v in self.tensors.items()}
+
+    stale = dict(sent, **{"model.norm.weight": sent["model.norm.weight"] + 1})
+    out = _weights_check(Engine(stale), scorer, sent)
+    assert out["engine"]["differ"] == ["model.norm.weight"] and out["engine"]["differ_count"] == 1
+    assert out["scorer"]["differ_count"] == 0 and out["scorer"]["compared"] == len(sent)
+    assert _weights_check(Engine(sent), scorer, None)["engine"]["differ_count"] == 0
 
 
 def test_negative_control_native_ops_in_both_engines_mismatch(models):

@@ -89,6 +89,27 @@ def _perturb(tensors: dict, seed: int) -> dict:
             for k, v in tensors.items()}
 
 
+def _weights_check(engine, scorer, sent: dict | None) -> dict:
+    """Whether both sides hold exactly the weights of this phase (bit patterns, by rlkernel.golden.digest): the
+    engine's against `sent` (the pushed tensors; at v0 the scorer's own, both loaded from the checkpoint) and the
+    scorer's against `sent`. A mismatch after an update then says which side holds other weights, or that both
+    hold the same and the kernels differ. The engine side needs the strict engine at TP=1 (else "not compared")."""
+    from rlkernel.golden import digest
+
+    own = {k: digest([v]) for k, v in scorer.weights().items()}
+    want = own if sent is None else {k: digest([v]) for k, v in sent.items()}
+
+    def compare(got: dict | None) -> dict:
+        if got is None:
+            return {"compared": 0, "note": "not compared (stock engine or TP > 1)"}
+        names = sorted(set(got) & set(want))
+        differ = [n for n in names if got[n] != want[n]]
+        absent = sorted(set(want) - set(got) - {"lm_head.weight"})  # a tied head is the embedding
+        return {"compared": len(names), "differ": differ[:20], "differ_count": len(differ), "absent": absent[:20]}
+
+    return {"engine": compare(engine.weight_digests()), "scorer": compare(own)}
+
+
 def run(args) -> dict:
     from rlkernel.models import DecoderConfig
 
@@ -136,6 +157,7 @@ def run(args) -> dict:
             new = _perturb(scorer.weights(), args.seed + version)
             engine.update_weights(new, version)
             scorer.load(new, version)
+        weights = _weights_check(engine, scorer, new if version else None) if args.check_weights else None
         t1 = time.perf_counter()
         comps = engine.generate(prompts, specs, weight_version=version)
         t2 = time.perf_counter()
@@ -144,6 +166,8 @@ def run(args) -> dict:
         stats.update(weight_version=version, generate_seconds=round(t2 - t1, 3), score_seconds=round(time.perf_counter() - t2, 3),
                      generated_tokens=sum(len(c.response_ids) for c in comps), prefix_cached_tokens=sum(c.cached_prompt_tokens for c in comps),
                      versions_ok=all(c.weight_version == version for c in comps))
+        if weights is not None:
+            stats["weights"] = weights
         phases[f"v{version}"] = stats
     last = phases[f"v{versions[-1]}"]
     report = dict(mode=args.mode, attention=args.attention, engine=engine.config.engine, cuda_graphs=not engine.config.enforce_eager, scorer=args.scorer, scorer_device=device, engine_tp=args.tp, row_segments=args.row_segments, engine_row_segments=engine.provenance.engine_args.get("worker", {}).get("row_segments"), engine_workers=engine.provenance.engine_args.get("worker", {}).get("workers"), engine_tp_ranks=engine.provenance.engine_args.get("worker", {}).get("tp_ranks"), model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
@@ -184,6 +208,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "`vime train` runs it — on a GPU, except the strict engine at --tp > 1; eager on the CPU. "
                         "A bare --cuda-graphs means on")
     p.add_argument("--update-weights", action="store_true", help="also perturb the weights, push them as version 1, compare again")
+    p.add_argument("--check-weights", action="store_true",
+                   help="per phase, check bit for bit that the engine (strict, TP=1) and the scorer hold the weights sent "
+                        "(phases.vN.weights: which side differs, if any)")
 
 
 def main(args) -> int:

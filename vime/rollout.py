@@ -316,6 +316,13 @@ class VLLMRollout:
             del tensors
         self._now_at(version)
 
+    def weight_digests(self) -> dict[str, str] | None:
+        """{HF name: digest} of the weights the strict engine holds now (rlkernel.golden.digest: shape, dtype and bits);
+        None for a stock engine (no worker extension of ours) or TP > 1 (each rank holds shards)."""
+        if self.config.engine != "rlkernel" or self.config.tp != 1:
+            return None
+        return self.llm.collective_rpc("rlkernel_weight_digests")[0]["digests"]
+
     def _check_version(self, version: int) -> None:
         if version <= self.weight_version:
             raise ValueError(f"weight versions must increase: engine holds {self.weight_version}, got {version}")
