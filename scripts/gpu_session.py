@@ -100,7 +100,7 @@ STEPS: dict[str, tuple[int, str]] = {
     "update_diag": (560, "python3 scripts/make_tiny_checkpoint.py /tmp/toy --vocab-size 211 --hidden-size 64 "
                          "--intermediate-size 96 --dtype bfloat16 > /dev/null && " + "; ".join(  # each parity runs
         [f"vime parity --model /tmp/toy --dtype bfloat16 --num-prompts 64 --max-tokens 24 --max-num-seqs 64 "
-           f"--max-num-batched-tokens 512 --update-weights --check-weights --scorer {sc} --cuda-graphs {g} "
+           f"--max-num-batched-tokens 512 --update-weights --check-weights --restart-check --scorer {sc} --cuda-graphs {g} "
            f"> {{out}}/update_diag_{sc}_{g}.json" for sc, g in (("megatron", "off"), ("megatron", "on"), ("reference", "on"))])),
     # the GEMM's tile configs vs cuBLAS at small and mid M, bit-checked, two timers (issue 10's M = 256 bar)
     "gemm_sweep": (560, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,256,1024 --out {out}"),

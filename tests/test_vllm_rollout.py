@@ -105,6 +105,19 @@ def test_vllm_strict_rollout_matches_megatron_scoring(models):
             assert w["compared"] >= 10 and w["differ_count"] == 0 and not w["absent"], (name, side, w)
 
 
+def test_parity_restart_check_matches_the_updated_engine(models):
+    """`--restart-check`: a fresh engine started from a checkpoint of the v1 weights equals the scorer and samples the
+    updated engine's tokens with its logprobs (every request seeded; on the CPU a seeded prompt must prefill in one
+    step, so the budget covers the longest prompt)."""
+    r = _parity(models["qwen3-tied"], "--num-prompts", "16", "--max-tokens", "8", "--max-num-seqs", "8",
+                "--max-num-batched-tokens", "64", "--dtype", "bfloat16", "--update-weights", "--restart-check")
+    assert set(r["phases"]) == {"v0", "v1", "v1_restart"}
+    fresh = r["phases"].pop("v1_restart")
+    assert fresh["mismatch_count"] == 0 and fresh["compared_tokens"] == fresh["generated_tokens"] > 0, fresh
+    assert fresh["same_tokens_as_updated"] == fresh["same_logprobs_as_updated"] == fresh["sequences"] == 16, fresh
+    _assert_strict(r, 2 * 16 * 2)
+
+
 def test_parity_weights_check_names_the_side_that_differs(models):
     """`--check-weights`'s comparison (vime.parity._weights_check) with the real reference scorer and an engine
     reporting one tensor with other bits: that side and that tensor are named, the other side is clean."""

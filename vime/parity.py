@@ -13,6 +13,7 @@ one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -110,6 +111,40 @@ def _weights_check(engine, scorer, sent: dict | None) -> dict:
     return {"engine": compare(engine.weight_digests()), "scorer": compare(own)}
 
 
+def _restart_phase(args, engine_config, sent: dict, scorer, prompts, specs, updated) -> dict:
+    """A fresh engine started from a checkpoint of the version-1 weights (`sent`) generates the same prompts with the
+    same seed: its logprobs against the scorer's (a mismatch here and not in v1: the kernels, not the update), and
+    whether it sampled the updated engine's tokens with the updated engine's logprobs (both equal: the in-place update
+    is exact; v1 differing while this does not: the update is what differs)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from rlkernel.integrations import vllm_compat
+
+    from .metrics import compare_logprobs
+    from .rollout import VLLMRollout
+
+    tied = bool(json.loads(Path(args.model, "config.json").read_text()).get("tie_word_embeddings", False))
+    with tempfile.TemporaryDirectory(prefix="vime_parity_restart_") as d:
+        for f in Path(args.model).iterdir():  # config and tokenizer files; the weights are the sent ones
+            if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, Path(d) / f.name)
+        vllm_compat.write_reload_checkpoint({k: v.detach().cpu() for k, v in sent.items()}, d, tied)
+        fresh = VLLMRollout(dataclasses.replace(engine_config, model=d))
+        t1 = time.perf_counter()
+        comps = fresh.generate(prompts, specs, weight_version=0)
+        t2 = time.perf_counter()
+    train = scorer.response_logprobs(comps, args.temperature)
+    stats = compare_logprobs([c.logprobs for c in comps], train)
+    same_tokens = [a.response_ids == b.response_ids for a, b in zip(comps, updated)]
+    same_lp = [s and torch.equal(torch.as_tensor(a.logprobs), torch.as_tensor(b.logprobs))
+               for s, a, b in zip(same_tokens, comps, updated)]
+    stats.update(generate_seconds=round(t2 - t1, 3), generated_tokens=sum(len(c.response_ids) for c in comps),
+                 sequences=len(comps), same_tokens_as_updated=sum(same_tokens), same_logprobs_as_updated=sum(same_lp))
+    return stats
+
+
 def run(args) -> dict:
     from rlkernel.models import DecoderConfig
 
@@ -136,12 +171,17 @@ def run(args) -> dict:
         raise SystemExit("vime parity: the strict engine's CUDA graphs are proved at TP=1 only; use --cuda-graphs off with --tp > 1")
     # stock vLLM-CPU's attention needs blocks of a multiple of 32; the strict backend and stock vLLM on a GPU take 16
     block = args.block_size or (32 if kind == "stock" and not torch.cuda.is_available() else 16)
-    engine = VLLMRollout(RolloutConfig(
+    if args.restart_check and not args.update_weights:
+        raise SystemExit("vime parity: --restart-check compares the updated engine with a fresh one: it needs --update-weights")
+    engine_config = RolloutConfig(
         model=args.model, engine=kind, mode=args.mode, dtype=args.dtype, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=block, seed=args.seed, tp=args.tp,
         max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True, enforce_eager=not graphs,
         ops=tuple(sorted(ops.items())), row_segments=args.row_segments,
-    ))
+        # --restart-check starts a second engine beside the first: each takes under half of the GPU
+        gpu_memory_utilization=0.4 if args.restart_check else None,
+    )
+    engine = VLLMRollout(engine_config)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     scorer = (_ReferenceScorer if args.scorer == "reference" else _MegatronScorer)(args.model, dtype, args.mode, device, ops, args.row_segments)
     from pathlib import Path
@@ -149,7 +189,9 @@ def run(args) -> dict:
     vocab = DecoderConfig.from_hf(json.loads(Path(args.model, "config.json").read_text())).vocab_size
     rng = random.Random(args.seed)
     prompts = _prompts(vocab, args.num_prompts, args.min_prompt_len, args.max_prompt_len, args.seed)
-    specs = [SamplingSpec(temperature=args.temperature, max_tokens=rng.randint(max(1, args.max_tokens // 4), args.max_tokens)) for _ in prompts]
+    # --restart-check: every request seeded, so a fresh engine samples what the updated one did when its logprobs agree
+    specs = [SamplingSpec(temperature=args.temperature, max_tokens=rng.randint(max(1, args.max_tokens // 4), args.max_tokens),
+                          seed=args.seed * 100_003 + i if args.restart_check else None) for i in range(len(prompts))]
     phases = {}
     versions = [0] + ([1] if args.update_weights else [])
     for version in versions:
@@ -169,6 +211,8 @@ def run(args) -> dict:
         if weights is not None:
             stats["weights"] = weights
         phases[f"v{version}"] = stats
+    if args.restart_check:
+        phases["v1_restart"] = _restart_phase(args, engine_config, new, scorer, prompts, specs, comps)
     last = phases[f"v{versions[-1]}"]
     report = dict(mode=args.mode, attention=args.attention, engine=engine.config.engine, cuda_graphs=not engine.config.enforce_eager, scorer=args.scorer, scorer_device=device, engine_tp=args.tp, row_segments=args.row_segments, engine_row_segments=engine.provenance.engine_args.get("worker", {}).get("row_segments"), engine_workers=engine.provenance.engine_args.get("worker", {}).get("workers"), engine_tp_ranks=engine.provenance.engine_args.get("worker", {}).get("tp_ranks"), model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
                   temperature=args.temperature, engine_start_seconds=round(engine.provenance.start_seconds, 2),
@@ -208,6 +252,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "`vime train` runs it — on a GPU, except the strict engine at --tp > 1; eager on the CPU. "
                         "A bare --cuda-graphs means on")
     p.add_argument("--update-weights", action="store_true", help="also perturb the weights, push them as version 1, compare again")
+    p.add_argument("--restart-check", action="store_true",
+                   help="with --update-weights: also start a fresh engine from a checkpoint of the version-1 weights and "
+                        "compare it with the scorer and with the updated engine (phases.v1_restart); each engine then "
+                        "takes 0.4 of the GPU")
     p.add_argument("--check-weights", action="store_true",
                    help="per phase, check bit for bit that the engine (strict, TP=1) and the scorer hold the weights sent "
                         "(phases.vN.weights: which side differs, if any)")
