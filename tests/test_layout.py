@@ -17,7 +17,8 @@ ALLOWED = {
     "ops": {"contracts", "dispatch", "backends"},
     "parallel": {"contracts", "dispatch", "backends", "ops"},  # tp_backward builds its gradients from the public linear
     "models": {"contracts", "dispatch", "backends", "ops", "parallel"},
-    "integrations": {"contracts", "dispatch", "backends", "ops", "parallel", "models", "root", "runtime"},
+    # golden: the engine's worker reports its weights by golden.digest (`vime parity --check-weights` compares them)
+    "integrations": {"contracts", "dispatch", "backends", "ops", "parallel", "models", "root", "runtime", "golden"},
     "runtime": set(),
 }
 
