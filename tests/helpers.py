@@ -102,6 +102,18 @@ def record_native(fact: str, differs: int) -> None:
         warnings.warn(line, stacklevel=2)
 
 
+def interpreter_env(**extra) -> dict:
+    """The environment of a child under Triton's interpreter. The interpreter computes `tl.dot` with numpy's matmul,
+    i.e. OpenBLAS, whose kernel (chosen by the CPU: Haswell's with FMA on an AVX2 machine, SkylakeX's on AVX-512) and
+    thread count decide the float32 sums' rounding: a dot of one block shape against another's then agrees on one CPU
+    and not on another (session 16: the fold and SwiGLU-epilogue checks passed on AVX-512 and failed on an AVX2 host).
+    Pinned here to one OpenBLAS kernel without FMA that every x86-64 runs, on one thread, so the interpreter's bits are
+    the same on every machine (the GPU's own bits are checked on the GPU)."""
+    import os
+
+    return dict(os.environ, TRITON_INTERPRET="1", OPENBLAS_CORETYPE="Prescott", OPENBLAS_NUM_THREADS="1", **extra)
+
+
 def run_interpreted(script: str, timeout: float = 600) -> str:
     """Run `script` in a fresh Python under TRITON_INTERPRET=1 (the interpreter must be chosen before triton is
     imported, hence a process of its own) from the repository root; its stdout, or a failure with its stderr's tail."""
@@ -111,7 +123,7 @@ def run_interpreted(script: str, timeout: float = 600) -> str:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    env = interpreter_env(PYTHONPATH=str(root))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout.strip())

@@ -28,6 +28,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import interpreter_env
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -144,7 +145,7 @@ _SCRIPT = textwrap.dedent('''
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_attention_backward_under_triton_interpreter():
     pytest.importorskip("torch")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = interpreter_env()
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600,
                           cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import interpreter_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +37,6 @@ _SCRIPT = textwrap.dedent('''
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_batched_matmul_is_one_gemm_per_item():
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = interpreter_env()
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

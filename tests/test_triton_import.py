@@ -19,7 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import last_json
+from helpers import interpreter_env, last_json
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -279,7 +279,7 @@ def test_kernels_under_triton_interpreter():
     """Index logic, masking and the prefill == decode == chunked-prefill == split property at tiny
     sizes on the CPU (the interpreter is numpy, so this proves the walk, not the GPU's bits)."""
     pytest.importorskip("torch")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = interpreter_env()
     proc = subprocess.run([sys.executable, "-c", _INTERPRET], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
@@ -427,6 +427,6 @@ _WRAPPERS = textwrap.dedent('''
 def test_op_wrappers_under_triton_interpreter():
     """The registered wrappers (k-segment tree, bias, backwards, full/entropy logprob) against
     torch autograd; the in-kernel segment merge against rk.tree_sum of per-segment GEMMs."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = interpreter_env()
     proc = subprocess.run([sys.executable, "-c", _WRAPPERS], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

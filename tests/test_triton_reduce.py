@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import interpreter_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +71,7 @@ _SCRIPT = textwrap.dedent('''
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_tree_sum_kernel_matches_the_composition_bit_for_bit():
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = interpreter_env()
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
     assert int(proc.stdout.split()[-2]) >= 30
