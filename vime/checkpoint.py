@@ -252,14 +252,20 @@ def resume_point(run_dir: Path, identity: dict, config: dict) -> ResumePoint:
                        trainer_state=state, config_changes=config_changes(meta["config"], config))
 
 
+def copy_model_files(model_path: str | Path, into: Path) -> None:
+    """An HF checkpoint directory's files other than its weights (config, tokenizer) into `into`: with a weights file
+    beside them, an HF checkpoint of other weights (the shard index stays behind: it would name the base's shards)."""
+    for f in Path(model_path).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, Path(into) / f.name)
+
+
 def hf_dir(ckpt: Path, model_path: Path) -> Path:
     """The checkpoint laid out as an HF checkpoint for vLLM: the base model's config/tokenizer files + its weights (hard link)."""
     hf, tmp = ckpt / "hf", ckpt / ".hf.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    for f in Path(model_path).iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-            shutil.copy(f, tmp / f.name)
+    copy_model_files(model_path, tmp)
     try:
         os.link(ckpt / WEIGHTS, tmp / WEIGHTS)
     except OSError:  # a filesystem without hard links

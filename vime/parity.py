@@ -111,27 +111,18 @@ def _weights_check(engine, scorer, sent: dict | None) -> dict:
     return {"engine": compare(engine.weight_digests()), "scorer": compare(own)}
 
 
-def _restart_phase(args, engine_config, sent: dict, scorer, prompts, specs, updated) -> dict:
+def _restart_phase(args, engine, sent: dict, scorer, prompts, specs, updated) -> dict:
     """A fresh engine started from a checkpoint of the version-1 weights (`sent`) generates the same prompts with the
     same seed: its logprobs against the scorer's (a mismatch here and not in v1: the kernels, not the update), and
     whether it sampled the updated engine's tokens with the updated engine's logprobs (both equal: the in-place update
     is exact; v1 differing while this does not: the update is what differs)."""
-    import shutil
     import tempfile
-    from pathlib import Path
-
-    from rlkernel.integrations import vllm_compat
 
     from .metrics import compare_logprobs
     from .rollout import VLLMRollout
 
-    tied = bool(json.loads(Path(args.model, "config.json").read_text()).get("tie_word_embeddings", False))
     with tempfile.TemporaryDirectory(prefix="vime_parity_restart_") as d:
-        for f in Path(args.model).iterdir():  # config and tokenizer files; the weights are the sent ones
-            if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
-                shutil.copy2(f, Path(d) / f.name)
-        vllm_compat.write_reload_checkpoint({k: v.detach().cpu() for k, v in sent.items()}, d, tied)
-        fresh = VLLMRollout(dataclasses.replace(engine_config, model=d))
+        fresh = VLLMRollout(dataclasses.replace(engine.config, model=str(engine.write_checkpoint(sent, d))))
         t1 = time.perf_counter()
         comps = fresh.generate(prompts, specs, weight_version=0)
         t2 = time.perf_counter()
@@ -173,15 +164,14 @@ def run(args) -> dict:
     block = args.block_size or (32 if kind == "stock" and not torch.cuda.is_available() else 16)
     if args.restart_check and not args.update_weights:
         raise SystemExit("vime parity: --restart-check compares the updated engine with a fresh one: it needs --update-weights")
-    engine_config = RolloutConfig(
+    engine = VLLMRollout(RolloutConfig(
         model=args.model, engine=kind, mode=args.mode, dtype=args.dtype, temperature=args.temperature, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=block, seed=args.seed, tp=args.tp,
         max_model_len=args.max_prompt_len + args.max_tokens + 8, enable_prefix_caching=True, enforce_eager=not graphs,
         ops=tuple(sorted(ops.items())), row_segments=args.row_segments,
         # --restart-check starts a second engine beside the first: each takes under half of the GPU
         gpu_memory_utilization=0.4 if args.restart_check else None,
-    )
-    engine = VLLMRollout(engine_config)
+    ))
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     scorer = (_ReferenceScorer if args.scorer == "reference" else _MegatronScorer)(args.model, dtype, args.mode, device, ops, args.row_segments)
     from pathlib import Path
@@ -212,7 +202,7 @@ def run(args) -> dict:
             stats["weights"] = weights
         phases[f"v{version}"] = stats
     if args.restart_check:
-        phases["v1_restart"] = _restart_phase(args, engine_config, new, scorer, prompts, specs, comps)
+        phases["v1_restart"] = _restart_phase(args, engine, new, scorer, prompts, specs, comps)
     last = phases[f"v{versions[-1]}"]
     report = dict(mode=args.mode, attention=args.attention, engine=engine.config.engine, cuda_graphs=not engine.config.enforce_eager, scorer=args.scorer, scorer_device=device, engine_tp=args.tp, row_segments=args.row_segments, engine_row_segments=engine.provenance.engine_args.get("worker", {}).get("row_segments"), engine_workers=engine.provenance.engine_args.get("worker", {}).get("workers"), engine_tp_ranks=engine.provenance.engine_args.get("worker", {}).get("tp_ranks"), model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
                   temperature=args.temperature, engine_start_seconds=round(engine.provenance.start_seconds, 2),

@@ -316,12 +316,23 @@ class VLLMRollout:
             del tensors
         self._now_at(version)
 
+    def write_checkpoint(self, tensors: dict[str, torch.Tensor], directory: str | Path) -> Path:
+        """HF-named tensors as an HF checkpoint directory this engine's model could start from: its config and
+        tokenizer files, the weights (the tied head written out explicitly)."""
+        from rlkernel.integrations import vllm_compat
+
+        from .checkpoint import copy_model_files
+
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        copy_model_files(self.config.model, Path(directory))
+        return vllm_compat.write_reload_checkpoint(tensors, directory, self._tied)
+
     def weight_digests(self) -> dict[str, str] | None:
         """{HF name: digest} of the weights the strict engine holds now (rlkernel.golden.digest: shape, dtype and bits);
         None for a stock engine (no worker extension of ours) or TP > 1 (each rank holds shards)."""
         if self.config.engine != "rlkernel" or self.config.tp != 1:
             return None
-        return self.llm.collective_rpc("rlkernel_weight_digests")[0]["digests"]
+        return self.llm.collective_rpc("rlkernel_weight_digests")[0]
 
     def _check_version(self, version: int) -> None:
         if version <= self.weight_version:

@@ -46,13 +46,11 @@ class StrictWorkerExtension:
         return out
 
     def rlkernel_weight_digests(self) -> dict:
-        """{"tp": [rank, world], "digests": {HF name: digest of this rank's tensor}}: what the model holds now (a check
-        that an update arrived as sent; `vime parity --check-weights`). A tied lm_head is not a parameter of its own."""
+        """{HF name: digest of this rank's tensor}: what the model holds now (a check that an update arrived as sent;
+        `vime parity --check-weights`). A tied lm_head is not a parameter of its own."""
         from ..golden import digest
 
-        model = self.model_runner.get_model()
-        tp = [model.tp.rank, model.tp.world] if getattr(model, "tp", None) is not None else [0, 1]
-        return {"tp": tp, "digests": {name: digest([p]) for name, p in model.named_parameters()}}
+        return {name: digest([p]) for name, p in self.model_runner.get_model().named_parameters()}
 
     def rlkernel_take_provenance(self) -> dict:
         """rlkernel op calls since the last take: {op: [{backend, contract_id, device, calls}]}. Under CUDA graphs the
