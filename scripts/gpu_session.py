@@ -102,6 +102,23 @@ STEPS: dict[str, tuple[int, str]] = {
         [f"vime parity --model /tmp/toy --dtype bfloat16 --num-prompts 64 --max-tokens 24 --max-num-seqs 64 "
            f"--max-num-batched-tokens 512 --update-weights --check-weights --restart-check --scorer {sc} --cuda-graphs {g} "
            f"> {{out}}/update_diag_{sc}_{g}.json" for sc, g in (("megatron", "off"), ("megatron", "on"), ("reference", "on"))])),
+    # session 17: update_diag found the engine exact after an update (its weights as sent, a fresh engine from the v1
+    # weights gives its logprobs) and Megatron 12 of 961 off where the reference scorer is 0; with graphs the engine's
+    # replays read a RoPE table the in-process Megatron grew (fixed: rope_table keeps replaced tables). Here: every
+    # checked fusion on many inputs; the v1 weights saved and re-run as a fresh model (both sides from them: is the
+    # 12 the weights or the update's history?); `vime diagnose` on them (fusions off under its taps; Megatron on the
+    # GPU); and the graphs run again after the RoPE fix
+    "update_diag2": (590, "python3 scripts/gpu_fusion_check.py --out {out}; "
+                          "python3 scripts/make_tiny_checkpoint.py /tmp/toy --vocab-size 211 --hidden-size 64 "
+                          "--intermediate-size 96 --dtype bfloat16 > /dev/null && " + "; ".join(
+        [f"vime parity --model /tmp/toy --dtype bfloat16 --num-prompts 64 --max-tokens 24 --max-num-seqs 64 "
+         f"--max-num-batched-tokens 512 --update-weights --check-weights --restart-check --scorer megatron --cuda-graphs on "
+         f"--save-updated /tmp/toy1 > {{out}}/update_diag_megatron_on.json",
+         *(f"vime parity --model /tmp/toy1 --dtype bfloat16 --num-prompts 64 --max-tokens 24 --max-num-seqs 64 "
+           f"--max-num-batched-tokens 512 --scorer {sc} --cuda-graphs off > {{out}}/parity_toy1_{sc}_off.json"
+           for sc in ("megatron", "reference")),
+         "vime diagnose --model /tmp/toy1 --dtype bfloat16 --num-prompts 32 --max-tokens 24 --out {out}/diag_toy1 "
+         "> {out}/diagnose_toy1.txt 2>&1"])),
     # the GEMM's tile configs vs cuBLAS at small and mid M, bit-checked, two timers (issue 10's M = 256 bar)
     "gemm_sweep": (560, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,256,1024 --out {out}"),
     # the row-parallel layers' 4 canonical K segments in one launch: the contract's segments_config (the table's tile fitted

@@ -49,6 +49,27 @@ def test_rope_table_does_not_depend_on_its_length():
     assert torch.equal(small, big[:100])
 
 
+def test_rope_table_growth_keeps_the_replaced_table_alive():
+    """A CUDA graph captured with a table holds its address, not a reference: when a longer stream grows the table, the
+    old one must stay allocated with its rows (session 17: an in-process scorer grew the engine's table and the engine's
+    graph replays rotated by freed memory). Growth at least doubles, so the kept tables stay small."""
+    import gc
+    import weakref
+
+    theta = 23456.0  # a table no other test makes
+    old_cos, old_sin = rk.rope_table(32, 300, theta)
+    rows = old_cos.shape[0]
+    kept_c, kept_s = old_cos.clone(), old_sin.clone()
+    refs = weakref.ref(old_cos), weakref.ref(old_sin)
+    del old_cos, old_sin
+    new_cos, new_sin = rk.rope_table(32, rows + 1, theta)
+    gc.collect()
+    assert refs[0]() is not None and refs[1]() is not None, "the replaced table was freed"
+    assert torch.equal(refs[0](), kept_c) and torch.equal(refs[1](), kept_s)
+    assert torch.equal(new_cos[:rows], kept_c) and torch.equal(new_sin[:rows], kept_s)
+    assert new_cos.shape[0] >= 2 * rows
+
+
 def _grads(fn, *inputs):
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     out = fn(*leaves)

@@ -105,12 +105,22 @@ def test_vllm_strict_rollout_matches_megatron_scoring(models):
             assert w["compared"] >= 10 and w["differ_count"] == 0 and not w["absent"], (name, side, w)
 
 
-def test_parity_restart_check_matches_the_updated_engine(models):
+def test_parity_restart_check_matches_the_updated_engine(models, tmp_path):
     """`--restart-check`: a fresh engine started from a checkpoint of the v1 weights equals the scorer and samples the
     updated engine's tokens with its logprobs (every request seeded; on the CPU a seeded prompt must prefill in one
-    step, so the budget covers the longest prompt)."""
+    step, so the budget covers the longest prompt). `--save-updated` leaves the v1 weights as a checkpoint: the
+    model's tensors, every one perturbed, with its config beside them."""
+    import torch
+    from safetensors.torch import load_file
+
+    saved = tmp_path / "v1"
     r = _parity(models["qwen3-tied"], "--num-prompts", "16", "--max-tokens", "8", "--max-num-seqs", "8",
-                "--max-num-batched-tokens", "64", "--dtype", "bfloat16", "--update-weights", "--restart-check")
+                "--max-num-batched-tokens", "64", "--dtype", "bfloat16", "--update-weights", "--restart-check",
+                "--save-updated", str(saved))
+    base, v1 = load_file(models["qwen3-tied"] / "model.safetensors"), load_file(saved / "model.safetensors")
+    assert (saved / "config.json").is_file() and set(base) <= set(v1)
+    for name, t in base.items():
+        assert v1[name].shape == t.shape and v1[name].dtype == torch.bfloat16 and not torch.equal(v1[name], t.bfloat16()), name
     assert set(r["phases"]) == {"v0", "v1", "v1_restart"}
     fresh = r["phases"].pop("v1_restart")
     assert fresh["mismatch_count"] == 0 and fresh["compared_tokens"] == fresh["generated_tokens"] > 0, fresh

@@ -237,7 +237,7 @@ class Diagnosis:
     under the given policies (switching policies between runs needs no new engine)."""
 
     def __init__(self, model: str, *, dtype: str, temperature: float, seed: int, version: int, sched: dict, sides: dict[str, Side],
-                 row_segments: int | None = None):
+                 row_segments: int | None = None, trainer_device: str = "cpu"):
         from rlkernel.models.decoder import DecoderConfig
 
         from .trainer import MegatronTrainer, TrainerConfig
@@ -248,7 +248,8 @@ class Diagnosis:
         self.llm = vllm_engine(model, mode=r.mode, ops=r.ops, dtype=dtype, temperature=temperature,
                                max_model_len=min(hf.get("max_position_embeddings", 2048), 2048), seed=seed, row_segments=row_segments,
                                **sched)
-        self.trainer = MegatronTrainer(TrainerConfig(mode=t.mode, ops=t.ops, dtype=dtype, seed=seed, row_segments=row_segments))
+        self.trainer = MegatronTrainer(TrainerConfig(mode=t.mode, ops=t.ops, dtype=dtype, seed=seed, row_segments=row_segments,
+                                                     device=trainer_device))
         self.trainer.load_hf(model)
         self.trainer.weight_version = version
         self.sequences: list[list[int]] = []
@@ -350,8 +351,15 @@ def diagnose(args) -> tuple[dict, list[str]]:
             ran = run_threads(config, s) if args.run_dir else None
             sides[s].threads = getattr(args, f"{s}_threads") or ran or torch.get_num_threads()
         parse_overrides(sides, args.overrides)
+        # the trainer's device: the run's (a run with GPUs trained on CUDA), else CUDA where there is one; vLLM takes
+        # the GPU when there is one
+        ran_on = ("cuda" if config.get("resources", {}).get("gpus") else "cpu") if args.run_dir else None
+        device = args.trainer_device or ran_on or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("vime diagnose: --trainer-device cuda needs a CUDA GPU")
         dg = Diagnosis(model, dtype=dtype, temperature=temperature, seed=seed, version=version, sched=sched, sides=sides,
-                       row_segments=run_row_segments(config) if args.run_dir else None)
+                       row_segments=run_row_segments(config) if args.run_dir else None, trainer_device=device)
+        where += f"; Megatron on {device}"
         try:
             if args.run_dir:
                 dg.freeze(seqs, plens)
@@ -403,6 +411,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rollout-threads", type=int, default=None, help="torch threads of the vLLM forward (default: this process's)")
     p.add_argument("--trainer-threads", type=int, default=None, help="torch threads of the Megatron forward")
+    p.add_argument("--trainer-device", choices=["cpu", "cuda"], default=None,
+                   help="where Megatron scores (default: the run's; with --model, cuda where there is a GPU)")
     p.add_argument("--plugin", action="append", help="import MODULE first (e.g. one that registers a kernel variant to test)")
     p.add_argument("--out", help="report directory (default RUN_DIR/diagnose/step_N, or ./diagnose)")
     p.add_argument("overrides", nargs="*", help="rollout.OP=C, trainer.OP=C, OP=C, rollout.impl=NAME, rlkernel.mode=M")

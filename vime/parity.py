@@ -162,6 +162,8 @@ def run(args) -> dict:
         raise SystemExit("vime parity: the strict engine's CUDA graphs are proved at TP=1 only; use --cuda-graphs off with --tp > 1")
     # stock vLLM-CPU's attention needs blocks of a multiple of 32; the strict backend and stock vLLM on a GPU take 16
     block = args.block_size or (32 if kind == "stock" and not torch.cuda.is_available() else 16)
+    if args.save_updated and not args.update_weights:
+        raise SystemExit("vime parity: --save-updated writes the updated weights: it needs --update-weights")
     if args.restart_check and not args.update_weights:
         raise SystemExit("vime parity: --restart-check compares the updated engine with a fresh one: it needs --update-weights")
     engine = VLLMRollout(RolloutConfig(
@@ -187,6 +189,8 @@ def run(args) -> dict:
     for version in versions:
         if version:
             new = _perturb(scorer.weights(), args.seed + version)
+            if args.save_updated:  # the version-1 weights as a checkpoint: a later `--model` run starts from them
+                engine.write_checkpoint(new, args.save_updated)
             engine.update_weights(new, version)
             scorer.load(new, version)
         weights = _weights_check(engine, scorer, new if version else None) if args.check_weights else None
@@ -242,6 +246,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "`vime train` runs it — on a GPU, except the strict engine at --tp > 1; eager on the CPU. "
                         "A bare --cuda-graphs means on")
     p.add_argument("--update-weights", action="store_true", help="also perturb the weights, push them as version 1, compare again")
+    p.add_argument("--save-updated", metavar="DIR", help="with --update-weights: also write the version-1 weights to DIR as an "
+                   "HF checkpoint (config and tokenizer beside them), so `--model DIR` starts both sides from them")
     p.add_argument("--restart-check", action="store_true",
                    help="with --update-weights: also start a fresh engine from a checkpoint of the version-1 weights and "
                         "compare it with the scorer and with the updated engine (phases.v1_restart); each engine then "

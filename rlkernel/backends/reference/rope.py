@@ -10,10 +10,18 @@ from .linear import wants_grad
 
 _LOCK = threading.Lock()
 _TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+# tables a grown one replaced: kept for the life of the process, never freed. A CUDA graph captured with the old table
+# holds its address, not a reference (vLLM captures its decode steps with a table sized from max_model_len; a scorer in
+# the same process then grows it for a longer packed stream): freed, that memory would go to other tensors and every
+# replay would rotate by whatever they hold (session 17: 789 of 961 logprobs off by up to 0.3 after an update). An old
+# table's rows are the new one's first rows, so a replay that reads it is still right. Growth at least doubles the
+# table, so what is kept is less than the live table's size.
+_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def rope_table(head_dim: int, n_positions: int, theta: float, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each [>= n_positions, head_dim // 2] float32, grown in fixed blocks and cached."""
+    """(cos, sin), each [>= n_positions, head_dim // 2] float32, grown in fixed blocks (at least doubling) and cached;
+    a replaced table stays alive (`_RETIRED`)."""
     if head_dim % 2:
         raise ValueError(f"rope: head_dim must be even, got {head_dim}")
     device = torch.device(device)
@@ -25,13 +33,15 @@ def rope_table(head_dim: int, n_positions: int, theta: float, device: torch.devi
             return cos, sin
         inv_freq = _inv_freq(head_dim, float(theta))
         new_c, new_s = [], []
-        for start in range(have, n_positions, ROPE_BLOCK):
+        for start in range(have, max(n_positions, 2 * have), ROPE_BLOCK):
             pos = torch.arange(start, start + ROPE_BLOCK, dtype=torch.float64)
             ang = pos[:, None] * inv_freq[None, :]  # one IEEE float64 multiply: exact bits everywhere
             new_c.append(_round_f32(torch.cos(ang), ang, "cos"))
             new_s.append(_round_f32(torch.sin(ang), ang, "sin"))
         add_c = torch.cat(new_c).to(device)
         add_s = torch.cat(new_s).to(device)
+        if cos is not None:
+            _RETIRED.append((cos, sin))
         cos = add_c if cos is None else torch.cat([cos, add_c])
         sin = add_s if sin is None else torch.cat([sin, add_s])
         _TABLES[key] = (cos, sin)
