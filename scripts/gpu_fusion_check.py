@@ -3,8 +3,9 @@
 for bit, on many inputs and weights: the first-call check sees one input, and with a freshly initialised model's unit
 norm weights. Head norm + RoPE (`norm.norm_rope` vs `rope.forward(rms_norm(...))`) at head dims 16-256 on strided
 q/k views of a fused qkv output, and the GEMM's SwiGLU epilogue (`gemm.matmul_swiglu` vs the GEMM then `swiglu`).
-Weights: all ones (what the first check of a fresh checkpoint saw), near one, and spread. Writes fusion_check.json:
-for each case the number of differing values and the first differing index.
+Weights: all ones, near one, and spread. And the strict linear's rows alone vs in batches of every tile class, at K
+tails (`gemm_row_cases`). Writes fusion_check.json: for each case the number of differing values and the first
+differing index.
 
     python3 scripts/gpu_fusion_check.py --out DIR
 """
@@ -76,6 +77,29 @@ def swiglu_cases(dev) -> dict:
     return out
 
 
+def gemm_row_cases(dev) -> dict:
+    """The strict linear's rows alone (M = 1) vs inside batches of other sizes (M = 16 ... 2048: other tile classes of
+    the contract's table), at widths whose K is not a multiple of every tile's block_k (the toy's 64 / 96, SmolLM2's
+    576 / 1536) and at K = 2048; plain and with the row-parallel layers' 4 canonical K segments. The first-call check
+    and the 8B/0.6B proofs of tile independence never saw a K tail inside a block."""
+    import torch
+
+    from rlkernel.backends.triton import ops
+
+    out = {}
+    g = torch.Generator(device=dev).manual_seed(2)
+    for k, n in ((64, 128), (64, 64), (96, 64), (64, 192), (576, 960), (576, 576), (576, 3072), (1536, 576), (2048, 2048)):
+        w = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).bfloat16()
+        x = torch.randn(2048, k, device=dev, generator=g).bfloat16()
+        for segs in (1, 4):
+            alone = torch.cat([ops.linear(x[i:i + 1], w, k_segments=segs) for i in range(8)])
+            rec = {}
+            for m in (16, 64, 300, 600, 1100, 2048):
+                rec[f"M{m}"] = _diff(ops.linear(x[:m], w, k_segments=segs)[:8], alone)
+            out[f"k{k}_n{n}_s{segs}"] = rec
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -87,7 +111,10 @@ def main() -> int:
         print("gpu_fusion_check: needs a CUDA GPU (or --device cpu under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
     dev = torch.device(args.device)
-    res = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton's interpreter)", "norm_rope": norm_rope_cases(dev), "swiglu": swiglu_cases(dev)}
+    res = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton's interpreter)",
+           "gemm_rows": gemm_row_cases(dev), "norm_rope": norm_rope_cases(dev), "swiglu": swiglu_cases(dev)}
+    res["gemm_rows_differ"] = sorted(f"{c}_{m}" for c, r in res["gemm_rows"].items() for m, v in r.items() if v["differ"])
+    print(f"gemm rows alone vs batched: {len(res['gemm_rows_differ'])} differ: {res['gemm_rows_differ'][:20]}")
     for name in ("norm_rope", "swiglu"):
         cases = res[name]
         bad = {k: v for k, v in cases.items() if v.get("differ") or v.get("error")}

@@ -94,6 +94,9 @@ STEPS: dict[str, tuple[int, str]] = {
     # the strict path on four other model shapes (toy, SmolLM2-135M, Qwen3-1.7B, Llama-1B widths; 2 layers each): every
     # kernel launches, vLLM == trainer before/after an update, two strict updates (scripts/gpu_shape_smoke.py)
     "shape_smoke": (590, "python3 scripts/gpu_shape_smoke.py --out {out}"),
+    # the same in two calls (session 17: the four shapes with the updates in a child process ran past 590 s)
+    "shape_smoke_a": (590, "python3 scripts/gpu_shape_smoke.py --shapes toy,smollm2_135m --out {out}/smoke_a"),
+    "shape_smoke_b": (590, "python3 scripts/gpu_shape_smoke.py --shapes qwen3_1p7b,llama_1b --out {out}/smoke_b"),
     # session 16: after `--update-weights` the engine and Megatron differed on the toy shape (12 of 951 tokens eager, 794
     # with CUDA graphs) where the 0.6B loop holds 0: which side holds other weights (--check-weights), with and
     # without graphs, against Megatron and against rlkernel's reference scorer
@@ -119,6 +122,30 @@ STEPS: dict[str, tuple[int, str]] = {
            for sc in ("megatron", "reference")),
          "vime diagnose --model /tmp/toy1 --dtype bfloat16 --num-prompts 32 --max-tokens 24 --out {out}/diag_toy1 "
          "> {out}/diagnose_toy1.txt 2>&1"])),
+    # session 17's finding after update_diag2: with both sides started from the same weights the engine differs from
+    # Megatron AND from rlkernel's reference scorer (toy at the saved v1 weights 10 of 934; SmolLM2-135M width 29 of
+    # 989 at v0, no update at all; Qwen3-1.7B width 0): a call-pattern dependence of some op at some weights on the GPU.
+    # `vime diagnose` (both real engines, every op's rows compared, Megatron on the GPU) names the first op, on the
+    # SmolLM2 width (the shape smoke's checkpoint) and on the toy's v1 weights
+    "diag_gpu": (590, "python3 scripts/make_tiny_checkpoint.py /tmp/smol --arch llama --vocab-size 49152 --hidden-size 576 "
+                      "--intermediate-size 1536 --num-heads 9 --num-kv-heads 3 --head-dim 64 --num-layers 2 --seed 5 "
+                      "--init-std 0.02 --dtype bfloat16 > /dev/null && vime diagnose --model /tmp/smol --dtype bfloat16 "
+                      "--num-prompts 32 --max-tokens 24 --out {out}/diag_smol > {out}/diagnose_smol.txt 2>&1; "
+                      "python3 scripts/make_tiny_checkpoint.py /tmp/toy --vocab-size 211 --hidden-size 64 "
+                      "--intermediate-size 96 --dtype bfloat16 > /dev/null && vime parity --model /tmp/toy --dtype bfloat16 "
+                      "--num-prompts 64 --max-tokens 24 --max-num-seqs 64 --max-num-batched-tokens 512 --update-weights "
+                      "--scorer megatron --cuda-graphs off --save-updated /tmp/toy1 > {out}/parity_toy_save.json && "
+                      "vime diagnose --model /tmp/toy1 --dtype bfloat16 --num-prompts 32 --max-tokens 24 "
+                      "--out {out}/diag_toy1 > {out}/diagnose_toy1.txt 2>&1"),
+    # every checked fusion on many inputs, and the strict linear's rows alone vs in batches of every tile class at K
+    # tails (SmolLM2's K = 576 is no multiple of the table's block_k 256; the tile-independence proof ran at K % 256 == 0)
+    "fusion_check": (300, "python3 scripts/gpu_fusion_check.py --out {out}"),
+    # the same question without vLLM: rlkernel's own rollout-style paged decode (shifting batches, engine layout) vs
+    # packed training-style scoring at the SmolLM2-135M, toy and Qwen3-1.7B widths (random weights, 2 layers): a
+    # mismatch here is the kernels; none here and one in `diag_gpu` is the vLLM integration
+    "parity_small_dims": (560, " && ".join(
+        f"python3 scripts/gpu_strict_parity.py --only parity --dims {d} --layers 2 --seqs 256 --concurrency 64 "
+        f"--gen-min 16 --gen-max 96 --out {{out}}" for d in ("smollm2_135m", "toy", "qwen3_1p7b"))),
     # the GEMM's tile configs vs cuBLAS at small and mid M, bit-checked, two timers (issue 10's M = 256 bar)
     "gemm_sweep": (560, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,256,1024 --out {out}"),
     # the row-parallel layers' 4 canonical K segments in one launch: the contract's segments_config (the table's tile fitted

@@ -42,6 +42,15 @@ sys.path.insert(0, str(ROOT))
 T0 = time.time()
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128,
                 vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+# --dims: the harness at another model's width (QWEN3_8B is updated in place: every section reads it); arch too
+DIMS = {
+    "qwen3_8b": {},
+    "qwen3_1p7b": dict(hidden_size=2048, intermediate_size=6144, num_heads=16, num_kv_heads=8, head_dim=128),
+    "smollm2_135m": dict(arch="llama", hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                         vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5),
+    "toy": dict(hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=211),
+}
+ARCH = {"arch": "qwen3"}
 DEV = "cuda"  # scripts/ smoke tests may point this at "cpu" under TRITON_INTERPRET=1
 GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096),
          "lm_head": (4096, 151936)}
@@ -63,7 +72,7 @@ def build_model(layers: int, seed: int = 0, device=None, **dims):
     import torch
     from rlkernel.models.decoder import DecoderConfig, StrictDecoder
     dev = device or DEV
-    cfg = DecoderConfig(arch="qwen3", num_layers=layers, tie_word_embeddings=False, **{**QWEN3_8B, **dims})
+    cfg = DecoderConfig(arch=ARCH["arch"], num_layers=layers, tie_word_embeddings=False, **{**QWEN3_8B, **dims})
     with torch.device(dev):
         model = StrictDecoder(cfg, dtype=torch.bfloat16, device=dev)
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -702,10 +711,15 @@ def main(argv=None):
     ap.add_argument("--only", default="kernels,parity,native,timing,train")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
     ap.add_argument("--merge", default=None, help="a previous call's JSON: keep its sections, add or replace these")
+    ap.add_argument("--dims", choices=sorted(DIMS), default="qwen3_8b",
+                    help="the model width (default Qwen3-8B's); another writes h200_strict_parity_DIMS.json")
     args = ap.parse_args(argv)
+    dims = dict(DIMS[args.dims])
+    ARCH["arch"] = dims.pop("arch", "qwen3")
+    QWEN3_8B.update(dims)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "h200_strict_parity.json"
+    path = out_dir / ("h200_strict_parity.json" if args.dims == "qwen3_8b" else f"h200_strict_parity_{args.dims}.json")
     import torch
     if not torch.cuda.is_available():
         path.write_text(json.dumps({"skipped": "no CUDA device"}, indent=1))

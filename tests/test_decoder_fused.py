@@ -158,10 +158,12 @@ def test_hooks_see_what_the_fused_residuals_skip(checkpoint):
     assert _norms_with_residual(fused, seqs) == 2 * layers  # hooks removed: every add fused again
 
 
-def test_the_gpu_parity_harness_compares_the_engine_layout_with_the_plain_model(monkeypatch):
+@pytest.mark.parametrize("arch,heads", [("qwen3", (4, 2)), ("llama", (6, 2))])
+def test_the_gpu_parity_harness_compares_the_engine_layout_with_the_plain_model(monkeypatch, arch, heads):
     """scripts/gpu_strict_parity.py's parity (rollout-style paged decode with shifting batches vs training-style packed
     scoring) runs its rollout side in the engine layout and its training side on the plain model; on the CPU's strict
-    backend, at a tiny shape, it finds every token equal (on the H200 the same code runs the Triton fusions)."""
+    backend, at a tiny shape, it finds every token equal (on the H200 the same code runs the Triton fusions). Both
+    architectures its `--dims` takes (llama: no head norms, and a GQA group of 3 like SmolLM2's)."""
     import types
     from pathlib import Path
 
@@ -170,11 +172,14 @@ def test_the_gpu_parity_harness_compares_the_engine_layout_with_the_plain_model(
     import gpu_strict_parity as P
 
     monkeypatch.setattr(P, "DEV", "cpu")
-    monkeypatch.setattr(P, "QWEN3_8B", {**P.QWEN3_8B, **dict(hidden_size=64, intermediate_size=96, num_heads=4,
-                                                            num_kv_heads=2, head_dim=16, vocab_size=300)})
+    monkeypatch.setattr(P, "QWEN3_8B", {**P.QWEN3_8B, **dict(hidden_size=64, intermediate_size=96, num_heads=heads[0],
+                                                            num_kv_heads=heads[1], head_dim=16, vocab_size=300)})
+    monkeypatch.setattr(P, "ARCH", {"arch": arch})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     res = {}
-    P.parity(types.SimpleNamespace(seqs=8, gen_min=4, gen_max=9, concurrency=3, layers=2), res, P.build_model(2))
+    model = P.build_model(2)
+    assert model.config.arch == arch and (arch == "qwen3") == model.config.qk_norm
+    P.parity(types.SimpleNamespace(seqs=8, gen_min=4, gen_max=9, concurrency=3, layers=2), res, model)
     assert res["parity_setup"]["rollout_layout"].startswith("engine") and res["parity"]["compared_tokens"] > 40
     assert res["parity"]["mismatch_count"] == 0 and res["parity"]["rerun_other_batches"]["mismatch_count"] == 0
     assert res["parity"]["rollout_hash"] == res["parity"]["training_hash"]

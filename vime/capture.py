@@ -68,7 +68,8 @@ class Sites:
         buf = self.data[key]
         if buf[seq] is None:
             buf[seq] = torch.zeros(self.lengths[seq], rows.shape[1])
-        buf[seq][pos] = rows.detach().reshape(len(pos), -1).float()
+        pos = pos.cpu()  # the buffers live on the host whatever device the engine runs on (a GPU's rows come over)
+        buf[seq][pos] = rows.detach().reshape(len(pos), -1).float().cpu()
         self.filled[key][seq][pos] = True
 
     def site(self, name: str) -> str:
@@ -76,9 +77,13 @@ class Sites:
 
 
 def _ready() -> None:
-    """Load the CPU kernels (and run their golden self-check) before any tap is on."""
+    """Load the CPU kernels (and run their golden self-check) before any tap is on; not on a GPU machine, where the
+    engines run the Triton kernels (a CPU side's first call would load them under the tap, which skips calls that are
+    not the model's forward)."""
     from rlkernel.backends import cpu
 
+    if torch.cuda.is_available():
+        return
     cpu.available()
 
 
