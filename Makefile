@@ -26,12 +26,8 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/vime train --config-name grpo_tiny
 
-# Test files run on TEST_WORKERS processes (pytest-xdist), each file's tests on one of them in file order (module
-# fixtures built once); TEST_WORKERS=0 runs everything in this process.
-TEST_WORKERS ?= 2
-
 test: install
-	$(PY) -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q --durations=15
 
 bench: install
 	$(PY) scripts/bench_ops.py

@@ -135,14 +135,17 @@ def last_json(stdout: str):
 
     A child that runs Ray gets the raylet's and workers' log lines on its stdout, asynchronously: one can land after
     the child's own result line (CI saw "(raylet) A worker died ..." there), so "the last line" is not the result.
+    One can also land between the document and its newline (CI under load saw `{...}\x1b[33m(raylet) A worker died`):
+    the document at the start of a line is taken, whatever follows it there.
     """
     import json
 
+    decoder = json.JSONDecoder()
     for line in reversed(stdout.strip().splitlines()):
         line = line.strip()
         if line[:1] in "{[":
             try:
-                return json.loads(line)
+                return decoder.raw_decode(line)[0]
             except ValueError:
                 continue
     raise AssertionError(f"no JSON line in the child's stdout: {stdout[-2000:]!r}")

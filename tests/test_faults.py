@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+import pytest
 from helpers import last_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,3 +149,14 @@ def test_a_dead_trainer_rank_is_named_at_once():
     # no wall-clock bound: had the group waited for rank 0 it would have raised rank 0's RoleTimeoutError at its 100 s
     # call limit ("did not return within"), not rank 1's death
     assert got["raised"] and got["raised"].startswith("trainer[rank 1] died during update"), got
+
+
+def test_last_json_reads_a_result_line_that_a_ray_log_line_interrupted():
+    """The children above print one JSON result while Ray's raylet may write to the same stdout: its line can land
+    after the result, or between the result and its newline (CI under load). The result is still read; a line with
+    no complete document is not taken for one."""
+    out = '{"raised": "trainer[rank 1] died", "seconds": 4.19}\x1b[33m(raylet)\x1b[0m A worker died\n(raylet) more\n'
+    assert last_json(out) == {"raised": "trainer[rank 1] died", "seconds": 4.19}
+    assert last_json('{"a": 1}\n{"b": 2\n') == {"a": 1}
+    with pytest.raises(AssertionError, match="no JSON line"):
+        last_json('{"b": 2\nplain text\n')
