@@ -24,6 +24,10 @@ from pathlib import Path
 
 TQ = "/tmp/tq"  # a tiny random Qwen3 checkpoint (head_dim 64) the parity steps share
 _PARITY = f"vime parity --model {TQ} --num-prompts 32 --max-tokens 32"
+# the shape smoke's toy width (hidden 64, head dim 16, vocab 211) and the parity run the update diagnoses share
+_TOY = ("python3 scripts/make_tiny_checkpoint.py /tmp/toy --vocab-size 211 --hidden-size 64 --intermediate-size 96 "
+        "--dtype bfloat16 > /dev/null")
+_TOY_PARITY = "--dtype bfloat16 --num-prompts 64 --max-tokens 24 --max-num-seqs 64 --max-num-batched-tokens 512"
 
 # name -> (seconds, command); {out} is the output directory
 STEPS: dict[str, tuple[int, str]] = {
@@ -100,25 +104,20 @@ STEPS: dict[str, tuple[int, str]] = {
     # session 16: after `--update-weights` the engine and Megatron differed on the toy shape (12 of 951 tokens eager, 794
     # with CUDA graphs) where the 0.6B loop holds 0: which side holds other weights (--check-weights), with and
     # without graphs, against Megatron and against rlkernel's reference scorer
-    "update_diag": (560, "python3 scripts/make_tiny_checkpoint.py /tmp/toy --vocab-size 211 --hidden-size 64 "
-                         "--intermediate-size 96 --dtype bfloat16 > /dev/null && " + "; ".join(  # each parity runs
-        [f"vime parity --model /tmp/toy --dtype bfloat16 --num-prompts 64 --max-tokens 24 --max-num-seqs 64 "
-           f"--max-num-batched-tokens 512 --update-weights --check-weights --restart-check --scorer {sc} --cuda-graphs {g} "
-           f"> {{out}}/update_diag_{sc}_{g}.json" for sc, g in (("megatron", "off"), ("megatron", "on"), ("reference", "on"))])),
+    "update_diag": (560, _TOY + " && " + "; ".join(  # each parity runs
+        [f"vime parity --model /tmp/toy {_TOY_PARITY} --update-weights --check-weights --restart-check --scorer {sc} "
+         f"--cuda-graphs {g} > {{out}}/update_diag_{sc}_{g}.json"
+         for sc, g in (("megatron", "off"), ("megatron", "on"), ("reference", "on"))])),
     # session 17: update_diag found the engine exact after an update (its weights as sent, a fresh engine from the v1
     # weights gives its logprobs) and Megatron 12 of 961 off where the reference scorer is 0; with graphs the engine's
     # replays read a RoPE table the in-process Megatron grew (fixed: rope_table keeps replaced tables). Here: every
     # checked fusion on many inputs; the v1 weights saved and re-run as a fresh model (both sides from them: is the
     # 12 the weights or the update's history?); `vime diagnose` on them (fusions off under its taps; Megatron on the
     # GPU); and the graphs run again after the RoPE fix
-    "update_diag2": (590, "python3 scripts/gpu_fusion_check.py --out {out}; "
-                          "python3 scripts/make_tiny_checkpoint.py /tmp/toy --vocab-size 211 --hidden-size 64 "
-                          "--intermediate-size 96 --dtype bfloat16 > /dev/null && " + "; ".join(
-        [f"vime parity --model /tmp/toy --dtype bfloat16 --num-prompts 64 --max-tokens 24 --max-num-seqs 64 "
-         f"--max-num-batched-tokens 512 --update-weights --check-weights --restart-check --scorer megatron --cuda-graphs on "
-         f"--save-updated /tmp/toy1 > {{out}}/update_diag_megatron_on.json",
-         *(f"vime parity --model /tmp/toy1 --dtype bfloat16 --num-prompts 64 --max-tokens 24 --max-num-seqs 64 "
-           f"--max-num-batched-tokens 512 --scorer {sc} --cuda-graphs off > {{out}}/parity_toy1_{sc}_off.json"
+    "update_diag2": (590, "python3 scripts/gpu_fusion_check.py --out {out}; " + _TOY + " && " + "; ".join(
+        [f"vime parity --model /tmp/toy {_TOY_PARITY} --update-weights --check-weights --restart-check --scorer megatron "
+         f"--cuda-graphs on --save-updated /tmp/toy1 > {{out}}/update_diag_megatron_on.json",
+         *(f"vime parity --model /tmp/toy1 {_TOY_PARITY} --scorer {sc} --cuda-graphs off > {{out}}/parity_toy1_{sc}_off.json"
            for sc in ("megatron", "reference")),
          "vime diagnose --model /tmp/toy1 --dtype bfloat16 --num-prompts 32 --max-tokens 24 --out {out}/diag_toy1 "
          "> {out}/diagnose_toy1.txt 2>&1"])),
@@ -126,17 +125,13 @@ STEPS: dict[str, tuple[int, str]] = {
     # Megatron AND from rlkernel's reference scorer (toy at the saved v1 weights 10 of 934; SmolLM2-135M width 29 of
     # 989 at v0, no update at all; Qwen3-1.7B width 0): a call-pattern dependence of some op at some weights on the GPU.
     # `vime diagnose` (both real engines, every op's rows compared, Megatron on the GPU) names the first op, on the
-    # SmolLM2 width (the shape smoke's checkpoint) and on the toy's v1 weights
-    "diag_gpu": (590, "python3 scripts/make_tiny_checkpoint.py /tmp/smol --arch llama --vocab-size 49152 --hidden-size 576 "
-                      "--intermediate-size 1536 --num-heads 9 --num-kv-heads 3 --head-dim 64 --num-layers 2 --seed 5 "
-                      "--init-std 0.02 --dtype bfloat16 > /dev/null && vime diagnose --model /tmp/smol --dtype bfloat16 "
-                      "--num-prompts 32 --max-tokens 24 --out {out}/diag_smol > {out}/diagnose_smol.txt 2>&1; "
-                      "python3 scripts/make_tiny_checkpoint.py /tmp/toy --vocab-size 211 --hidden-size 64 "
-                      "--intermediate-size 96 --dtype bfloat16 > /dev/null && vime parity --model /tmp/toy --dtype bfloat16 "
-                      "--num-prompts 64 --max-tokens 24 --max-num-seqs 64 --max-num-batched-tokens 512 --update-weights "
-                      "--scorer megatron --cuda-graphs off --save-updated /tmp/toy1 > {out}/parity_toy_save.json && "
-                      "vime diagnose --model /tmp/toy1 --dtype bfloat16 --num-prompts 32 --max-tokens 24 "
-                      "--out {out}/diag_toy1 > {out}/diagnose_toy1.txt 2>&1"),
+    # shape smoke's SmolLM2-width checkpoint and on the toy's v1 weights
+    "diag_gpu": (590, "python3 scripts/gpu_shape_smoke.py --shapes smollm2_135m --checkpoints-to /tmp/ck > /dev/null && "
+                      "vime diagnose --model /tmp/ck/smollm2_135m --dtype bfloat16 --num-prompts 32 --max-tokens 24 "
+                      "--out {out}/diag_smol > {out}/diagnose_smol.txt 2>&1; " + _TOY + " && "
+                      f"vime parity --model /tmp/toy {_TOY_PARITY} --update-weights --scorer megatron --cuda-graphs off "
+                      "--save-updated /tmp/toy1 > {out}/parity_toy_save.json && vime diagnose --model /tmp/toy1 "
+                      "--dtype bfloat16 --num-prompts 32 --max-tokens 24 --out {out}/diag_toy1 > {out}/diagnose_toy1.txt 2>&1"),
     # every checked fusion on many inputs, and the strict linear's rows alone vs in batches of every tile class at K
     # tails (SmolLM2's K = 576 is no multiple of the table's block_k 256; the tile-independence proof ran at K % 256 == 0)
     "fusion_check": (300, "python3 scripts/gpu_fusion_check.py --out {out}"),

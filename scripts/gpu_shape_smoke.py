@@ -103,29 +103,40 @@ def _updates_in_child(ckpt: str, vocab: int, device: str) -> dict:
     return json.loads(lines[-1])
 
 
+def make_shape_checkpoint(name: str, directory: Path) -> str:
+    """The smoke's checkpoint of shape `name` (2 layers, random bf16 weights, seed 5) in directory/name."""
+    from vime.tiny_model import make_tiny_checkpoint
+
+    kw = SHAPES[name]
+    return str(make_tiny_checkpoint(Path(directory) / name, num_layers=2, seed=5, init_std=0.02, dtype="bfloat16",
+                                    tie_word_embeddings=kw["arch"] == "qwen3", **kw))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".", help="directory for shape_smoke.json")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--checks", default="parity,updates", help="parity and/or updates")
+    ap.add_argument("--checkpoints-to", metavar="DIR", help="only write the shapes' checkpoints to DIR/NAME (for `vime "
+                    "diagnose --model` on the smoke's models) and exit")
     args = ap.parse_args()
     import torch
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(json.dumps({"skipped": "no CUDA device (use --device cpu for a smoke run of the harness)"}))
-        return 0
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
     if unknown:
         ap.error(f"unknown shapes {unknown}; known: {list(SHAPES)}")
-    from vime.tiny_model import make_tiny_checkpoint
-
+    if args.checkpoints_to:
+        print(json.dumps({name: make_shape_checkpoint(name, Path(args.checkpoints_to)) for name in args.shapes.split(",")}))
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device (use --device cpu for a smoke run of the harness)"}))
+        return 0
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "shapes": {}}
     with tempfile.TemporaryDirectory() as d:
         for name in args.shapes.split(","):
             kw = SHAPES[name]
-            ckpt = str(make_tiny_checkpoint(Path(d) / name, num_layers=2, seed=5, init_std=0.02, dtype="bfloat16",
-                                            tie_word_embeddings=kw["arch"] == "qwen3", **kw))
+            ckpt = make_shape_checkpoint(name, Path(d))
             row = {"dims": kw}
             if "parity" in args.checks:
                 row["parity"] = _parity(ckpt, args.device)

@@ -39,17 +39,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from gpu_shape_smoke import SHAPES  # noqa: E402  (scripts/ is this script's directory)
+
 T0 = time.time()
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128,
                 vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
-# --dims: the harness at another model's width (QWEN3_8B is updated in place: every section reads it); arch too
-DIMS = {
-    "qwen3_8b": {},
-    "qwen3_1p7b": dict(hidden_size=2048, intermediate_size=6144, num_heads=16, num_kv_heads=8, head_dim=128),
-    "smollm2_135m": dict(arch="llama", hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
-                         vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5),
-    "toy": dict(hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=211),
-}
+# --dims: the harness at another model's width, the shape smoke's (scripts/gpu_shape_smoke.py); QWEN3_8B is updated in
+# place (every section reads it), the architecture goes to ARCH
+DIMS = {"qwen3_8b": {}, **SHAPES}
 ARCH = {"arch": "qwen3"}
 DEV = "cuda"  # scripts/ smoke tests may point this at "cpu" under TRITON_INTERPRET=1
 GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096),

@@ -21,13 +21,11 @@ def main():
     ap.add_argument("--max-position-embeddings", type=int, default=2048,
                     help="the model's length limit (a recipe's rollout.max_model_len must fit: grpo_qwen3_8b needs 9216)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--init-std", type=float, default=None, help="the weights' init std (default: the HF config's)")
     a = ap.parse_args()
     path = make_tiny_checkpoint(a.out, arch=a.arch, vocab_size=a.vocab_size, hidden_size=a.hidden_size,
                                 intermediate_size=a.intermediate_size, num_layers=a.num_layers, num_heads=a.num_heads,
                                 num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, tie_word_embeddings=not a.untied,
-                                max_position_embeddings=a.max_position_embeddings, dtype=a.dtype, seed=a.seed,
-                                **({} if a.init_std is None else {"init_std": a.init_std}))
+                                max_position_embeddings=a.max_position_embeddings, dtype=a.dtype, seed=a.seed)
     print(path)
 
 
