@@ -92,35 +92,48 @@ def _k_loop(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
 
 
 @triton.jit
+def _kept(x, M):
+    """x, behind a select on a runtime condition that always holds (M > 0: a launch has rows): the tree's fp32 adds
+    below must add a segment's rounded partial. Triton's combine pass (CombineDotAddFPattern) rewrites
+    addf(dot(a, b, 0), d) into dot(a, b, d), which accumulates the products onto d inside the tensor-core chain
+    instead of rounding them first: another order. It fires where a segment's K loop runs once (a segment of at most
+    block_k, e.g. 576 / 4 = 144 at block_k 256) and the loop folds away: session 18 on the H200, "registers" rows
+    differed from "launches" / "split" / "fixup" at the SmolLM2 and toy widths. A select is no dot, so nothing
+    combines; its cost is one select per accumulator element per segment."""
+    return tl.where(M > 0, x, 0.0)
+
+
+@triton.jit
 def _k_segments(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr, SEGS: tl.constexpr):
     """SEGS equal K segments, each its own accumulator from zero, merged by the balanced binary
-    tree ((s0 + s1) + (s2 + s3)) ... in fp32: the canonical-segment layout of a row-parallel GEMM."""
+    tree ((s0 + s1) + (s2 + s3)) ... in fp32: the canonical-segment layout of a row-parallel GEMM.
+    Each partial passes `_kept` before its add (no dot-add combine: the same bits as the other schedules)."""
     if SEGS == 1:
         return _k_loop(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK,
                        IEEE)
     ks = K // SEGS
-    s0 = _k_span(a_src, b_src, off_m, off_n, M, N, 0, ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK,
-                 IEEE)
-    s1 = _k_span(a_src, b_src, off_m, off_n, M, N, ks, 2 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K, TMA,
-                 B_NK, IEEE)
+    s0 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, 0, ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K, TMA,
+                       B_NK, IEEE), M)
+    s1 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, ks, 2 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K, TMA,
+                       B_NK, IEEE), M)
     acc = s0 + s1
     if SEGS >= 4:
-        s2 = _k_span(a_src, b_src, off_m, off_n, M, N, 2 * ks, 3 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K,
-                     TMA, B_NK, IEEE)
-        s3 = _k_span(a_src, b_src, off_m, off_n, M, N, 3 * ks, 4 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K,
-                     TMA, B_NK, IEEE)
+        s2 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, 2 * ks, 3 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N,
+                           BLOCK_K, TMA, B_NK, IEEE), M)
+        s3 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, 3 * ks, 4 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N,
+                           BLOCK_K, TMA, B_NK, IEEE), M)
         acc = acc + (s2 + s3)
     if SEGS == 8:
-        s4 = _k_span(a_src, b_src, off_m, off_n, M, N, 4 * ks, 5 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K,
-                     TMA, B_NK, IEEE)
-        s5 = _k_span(a_src, b_src, off_m, off_n, M, N, 5 * ks, 6 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K,
-                     TMA, B_NK, IEEE)
-        s6 = _k_span(a_src, b_src, off_m, off_n, M, N, 6 * ks, 7 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K,
-                     TMA, B_NK, IEEE)
-        s7 = _k_span(a_src, b_src, off_m, off_n, M, N, 7 * ks, 8 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K,
-                     TMA, B_NK, IEEE)
+        s4 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, 4 * ks, 5 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N,
+                           BLOCK_K, TMA, B_NK, IEEE), M)
+        s5 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, 5 * ks, 6 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N,
+                           BLOCK_K, TMA, B_NK, IEEE), M)
+        s6 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, 6 * ks, 7 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N,
+                           BLOCK_K, TMA, B_NK, IEEE), M)
+        s7 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, 7 * ks, 8 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N,
+                           BLOCK_K, TMA, B_NK, IEEE), M)
         acc = acc + ((s4 + s5) + (s6 + s7))
     return acc
 
@@ -157,20 +170,21 @@ def _k_stream(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
         acc = _dot(a, b, acc, IEEE)
         if (ki + 1) % seg_iters == 0:  # segment s just ended
             s = (ki + 1) // seg_iters - 1
+            part = _kept(acc, M)  # the rounded partial (no dot-add combine, see _kept)
             if SEGS == 2:
                 if s == 0:
-                    lo = acc
+                    lo = part
                 else:
-                    lo = lo + acc
+                    lo = lo + part
             else:
                 if s == 0:
-                    lo = acc
+                    lo = part
                 elif s == 1:
-                    lo = lo + acc
+                    lo = lo + part
                 elif s == 2:
-                    hi = acc
+                    hi = part
                 else:
-                    lo = lo + (hi + acc)
+                    lo = lo + (hi + part)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     return lo
 

@@ -1,0 +1,93 @@
+"""What Triton's compiler makes of the strict GEMM for the H200 (sm_90), checked on a machine without a GPU: the kernels
+are compiled for the target (Triton ships its own ptxas) and their Triton IR read.
+
+Session 18 found on the H200 that the "registers" schedule of a k-segment linear gave other bits than the other
+schedules wherever a K segment fits one K block (SmolLM2's o_proj: 576 / 4 = 144 <= block_k 256): the segment's loop
+folds away and Triton's combine pass rewrites `s0 + dot(a, b, 0)` into `dot(a, b, s0)`, so the products accumulate
+onto s0 inside the tensor-core chain instead of being rounded first. `gemm._kept` blocks that; here every segment's
+dot must start from zero. The interpreter (the other Triton tests) never runs that pass, so only the compiled IR shows
+it."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from rlkernel.backends.triton import gemm  # noqa: E402
+
+
+def _compile(fn, signature: dict, constexprs: dict, **options) -> str:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3, **options})
+    except Exception as e:  # noqa: BLE001 -- a Triton build that cannot target sm_90 here is a skip, not a finding
+        if "ptxas" in str(e) or "CUDA" in str(e):
+            pytest.skip(f"this Triton cannot compile for sm_90 here: {str(e)[:200]}")
+        raise
+    return k.asm["ttir"]
+
+
+def _dots(ttir: str) -> list[tuple[str, bool]]:
+    """(the dot line, whether its accumulator operand is an all-zero constant) for every tt.dot."""
+    zeros = set(re.findall(r"(%[\w.]+) = arith\.constant dense<0\.0+e\+00>", ttir))
+    out = []
+    for line in ttir.splitlines():
+        m = re.search(r"= tt\.dot (%[\w.]+), (%[\w.]+), (%[\w.]+)", line)
+        if m:
+            out.append((line.strip(), m.group(3) in zeros))
+    return out
+
+
+@triton.jit
+def _two_dots_probe(a_ptr, b_ptr, c_ptr, M, GUARD: tl.constexpr):
+    r = tl.arange(0, 64)
+    k = tl.arange(0, 16)
+    n = tl.arange(0, 32)
+    a0 = tl.load(a_ptr + r[:, None] * 32 + k[None, :])
+    a1 = tl.load(a_ptr + r[:, None] * 32 + 16 + k[None, :])
+    b0 = tl.load(b_ptr + k[:, None] * 32 + n[None, :])
+    b1 = tl.load(b_ptr + (16 + k[:, None]) * 32 + n[None, :])
+    s0 = tl.dot(a0, b0)
+    s1 = tl.dot(a1, b1)
+    if GUARD:
+        s0 = gemm._kept(s0, M)
+        s1 = gemm._kept(s1, M)
+    tl.store(c_ptr + r[:, None] * 32 + n[None, :], s0 + s1)
+
+
+@pytest.mark.parametrize("guard", [False, True])
+def test_the_dot_add_combine_fires_on_a_bare_sum_and_not_behind_kept(guard):
+    """The detector is live on this Triton: two dots from zero summed bare are combined into one chain (a dot whose
+    accumulator is the other's result); behind `_kept` both start from zero."""
+    ttir = _compile(_two_dots_probe, {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32", "M": "i32"},
+                    {"GUARD": guard})
+    dots = _dots(ttir)
+    assert len(dots) == 2
+    if guard:
+        assert all(z for _, z in dots), dots
+    else:
+        assert sum(not z for _, z in dots) == 1, dots
+
+
+_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "sam": "i32",
+        "sak": "i32", "sbn": "i32", "sbk": "i32", "scm": "i32", "scn": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+
+
+@pytest.mark.parametrize("dtype,segs,block_k,ks", [("bf16", 2, 256, 144), ("bf16", 4, 256, 144), ("bf16", 8, 256, 144),
+                                                   ("bf16", 4, 64, 16), ("fp32", 4, 32, 16)])
+def test_every_k_segment_of_the_registers_schedule_starts_from_zero(dtype, segs, block_k, ks):
+    """`_gemm_kernel`'s "registers" schedule (SEGS segments in one program, the tree in registers) where each segment
+    is one K block (SmolLM2's o_proj, the toy's o/down; fp32 with 'ieee' dots too): one dot per segment, each from
+    zero (no segment accumulates onto another's partial). Fails without `_kept` (the combine chains pairs)."""
+    sig = {k: (v.replace("bf16", dtype) if k in ("a_ptr", "b_ptr", "c_ptr") else v) for k, v in _SIG.items()}
+    const = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=block_k, GROUP_M=8, NUM_PROGS=132, TMA=False, B_NK=True,
+                 IEEE=dtype == "fp32", SEGS=segs, SPLIT=False, K_FIXED=segs * ks, STREAM=False, FIXUP=False)
+    dots = _dots(_compile(gemm._gemm_kernel, sig, const, num_stages=2))
+    assert len(dots) == segs, dots
+    assert all(z for _, z in dots), [d for d, z in dots if not z]
