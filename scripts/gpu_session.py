@@ -141,6 +141,19 @@ STEPS: dict[str, tuple[int, str]] = {
     "parity_small_dims": (560, " && ".join(
         f"python3 scripts/gpu_strict_parity.py --only parity --dims {d} --layers 2 --seqs 256 --concurrency 64 "
         f"--gen-min 16 --gen-max 96 --out {{out}}" for d in ("smollm2_135m", "toy", "qwen3_1p7b"))),
+    # session 18: parity_small_dims found the kernels at fault without vLLM (SmolLM2 width 4,769 of 14,155 tokens, and a
+    # rerun of the rollout with other batches differs from the first in 1,860 of 3,763: the rollout itself depends on
+    # its batches; toy 91; Qwen3-1.7B 0), and `vime diagnose` on the toy's v1 weights named 0.down_proj (inputs equal,
+    # 5 of 818 rows). Which layout piece (fused q/k/v, gate/up, residual adds in the norms) and which op's rows differ
+    "layouts_small": (580, " && ".join(
+        f"python3 scripts/gpu_strict_parity.py --only layouts --dims {d} --layers 2 --seqs 128 --concurrency 64 "
+        f"--gen-min 16 --gen-max 96 --out {{out}}" for d in ("smollm2_135m", "toy"))),
+    # session 18's layouts_small named the row-parallel layers (o_proj, down_proj: rows differ on equal inputs) at the
+    # SmolLM2 and toy widths, every layout alike: a K segment that is no multiple of block_k, under every tile, schedule
+    # and M (with 5,000 rows: one plain GEMM per segment, the packed scorer's schedule)
+    "gemm_tail": (300, "python3 scripts/gpu_fusion_check.py --only gemm_tail,gemm_rows --out {out}"),
+    # its 8 rows saw nothing: every row of 5,000 against the packed scorer's schedule, at two row offsets
+    "gemm_tail_rows": (300, "python3 scripts/gpu_fusion_check.py --only gemm_tail_rows --out {out}"),
     # the GEMM's tile configs vs cuBLAS at small and mid M, bit-checked, two timers (issue 10's M = 256 bar)
     "gemm_sweep": (560, "python3 scripts/gpu_gemm_sweep.py --ms 1,16,256,1024 --out {out}"),
     # the row-parallel layers' 4 canonical K segments in one launch: the contract's segments_config (the table's tile fitted

@@ -20,6 +20,8 @@ implementation under the GPU contracts (rlkernel/contracts/gpu.py):
   train    forward + backward of the layer stack, strict / native
   sweep    candidate tile configs (not in the default list)
   reduce   the strict update's launch savers against their definitions, bit for bit (not in the default list)
+  layouts  which piece of the engine layout (or which op) makes the rollout differ from packed scoring: the rollout
+           in each layout, and every site's rows rollout vs packed (not in the default list)
 
 Writes DIR/h200_strict_parity.json (DIR: $OUT, else benchmarks/). Without CUDA it writes
 {"skipped": reason} and exits 0.
@@ -49,6 +51,9 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_
 DIMS = {"qwen3_8b": {}, **SHAPES}
 ARCH = {"arch": "qwen3"}
 DEV = "cuda"  # scripts/ smoke tests may point this at "cpu" under TRITON_INTERPRET=1
+# (sequence, position) of each token row of the forward now running (engine_step and training_logprobs set it): the
+# site capture of `layouts` keys every captured row by it
+ROW_KEYS: list = []
 GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096),
          "lm_head": (4096, 151936)}
 
@@ -132,6 +137,7 @@ def engine_step(model, cache, batch, tokens_of, pos_of, n_new):
     qsl_t = torch.tensor(qsl, dtype=torch.int32, device=DEV)
     sl_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
     max_q = max(n_new[s] for s in batch)
+    ROW_KEYS[:] = [(sid, p) for sid in batch for p in range(pos_of[sid], pos_of[sid] + n_new[sid])]
 
     def attend(layer, q, k, v):
         rk.write_kv_cache(k, v, cache.k[layer], cache.v[layer], slot_t)
@@ -196,6 +202,7 @@ def training_logprobs(model, seqs, prompt_lens, pack_tokens, seed=1):
         ids = torch.tensor([t for s in group for t in seqs[s]], device=DEV)
         lens = [len(seqs[s]) for s in group]
         cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEV)
+        ROW_KEYS[:] = [(s, p) for s in group for p in range(len(seqs[s]))]
         hidden = model.forward_packed(ids, cu)
         rows, tg = [], []
         for j, s in enumerate(group):
@@ -281,6 +288,148 @@ def parity(args, res, model):
         ro2, _ = rollout(engine, [seqs[i] for i in sub], [plens[i] for i in sub], 16, cache, seed=23)
     res["parity"]["rerun_other_batches"] = compare({i: ro[i] for i in sub}, ro2)
     log("rerun:", res["parity"]["rerun_other_batches"])
+
+
+class SiteCapture:
+    """Every token row a module's forward reads and writes, keyed by ROW_KEYS' (sequence, position): forward hooks on
+    `model`'s modules that `watch` picks. A hook on a norm or a layer makes the engine layout's residual and norm + RoPE
+    fusions step aside there (decoder._hooked), so the engine layout's capture watches only modules whose hooks leave
+    its fusions on (`ENGINE_SITES`)."""
+
+    def __init__(self, model, watch):
+        self.calls: dict[str, list] = {}
+        self.handles = [m.register_forward_hook(self._hook(name)) for name, m in model.named_modules()
+                        if name and watch(name, m)]
+
+    def _hook(self, name):
+        def hook(mod, inp, out):
+            import torch
+            x = inp[0] if inp and isinstance(inp[0], torch.Tensor) else None
+            y = out[0] if isinstance(out, tuple) else out
+            if not isinstance(y, torch.Tensor) or y.shape[0] != len(ROW_KEYS):
+                return
+            keys = torch.tensor([sid * 65536 + p for sid, p in ROW_KEYS], device=y.device)
+            self.calls.setdefault(name, []).append(
+                (keys, None if x is None or x.shape[0] != y.shape[0] else x.detach().reshape(len(keys), -1).clone(),
+                 y.detach().reshape(len(keys), -1).clone()))
+        return hook
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+    def rows(self, name):
+        """(keys sorted, inputs, outputs) of a site: the last row written for each key."""
+        import torch
+        calls = self.calls[name]
+        keys = torch.cat([c[0] for c in calls])
+        xs = None if any(c[1] is None for c in calls) else torch.cat([c[1] for c in calls])
+        ys = torch.cat([c[2] for c in calls])
+        order = torch.argsort(keys, stable=True)
+        keys, ys = keys[order], ys[order]
+        xs = xs[order] if xs is not None else None
+        last = torch.ones_like(keys, dtype=torch.bool)
+        last[:-1] = keys[1:] != keys[:-1]
+        return keys[last], (xs[last] if xs is not None else None), ys[last]
+
+
+def _bits(t):
+    import torch
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def compare_sites(a: SiteCapture, b: SiteCapture) -> list[dict]:
+    """Per site (in a's first-call order), over the rows both captured: rows whose input / output bits differ."""
+    import torch
+    out = []
+    for name in a.calls:
+        if name not in b.calls:
+            continue
+        ka, xa, ya = a.rows(name)
+        kb, xb, yb = b.rows(name)
+        ia = torch.isin(ka, kb)
+        ib = torch.isin(kb, ka)
+        ya, yb = ya[ia], yb[ib]
+        row = {"site": name, "rows": int(ia.sum()), "out_differ": int((_bits(ya) != _bits(yb)).any(1).sum())}
+        if xa is not None and xb is not None and xa.shape[1] == xb.shape[1]:
+            row["in_differ"] = int((_bits(xa[ia]) != _bits(xb[ib])).any(1).sum())
+        if row["out_differ"]:
+            bad = (_bits(ya) != _bits(yb)).any(1)
+            row["max_abs"] = float((ya[bad].float() - yb[bad].float()).abs().max())
+            pos = (ka[ia][bad] % 65536)
+            row["positions_differ"] = [int(pos.min()), int(pos.max())]
+        out.append(row)
+    return out
+
+
+ENGINE_SITES = ("qkv_fused", "gate_up_fused", "o_proj", "down_proj", "embed_tokens")
+
+
+def _layout(model, kind):
+    """A copy of `model` in one of the engine layout's pieces: plain, engine (all of fuse_projections), qkv (fused q/k/v
+    GEMM, and on qwen3 head norm + RoPE as one launch), gate_up (fused gate/up GEMM), residual (the residual adds inside
+    the norms)."""
+    import copy
+    eng = copy.deepcopy(model)
+    if kind == "engine":
+        eng.fuse_projections()
+    for layer in eng.model.layers:
+        if kind == "qkv":
+            layer.self_attn.fuse()
+        elif kind == "gate_up":
+            layer.mlp.fuse()
+        elif kind == "residual":
+            layer.fused_residual = True
+    return eng
+
+
+LAYOUTS = ("plain", "engine", "qkv", "gate_up", "residual")
+
+
+def layouts(args, res, model):
+    """Which piece of the rollout makes it differ from packed scoring: the rollout (paged decode, shifting batches) in
+    each layout of `LAYOUTS` against packed scoring of the plain model, and against a rerun with other batches; then
+    every site's rows, rollout vs packed scoring in the same layout (plain: every module; engine: `ENGINE_SITES`, whose
+    hooks leave the fusions on), so the first site whose output differs on equal input names the op."""
+    import torch
+    seqs, plens = make_seqs(args.seqs, QWEN3_8B["vocab_size"], (16, 256), (args.gen_min, args.gen_max), seed=7)
+    max_len = max(len(s) for s in seqs)
+    blocks = args.concurrency * ((max_len + 15) // 16 + 1) + 64
+    hkv, d = QWEN3_8B["num_kv_heads"], QWEN3_8B["head_dim"]
+    sub = list(range(min(32, len(seqs))))
+    out = {"sequences": len(seqs), "variants": {}, "sites": {}}
+    with torch.no_grad():
+        tr = training_logprobs(model, seqs, plens, pack_tokens=32768, seed=1)
+        for kind in LAYOUTS:
+            eng = _layout(model, kind)
+            ro, steps = rollout(eng, seqs, plens, args.concurrency, PagedCache(args.layers, blocks, 16, hkv, d, seed=3),
+                                seed=11)
+            ro2, _ = rollout(eng, [seqs[i] for i in sub], [plens[i] for i in sub], 8,
+                             PagedCache(args.layers, blocks, 16, hkv, d, seed=9), seed=23)
+            out["variants"][kind] = {"vs_packed_plain": compare(ro, tr), "rerun_other_batches":
+                                     compare({i: ro[i] for i in sub}, ro2)}
+            if kind == "engine":
+                out["variants"][kind]["packed_engine_vs_plain"] = compare(
+                    training_logprobs(eng, seqs, plens, pack_tokens=32768, seed=1), tr)
+            log(f"layout {kind}:", out["variants"][kind])
+            del eng
+        for kind, watch in (("plain", lambda n, m: not list(m.children()) or n.count(".") == 2),
+                            ("engine", lambda n, m: n.rsplit(".", 1)[-1] in ENGINE_SITES)):
+            eng = _layout(model, kind)
+            cap_r = SiteCapture(eng, watch)
+            rollout(eng, seqs[:64], plens[:64], min(args.concurrency, 32), PagedCache(args.layers, blocks, 16, hkv, d,
+                                                                                        seed=3), seed=11)
+            cap_r.close()
+            cap_t = SiteCapture(eng, watch)
+            training_logprobs(eng, seqs[:64], plens[:64], pack_tokens=32768, seed=1)
+            cap_t.close()
+            sites = compare_sites(cap_r, cap_t)
+            first = next((r for r in sites if r["out_differ"] and not r.get("in_differ")), None)
+            out["sites"][kind] = {"first_divergence": first, "sites": sites}
+            log(f"sites {kind}: first divergence", first)
+            del eng, cap_r, cap_t
+            torch.cuda.empty_cache()
+    res["layouts"] = out
 
 
 def native_control(args, res, model):
@@ -735,7 +884,7 @@ def main(argv=None):
     steps = {"kernels": lambda: kernels(res), "parity": lambda: parity(args, res, model),
              "native": lambda: native_control(args, res, model), "timing": lambda: timing(args, res, model),
              "train": lambda: train_timing(args, res, model), "sweep": lambda: sweep(args, res),
-             "reduce": lambda: reduce_checks(res)}
+             "reduce": lambda: reduce_checks(res), "layouts": lambda: layouts(args, res, model)}
     for name in todo:
         try:
             steps[name]()
@@ -745,6 +894,10 @@ def main(argv=None):
         res["elapsed_s"] = round(time.time() - T0, 1)
         path.write_text(json.dumps(res, indent=1))
     print(json.dumps({k: res.get(k) for k in ("parity", "native", "errors")}, indent=1))
+    if "layouts" in res:
+        print(json.dumps({k: v for k, v in res["layouts"].items() if k != "sites"}, indent=1))
+        for kind, v in res["layouts"]["sites"].items():
+            print(kind, "first divergence:", json.dumps(v["first_divergence"]))
     return 0
 
 

@@ -183,3 +183,54 @@ def test_the_gpu_parity_harness_compares_the_engine_layout_with_the_plain_model(
     assert res["parity_setup"]["rollout_layout"].startswith("engine") and res["parity"]["compared_tokens"] > 40
     assert res["parity"]["mismatch_count"] == 0 and res["parity"]["rerun_other_batches"]["mismatch_count"] == 0
     assert res["parity"]["rollout_hash"] == res["parity"]["training_hash"]
+
+
+def test_the_gpu_layouts_diagnosis_finds_every_layout_exact_and_names_a_changed_op(monkeypatch):
+    """scripts/gpu_strict_parity.py --only layouts (which piece of the engine layout, or which op, makes a GPU rollout
+    differ from packed scoring): on the CPU's strict backend every layout's rollout equals packed scoring and every
+    captured site is equal (llama, GQA 3 like SmolLM2). Negative control: with one layer's down_proj weight changed on
+    the scoring side only, the site comparison names that op as the first whose output differs on equal input."""
+    import types
+    from pathlib import Path
+
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    monkeypatch.syspath_prepend(scripts)
+    import gpu_strict_parity as P
+
+    monkeypatch.setattr(P, "DEV", "cpu")
+    monkeypatch.setattr(P, "QWEN3_8B", {**P.QWEN3_8B, **dict(hidden_size=64, intermediate_size=96, num_heads=6,
+                                                            num_kv_heads=2, head_dim=16, vocab_size=300)})
+    monkeypatch.setattr(P, "ARCH", {"arch": "llama"})
+    res = {}
+    model = P.build_model(2)
+    P.layouts(types.SimpleNamespace(seqs=6, gen_min=3, gen_max=6, concurrency=3, layers=2), res, model)
+    out = res["layouts"]
+    assert set(out["variants"]) == set(P.LAYOUTS)
+    for kind, v in out["variants"].items():
+        assert v["vs_packed_plain"]["compared_tokens"] > 15 and v["vs_packed_plain"]["mismatch_count"] == 0, kind
+        assert v["rerun_other_batches"]["compared_tokens"] > 15 and v["rerun_other_batches"]["mismatch_count"] == 0
+    assert out["variants"]["engine"]["packed_engine_vs_plain"]["mismatch_count"] == 0
+    plain = {r["site"] for r in out["sites"]["plain"]["sites"]}
+    assert {"model.embed_tokens", "model.layers.1.mlp.down_proj", "model.layers.0", "model.norm"} <= plain
+    engine = {r["site"] for r in out["sites"]["engine"]["sites"]}
+    assert {"model.layers.0.self_attn.qkv_fused", "model.layers.1.mlp.gate_up_fused"} <= engine
+    for kind in ("plain", "engine"):
+        assert out["sites"][kind]["first_divergence"] is None
+        assert all(r["rows"] > 30 and r["out_differ"] == 0 and not r.get("in_differ") for r in out["sites"][kind]["sites"])
+
+    # negative control: the scoring side's layer-1 down_proj changed
+    seqs, plens = P.make_seqs(4, 300, (16, 20), (3, 5), seed=7)
+    watch = lambda n, m: not list(m.children()) or n.count(".") == 2  # noqa: E731
+    with torch.no_grad():
+        cap_r = P.SiteCapture(model, watch)
+        P.rollout(model, seqs, plens, 2, P.PagedCache(2, 64, 16, 2, 16, seed=3), seed=11)
+        cap_r.close()
+        other = P._layout(model, "plain")
+        other.model.layers[1].mlp.down_proj.weight[0, 0] += 0.5
+        cap_t = P.SiteCapture(other, watch)
+        P.training_logprobs(other, seqs, plens, pack_tokens=4096)
+        cap_t.close()
+    sites = P.compare_sites(cap_r, cap_t)
+    first = next(r for r in sites if r["out_differ"] and not r.get("in_differ"))
+    assert first["site"] == "model.layers.1.mlp.down_proj" and first["max_abs"] > 0
+    assert all(r["out_differ"] == 0 for r in sites[:[r["site"] for r in sites].index(first["site"])])
