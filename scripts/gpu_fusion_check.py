@@ -78,8 +78,8 @@ def swiglu_cases(dev) -> dict:
 
 
 def gemm_row_cases(dev) -> dict:
-    """The strict linear's rows alone (M = 1) vs inside batches of other sizes (M = 16 ... 5,000: other tile classes and schedules of
-    the contract's table), at widths whose K is not a multiple of every tile's block_k (the toy's 64 / 96, SmolLM2's
+    """The strict linear's rows alone (M = 1) vs inside batches of other sizes (M = 16 ... 5,000: other tile classes
+    and schedules of the contract's table), at widths whose K is not a multiple of every tile's block_k (the toy's 64 / 96, SmolLM2's
     576 / 1536) and at K = 2048; plain and with the row-parallel layers' 4 canonical K segments. The first-call check
     and the 8B/0.6B proofs of tile independence never saw a K tail inside a block."""
     import torch
@@ -103,6 +103,11 @@ def gemm_row_cases(dev) -> dict:
     return out
 
 
+# [K, N] of the row-parallel layers (4 canonical K segments) at the toy, SmolLM2-135M and Qwen3-1.7B widths
+TAIL_SHAPES = {"toy_o": (64, 64), "toy_down": (96, 64), "smol_o": (576, 576), "smol_down": (1536, 576),
+               "q17_o": (2048, 2048)}
+
+
 def gemm_tail_cases(dev) -> dict:
     """Session 18: the row-parallel layers (o_proj, down_proj: 4 canonical K segments) give rows whose bits depend on
     the call at the SmolLM2 and toy widths, where a segment (576 / 4 = 144, 1536 / 4 = 384, 64 / 4 = 16, 96 / 4 = 24) is
@@ -118,8 +123,7 @@ def gemm_tail_cases(dev) -> dict:
     out = {}
     g = torch.Generator(device=dev).manual_seed(3)
     ms = (8, 64, 300, 2048, 5000) if dev.type == "cuda" else (8, 64)
-    for name, (k, n) in {"toy_o": (64, 64), "toy_down": (96, 64), "smol_o": (576, 576), "smol_down": (1536, 576),
-                         "q17_o": (2048, 2048)}.items():
+    for name, (k, n) in TAIL_SHAPES.items():
         w = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).bfloat16()
         x = torch.randn(ms[-1], k, device=dev, generator=g).bfloat16()
         ks = k // 4
@@ -127,8 +131,8 @@ def gemm_tail_cases(dev) -> dict:
         parts = {}
         for tile, cfg in G.BF16_GEMM.items():
             for tma in (True, False):
-                parts[f"{tile}{'' if tma else '_ptr'}"] = gemm.matmul(x[:8, lo:hi], w[:, lo:hi], out_dtype=torch.float32,
-                                                                      config=replace(cfg, tma=tma))
+                parts[f"{tile}{'' if tma else '_ptr'}"] = gemm.matmul(
+                    x[:8, lo:hi], w[:, lo:hi], out_dtype=torch.float32, config=replace(cfg, tma=tma))
         for m in ms:
             parts[f"M{m}"] = gemm.matmul(x[:m, lo:hi], w[:, lo:hi], out_dtype=torch.float32)[:8]
         for m in ms:  # the segment inside a contiguous copy: its own row start
@@ -164,8 +168,7 @@ def gemm_tail_row_cases(dev) -> dict:
     g = torch.Generator(device=dev).manual_seed(4)
     big = dev.type == "cuda"
     total = 5000 if big else 160
-    shapes = {"toy_o": (64, 64), "toy_down": (96, 64), "smol_o": (576, 576), "smol_down": (1536, 576),
-              "q17_o": (2048, 2048)} if big else {"toy_down": (96, 64)}
+    shapes = TAIL_SHAPES if big else {"toy_down": TAIL_SHAPES["toy_down"]}
     for name, (k, n) in shapes.items():
         w = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).bfloat16()
         x = torch.randn(total, k, device=dev, generator=g).bfloat16()
@@ -194,15 +197,18 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu: under TRITON_INTERPRET=1 (a smoke test of this script)")
     ap.add_argument("--only", default="gemm_rows,norm_rope,swiglu,gemm_tail", help="which case groups")
     args = ap.parse_args()
+    only = args.only.split(",")
+    groups = {"gemm_rows": gemm_row_cases, "norm_rope": norm_rope_cases, "swiglu": swiglu_cases,
+              "gemm_tail": gemm_tail_cases, "gemm_tail_rows": gemm_tail_row_cases}
+    unknown = sorted(set(only) - set(groups))
+    if unknown:
+        ap.error(f"--only: unknown case groups {unknown}; known: {', '.join(groups)}")
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_fusion_check: needs a CUDA GPU (or --device cpu under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
     dev = torch.device(args.device)
-    only = args.only.split(",")
-    groups = {"gemm_rows": gemm_row_cases, "norm_rope": norm_rope_cases, "swiglu": swiglu_cases,
-              "gemm_tail": gemm_tail_cases, "gemm_tail_rows": gemm_tail_row_cases}
     res = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton's interpreter)",
            **{name: fn(dev) for name, fn in groups.items() if name in only}}
     if "gemm_rows" in res:

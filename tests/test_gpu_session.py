@@ -65,3 +65,15 @@ def test_the_sweep_names_a_schedule_in_its_default_file(tmp_path):
         assert [p.name for p in out.iterdir()] == [want]
     with pytest.raises(SystemExit):
         gpu_gemm_sweep.main(["--schedule", "fixup", "--out", str(tmp_path / "x")])
+
+
+def test_the_fusion_check_refuses_an_unknown_case_group(tmp_path):
+    """gpu_fusion_check.py --only names its case groups (gemm_tail_rows, session 18's step, among them); a misspelt one is
+    refused before any work, with the known names, instead of running nothing."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_fusion_check.py"
+    bad = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--only", "gemm_tail_rowz"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "gemm_tail_rowz" in bad.stderr and "gemm_tail_rows" in bad.stderr
+    assert not list(tmp_path.iterdir())
