@@ -43,6 +43,16 @@ CANDIDATES = [(64, 32, 128, 4, 4), (64, 32, 256, 4, 4), (64, 64, 128, 4, 4), (64
               (64, 128, 128, 4, 4), (64, 256, 64, 4, 4), (128, 64, 128, 4, 4), (128, 64, 128, 4, 8),
               (128, 128, 64, 4, 8), (128, 128, 128, 3, 8), (128, 256, 64, 3, 8)]
 
+# two-accumulator tiles (block_m, block_n, block_n2, block_k, stages, warps): widths 96 and 192, so that a wave of 132 SMs
+# divides the tiles where 64 / 128 / 256 columns leave most of a second wave idle (qkv at M = 256: N = 6,144 is 96
+# tiles of 128 x 128, 192 of 64 x 128; 128 of 128 x 96 or 64 x 192)
+DUAL = [(128, 64, 32, 128, 3, 8), (128, 64, 32, 64, 4, 8), (64, 64, 32, 128, 4, 4), (64, 128, 64, 64, 4, 4),
+        (64, 128, 64, 128, 3, 4), (128, 128, 64, 64, 3, 8)]
+
+
+def dual_name(bm, bn, bn2, bk, st, w) -> str:
+    return f"{bm}x{bn}+{bn2}x{bk}_s{st}_w{w}"
+
 
 def log(*a):
     print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
@@ -115,11 +125,13 @@ def sweep(shapes, ms, copies: int, only=None, segments: int = 1, schedule: str =
         cands = {"contract": (None, 1),
                  **{f"{bm}x{bn}x{bk}_s{st}_w{w}{'' if tma else '_ptr'}": (G.TileConfig(bm, bn, bk, st, w, tma=tma), 1)
                     for bm, bn, bk, st, w in CANDIDATES for tma in (True, False)},
-                 **{f"{bm}x{bn}x{bk}_s{st}_w{w}_c2": (G.TileConfig(bm, bn, bk, st, w), 2) for bm, bn, bk, st, w in CLUSTERED}}
+                 **{f"{bm}x{bn}x{bk}_s{st}_w{w}_c2": (G.TileConfig(bm, bn, bk, st, w), 2) for bm, bn, bk, st, w in CLUSTERED},
+                 **({dual_name(*d): (G.TileConfig(d[0], d[1], d[3], d[4], d[5], block_n2=d[2]), 1) for d in DUAL}
+                    if segments == 1 else {})}
         if only:
             cands = {c: v for c, v in cands.items() if c in only}
         if n >= 16384:  # the wide class: its own tile and the wide candidates only
-            cands = {c: v for c, v in cands.items() if v[0] is None or v[0].block_n >= 128}
+            cands = {c: v for c, v in cands.items() if v[0] is None or v[0].block_n + v[0].block_n2 >= 128}
         # segments > 1: the row-parallel layers' canonical K segments under `schedule` (default "registers", one
         # launch), each candidate against the contract's tile and against the definition (one GEMM per segment + the
         # tree); the contract's tile also under each of SEGMENT_SCHEDULES, and unsegmented (another contract: timed)
@@ -261,7 +273,8 @@ def main(argv=None):
                     help="canonical K segments (the row-parallel layers' one-launch schedule); 1: plain GEMMs")
     ap.add_argument("--schedule", default="registers", choices=_schedules(),
                     help="how the candidates run their K segments (gemm.matmul's schedule; --segments > 1 only)")
-    ap.add_argument("--candidates", help="comma-separated candidate names to time (e.g. contract,64x128x128_s4_w4); default all")
+    ap.add_argument("--candidates", help="comma-separated candidate names to time (e.g. contract,64x128x128_s4_w4; 'dual': "
+                                         "every two-accumulator tile, e.g. 128x64+32x128_s3_w8); default all")
     ap.add_argument("--swiglu", action="store_true",
                     help="the GEMM + SwiGLU epilogue at the gate_up shapes (default --shapes gate_up,q06_gate_up) against "
                          "the strict two launches and stock vLLM's cuBLAS + silu_and_mul")
@@ -279,11 +292,14 @@ def main(argv=None):
         ap.error(f"unknown shapes {sorted(set(shapes) - set(SHAPES))}; known: {sorted(SHAPES)}")
     ms = [int(x) for x in args.ms.split(",")]
     only = set(args.candidates.split(",")) if args.candidates else None
+    if only and "dual" in only:  # the group: every two-accumulator candidate
+        only = (only - {"dual"}) | {dual_name(*d) for d in DUAL}
     if args.swiglu:
         known = {"contract", *(f"{bm}x{bn}x{bk}_s{st}_w{w}" for bm, bn, bk, st, w in SWIGLU_CANDIDATES)}
     else:
         known = {"contract", *(f"{bm}x{bn}x{bk}_s{st}_w{w}{sfx}" for bm, bn, bk, st, w in CANDIDATES for sfx in ("", "_ptr")),
-                 *(f"{bm}x{bn}x{bk}_s{st}_w{w}_c2" for bm, bn, bk, st, w in CLUSTERED)}
+                 *(f"{bm}x{bn}x{bk}_s{st}_w{w}_c2" for bm, bn, bk, st, w in CLUSTERED),
+                 *(dual_name(*d) for d in DUAL)}
     if only and only - known:
         ap.error(f"unknown candidates {sorted(only - known)}; known: {sorted(known)}")
     if any(m < 1 for m in ms):

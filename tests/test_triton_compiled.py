@@ -19,7 +19,7 @@ import triton.language as tl  # noqa: E402
 from rlkernel.backends.triton import gemm  # noqa: E402
 
 
-def _compile(fn, signature: dict, constexprs: dict, **options) -> str:
+def _compile(fn, signature: dict, constexprs: dict, asm: str = "ttir", **options) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -30,7 +30,7 @@ def _compile(fn, signature: dict, constexprs: dict, **options) -> str:
         if "ptxas" in str(e) or "CUDA" in str(e):
             pytest.skip(f"this Triton cannot compile for sm_90 here: {str(e)[:200]}")
         raise
-    return k.asm["ttir"]
+    return k.asm[asm]
 
 
 def _dots(ttir: str) -> list[tuple[str, bool]]:
@@ -87,7 +87,21 @@ def test_every_k_segment_of_the_registers_schedule_starts_from_zero(dtype, segs,
     zero (no segment accumulates onto another's partial). Fails without `_kept` (the combine chains pairs)."""
     sig = {k: (v.replace("bf16", dtype) if k in ("a_ptr", "b_ptr", "c_ptr") else v) for k, v in _SIG.items()}
     const = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=block_k, GROUP_M=8, NUM_PROGS=132, TMA=False, B_NK=True,
-                 IEEE=dtype == "fp32", SEGS=segs, SPLIT=False, K_FIXED=segs * ks, STREAM=False, FIXUP=False)
+                 IEEE=dtype == "fp32", SEGS=segs, SPLIT=False, K_FIXED=segs * ks, STREAM=False, FIXUP=False, BLOCK_N2=0)
     dots = _dots(_compile(gemm._gemm_kernel, sig, const, num_stages=2))
     assert len(dots) == segs, dots
     assert all(z for _, z in dots), [d for d, z in dots if not z]
+
+
+@pytest.mark.parametrize("tma,block_m,block_n,block_n2,warps", [(True, 128, 64, 32, 8), (True, 64, 128, 64, 4),
+                                                                (False, 128, 64, 32, 8)])
+def test_a_two_accumulator_tile_lowers_to_wgmma_of_both_widths(tma, block_m, block_n, block_n2, warps):
+    """A two-accumulator tile (TileConfig.block_n2: 96 = 64 + 32 or 192 = 128 + 64 columns) is two wgmma chains, one
+    per accumulator width, each element's k16 steps in K order: the contract's bits, which hold for every wgmma tile
+    (contracts/gpu.py). Lowered to mma.sync instead (another order) it would be another contract: checked on the PTX."""
+    const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, NUM_PROGS=132, TMA=tma, B_NK=True,
+                 IEEE=False, SEGS=1, SPLIT=False, K_FIXED=0, STREAM=False, FIXUP=False, BLOCK_N2=block_n2)
+    ptx = _compile(gemm._gemm_kernel, _SIG, const, asm="ptx", num_warps=warps)
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
+    assert shapes == {str(block_n), str(block_n2)}, shapes
+    assert "mma.sync.aligned" not in ptx.replace("wgmma.mma_async.sync.aligned", "")

@@ -325,6 +325,27 @@ _WRAPPERS = textwrap.dedent('''
                 got = gemm.matmul(xs, b=ws.t().contiguous(), k_segments=S, config=cfg, out_dtype=torch.float32,
                                   schedule=sched)
                 assert torch.equal(got, one), (S, tma, sched, "b")
+    # two-accumulator tiles (block_n2: 96- or 192-column tiles on the GPU): each output column in the right accumulator
+    # and place, column tails in either accumulator, TMA and pointer loads, both B layouts. Integer-valued inputs, so
+    # every sum is exact whatever the interpreter's order: this checks the walk (the GPU's bits: gpu_gemm_sweep)
+    xi, wi = torch.randint(-3, 4, (37, 80)).float(), torch.randint(-3, 4, (70, 80)).float()
+    exact = xi @ wi.T
+    for tma in (False, True):
+        for n1, n2 in ((32, 16), (16, 32), (16, 16)):
+            cfg2 = G.TileConfig(16, n1, 16, 2, 4, tma=tma, block_n2=n2)
+            assert torch.equal(gemm.matmul(xi, wi, config=cfg2), exact), (tma, n1, n2)
+            assert torch.equal(gemm.matmul(xi, b=wi.t().contiguous(), config=cfg2), exact), (tma, n1, n2, "b")
+    try:
+        gemm.matmul(xi, wi, config=G.TileConfig(16, 16, 16, 2, 4, block_n2=16), k_segments=2)
+        raise AssertionError("a two-accumulator tile with k segments was accepted")
+    except ValueError as e:
+        assert "two-accumulator" in str(e)
+    for bad in (48, 8):
+        try:
+            G.TileConfig(16, 16, 16, 2, 4, block_n2=bad)
+            raise AssertionError(f"block_n2={bad} was accepted")
+        except ValueError as e:
+            assert "power of two" in str(e)
     # fixup's per-tile counters: zero again after every launch, so back-to-back calls agree; a launch with more tiles
     # grows the cached buffer (the interpreter runs programs one after another, so the last arrival varies by tile)
     cfg, counters = G.TileConfig(16, 16, 16, 2, 4, tma=False), gemm._FIXUP_COUNTERS

@@ -35,6 +35,14 @@ class TileConfig:
     num_warps: int
     group_m: int = 8  # tile walk (L2 locality only: never changes a bit)
     tma: bool = True  # operands through the bulk tensor copy engine (never changes a bit)
+    block_n2: int = 0  # > 0: a second accumulator of this many columns after block_n's (gemm._k_loop2): tiles of
+    #                    block_n + block_n2 columns, a width a wave of SMs can divide (96, 192); scheduling only
+
+    def __post_init__(self):
+        for f in ("block_m", "block_n", "block_k") + (("block_n2",) if self.block_n2 else ()):
+            v = getattr(self, f)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"TileConfig: {f}={v} must be a power of two >= 16")
 
 
 @dataclass(frozen=True)
@@ -166,7 +174,8 @@ def logprob_config(dtype_name: str, v: int, h: int) -> TileConfig:
 
 
 def _tiles(cfg) -> tuple:
-    return tuple(sorted(asdict(cfg).items()))
+    """A config's fields as the contract lists them; block_n2 only where set (the ids of one-accumulator tables stay)."""
+    return tuple(sorted((k, v) for k, v in asdict(cfg).items() if k != "block_n2" or v))
 
 
 _MMA_ORDER = ("per output: one fp32 accumulator; K walked in order in wgmma k16 steps (bf16; the hardware's "

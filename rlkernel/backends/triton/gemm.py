@@ -92,6 +92,47 @@ def _k_loop(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
 
 
 @triton.jit
+def _k_loop2(a_src, b_src, b2_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr,
+             TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr):
+    """_k_loop for a tile of BLOCK_N + BLOCK_N2 columns as two accumulators ([BLOCK_M, BLOCK_N] and [BLOCK_M, BLOCK_N2],
+    the second's columns after the first's), both fed by each loaded A block: a width that is no power of two (96 =
+    64 + 32, 192 = 128 + 64) so that a wave of SMs divides the tiles. Each output element's chain is the same K blocks
+    in the same order as in a one-accumulator tile: the contract's bits (scheduling only)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
+    off_n2 = off_n + BLOCK_N
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if TMA:
+        for ki in range(k_tiles):
+            a = a_src.load([off_m, ki * BLOCK_K])
+            if B_NK:
+                b = b_src.load([off_n, ki * BLOCK_K]).T
+                b2 = b2_src.load([off_n2, ki * BLOCK_K]).T
+            else:
+                b = b_src.load([ki * BLOCK_K, off_n])
+                b2 = b2_src.load([ki * BLOCK_K, off_n2])
+            acc = _dot(a, b, acc, IEEE)
+            acc2 = _dot(a, b2, acc2, IEEE)
+    else:
+        rm = off_m + tl.arange(0, BLOCK_M)
+        rn = off_n + tl.arange(0, BLOCK_N)
+        rn2 = off_n2 + tl.arange(0, BLOCK_N2)
+        rm = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
+        rn = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
+        rn2 = tl.max_contiguous(tl.multiple_of(tl.where(rn2 < N, rn2, 0), BLOCK_N2), BLOCK_N2)
+        rk = tl.arange(0, BLOCK_K)
+        for ki in range(k_tiles):
+            kk = ki * BLOCK_K + rk
+            a = tl.load(a_src + rm[:, None].to(tl.int64) * sam + kk[None, :] * sak, mask=kk[None, :] < K, other=0.0)
+            b = tl.load(b_src + kk[:, None] * sbk + rn[None, :].to(tl.int64) * sbn, mask=kk[:, None] < K, other=0.0)
+            b2 = tl.load(b_src + kk[:, None] * sbk + rn2[None, :].to(tl.int64) * sbn, mask=kk[:, None] < K, other=0.0)
+            acc = _dot(a, b, acc, IEEE)
+            acc2 = _dot(a, b2, acc2, IEEE)
+    return acc, acc2
+
+
+@triton.jit
 def _kept(x, M):
     """x, behind a select on a runtime condition that always holds (M > 0: a launch has rows): the tree's fp32 adds
     below must add a segment's rounded partial. Triton's combine pass (CombineDotAddFPattern) rewrites
@@ -222,7 +263,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  NUM_PROGS: tl.constexpr, TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr,
                  SEGS: tl.constexpr = 1, SPLIT: tl.constexpr = False, K_FIXED: tl.constexpr = 0,
-                 STREAM: tl.constexpr = False, FIXUP: tl.constexpr = False, ws_ptr=None, cnt_ptr=None):
+                 STREAM: tl.constexpr = False, FIXUP: tl.constexpr = False, ws_ptr=None, cnt_ptr=None,
+                 BLOCK_N2: tl.constexpr = 0):
     """SPLIT: each (segment, tile) is its own work item; segment s's fp32 accumulator is stored at
     rows s*M .. s*M+M-1 of c (the host merges the segments by the same tree: same bits).
     FIXUP: the same work items, tile-major (a tile's segments run at about the same time); each
@@ -232,7 +274,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
     waits on another, and the tree's order does not depend on which one arrives last: same bits.
     K_FIXED > 0: K compiled in (the segmented schedules: every segment's K loop then has constant
     bounds, which the software pipeliner needs; a runtime start is the suspected cause of their
-    slowness, H200_NOTES run 4). One compile per K; the arithmetic is the same."""
+    slowness, H200_NOTES run 4). One compile per K; the arithmetic is the same.
+    BLOCK_N2 > 0 (SEGS 1 only): tiles of BLOCK_N + BLOCK_N2 columns in two accumulators (_k_loop2)."""
     if K_FIXED > 0:
         K = K_FIXED
     if TMA:
@@ -241,11 +284,18 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
             b_src = tl.make_tensor_descriptor(b_ptr, [N, K], [sbn, 1], [BLOCK_N, BLOCK_K])
         else:
             b_src = tl.make_tensor_descriptor(b_ptr, [K, N], [sbk, 1], [BLOCK_K, BLOCK_N])
+        if BLOCK_N2 == 0:
+            b2_src = b_src  # unused
+        elif B_NK:
+            b2_src = tl.make_tensor_descriptor(b_ptr, [N, K], [sbn, 1], [BLOCK_N2, BLOCK_K])
+        else:
+            b2_src = tl.make_tensor_descriptor(b_ptr, [K, N], [sbk, 1], [BLOCK_K, BLOCK_N2])
     else:
         a_src = a_ptr
         b_src = b_ptr
+        b2_src = b_ptr
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_n = tl.cdiv(N, BLOCK_N + BLOCK_N2)
     num_tiles = num_pid_m * num_pid_n
     total = num_tiles * SEGS if (SPLIT or FIXUP) else num_tiles
     # FIXUP unflattened: with its counter's `if` inside, flattening left the K loop unpipelined (sm_90 PTX, no cp.async)
@@ -253,10 +303,17 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
         tile = item // SEGS if FIXUP else item % num_tiles
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
+        off_n = pid_n * (BLOCK_N + BLOCK_N2)
         rm = off_m + tl.arange(0, BLOCK_M)
         rn = off_n + tl.arange(0, BLOCK_N)
-        if SPLIT:
+        if BLOCK_N2 > 0:  # the second accumulator's columns stored here, the first's below
+            acc, acc2 = _k_loop2(a_src, b_src, b2_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
+                                 BLOCK_M, BLOCK_N, BLOCK_N2, BLOCK_K, TMA, B_NK, IEEE)
+            rn2 = off_n + BLOCK_N + tl.arange(0, BLOCK_N2)
+            tl.store(c_ptr + rm[:, None].to(tl.int64) * scm + rn2[None, :] * scn, acc2.to(c_ptr.dtype.element_ty),
+                     mask=(rm[:, None] < M) & (rn2[None, :] < N))
+            ptrs = c_ptr + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
+        elif SPLIT:
             seg = item // num_tiles
             ks = K // SEGS
             acc = _k_span(a_src, b_src, off_m, off_n, M, N, seg * ks, seg * ks + ks, sam, sak, sbn, sbk,
@@ -397,7 +454,8 @@ def _smem_bytes(cfg, stages: int, in_bytes: int, out_bytes: int, loops: int = 1)
     on pointer loads (no TMA), which Triton 3.6 gives buffers each (the H200 refused 128 x 64 x 64, 3 stages, 4
     segments, bf16 out: "Required: 311296" = 4 x 3 x 24,576 + 16,384; with TMA the loops' buffers are shared, e.g. the
     0.6B o/down at 64 x 32 x 256, 4 stages, 4 segments run)."""
-    return loops * stages * (cfg.block_m + cfg.block_n) * cfg.block_k * in_bytes + cfg.block_m * cfg.block_n * out_bytes + 1024
+    n = cfg.block_n + cfg.block_n2
+    return loops * stages * (cfg.block_m + n) * cfg.block_k * in_bytes + cfg.block_m * n * out_bytes + 1024
 
 
 def _stages(cfg, in_bytes: int, out_bytes: int, loops: int = 1) -> int:
@@ -505,6 +563,9 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         raise ValueError(f"matmul: unknown schedule {schedule!r}")
     if num_ctas not in (1, 2, 4):
         raise ValueError(f"matmul: num_ctas must be 1, 2 or 4, got {num_ctas}")
+    if config is not None and config.block_n2 and k_segments > 1:
+        raise ValueError(f"matmul: a two-accumulator tile (block_n2={config.block_n2}) runs unsegmented GEMMs only "
+                         f"(k_segments={k_segments})")
     if schedule == "fixup" and num_ctas != 1:  # each CTA of a cluster would count its own arrival
         raise ValueError("matmul: schedule 'fixup' counts one arrival a program: num_ctas must be 1")
     if out is None:
@@ -535,7 +596,7 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     final = out
     if split:
         out = torch.empty((k_segments * M, N), device=a.device, dtype=torch.float32)
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n + cfg.block_n2)
     extra = {}
     if fixup:  # fp32 partials, then the counters the last arrival finds (zero now, zero again after the launch)
         extra = {"ws_ptr": torch.empty((k_segments * M, N), device=a.device, dtype=torch.float32),
@@ -552,6 +613,7 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGS=progs, TMA=tma, B_NK=b_nk, IEEE=_is_fp32(a), SEGS=k_segments, SPLIT=split,
         K_FIXED=K if k_segments > 1 else 0, STREAM=stream, FIXUP=fixup, **extra,
+        **({"BLOCK_N2": cfg.block_n2} if cfg.block_n2 else {}),
         num_warps=cfg.num_warps,
         num_stages=_stages(cfg, a.element_size(), out.element_size(), k_segments if schedule == "registers" and not tma else 1),
         **({"num_ctas": num_ctas} if num_ctas != 1 else {}))
