@@ -110,7 +110,7 @@ def _timed(fn, fn_i, base: dict, ref=None) -> dict:
     return rec
 
 
-SEGMENT_SCHEDULES = ("launches", "registers", "fixup")  # timed at the contract's tile in every row of a segments sweep
+SEGMENT_SCHEDULES = ("launches", "registers", "fixup", "scratch")  # timed at the contract's tile in every row of a segments sweep
 
 
 def sweep(shapes, ms, copies: int, only=None, segments: int = 1, schedule: str = "registers"):

@@ -171,6 +171,12 @@ STEPS: dict[str, tuple[int, str]] = {
                              "--shapes o,down,q06_o,q06_down --candidates contract,64x32x256_s4_w4,64x128x128_s4_w4,"
                              "128x128x64_s4_w8,128x256x64_s3_w8_ptr --name h200_gemm_sweep_segments4_fixup_rule.json "
                              "--out {out}"),
+    # the "scratch" schedule (registers' walk, one accumulator live, waiting subtrees in L2-resident fp32 slots: the table's
+    # tile unfitted) at the row-parallel shapes from decode to training sizes, each row also under the other schedules
+    "gemm_scratch": (420, "python3 scripts/gpu_gemm_sweep.py --segments 4 --schedule scratch --ms 64,128,256,512,1024,2048,4096 "
+                          "--shapes o,down,q06_o,q06_down --candidates contract,128x256x64_s3_w8,128x128x64_s4_w8,"
+                          "64x128x128_s4_w4,64x128x64_s6_w4,128x64x128_s4_w8 --name h200_gemm_sweep_segments4_scratch.json "
+                          "--out {out}"),
     # does a K-split qkv / gate_up beat wave quantisation at M = 256 (qkv: 96 tiles of 128x128 on 132 SMs)? 2 and 4
     # segments under fixup against cuBLAS and the unsegmented contract (each row's "unsegmented")
     "gemm_qkv_k2": (300, " && ".join(

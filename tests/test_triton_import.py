@@ -319,7 +319,7 @@ _WRAPPERS = textwrap.dedent('''
                 for p_ in parts[1:]:
                     fold = fold + p_
                 assert not torch.equal(fold, one), (S, tma)
-            for sched in ("launches", "split", "registers", "fixup") + (("stream",) if S < 8 else ()):  # same bits
+            for sched in ("launches", "split", "registers", "fixup", "scratch") + (("stream",) if S < 8 else ()):  # same bits
                 got = gemm.matmul(xs, ws, k_segments=S, config=cfg, out_dtype=torch.float32, schedule=sched)
                 assert torch.equal(got, one), (S, tma, sched)
                 got = gemm.matmul(xs, b=ws.t().contiguous(), k_segments=S, config=cfg, out_dtype=torch.float32,

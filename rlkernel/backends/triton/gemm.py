@@ -231,6 +231,34 @@ def _k_stream(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
 
 
 @triton.jit
+def _k_scratch(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk, slot_ptr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr, SEGS: tl.constexpr):
+    """_k_segments' result with one accumulator live in any K loop: each segment's partial (behind _kept) is merged
+    into the finished subtrees of the balanced binary tree as it completes, and a subtree awaiting its right sibling
+    waits in this program's fp32 slots in global memory (slot_ptr: log2(SEGS) tiles of [BLOCK_M, BLOCK_N], reused tile
+    after tile, so L2-resident), not in registers: the tile need not be fitted to the tree's live accumulators
+    (segments_config halves its columns) and keeps the table's width. Exact fp32 stores and loads, the same adds in
+    the same order (left + right): the bits of every other schedule."""
+    ks = K // SEGS
+    r = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    x = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in tl.static_range(SEGS):
+        x = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, i * ks, i * ks + ks, sam, sak, sbn, sbk,
+                          BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE), M)
+        lvl = 0
+        for _ in tl.static_range(3):  # at most log2(8) merges: each finished left sibling at its level
+            if (i >> lvl) & 1:
+                tl.debug_barrier()  # every thread's store of the sibling is visible to every thread's load
+                x = tl.load(slot_ptr + lvl * BLOCK_M * BLOCK_N + r) + x
+                lvl += 1
+        if i < SEGS - 1:
+            tl.debug_barrier()  # the previous tile's (or subtree's) loads of this slot are done before it is rewritten
+            tl.store(slot_ptr + lvl * BLOCK_M * BLOCK_N + r, x)
+    return x
+
+
+@triton.jit
 def _fixup_merge(ws_ptr, c_ptr, off_m, rn, M, N, scm, scn, BLOCK_M: tl.constexpr, SEGS: tl.constexpr):
     """A tile's SEGS fp32 partials (rows s*M + m of ws [SEGS*M, N]) merged by _k_segments' tree,
     ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), cast and stored into c. By 32-row slices:
@@ -264,7 +292,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
                  NUM_PROGS: tl.constexpr, TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr,
                  SEGS: tl.constexpr = 1, SPLIT: tl.constexpr = False, K_FIXED: tl.constexpr = 0,
                  STREAM: tl.constexpr = False, FIXUP: tl.constexpr = False, ws_ptr=None, cnt_ptr=None,
-                 BLOCK_N2: tl.constexpr = 0):
+                 BLOCK_N2: tl.constexpr = 0, SCRATCH: tl.constexpr = False, SLOTS: tl.constexpr = 0):
     """SPLIT: each (segment, tile) is its own work item; segment s's fp32 accumulator is stored at
     rows s*M .. s*M+M-1 of c (the host merges the segments by the same tree: same bits).
     FIXUP: the same work items, tile-major (a tile's segments run at about the same time); each
@@ -275,7 +303,9 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
     K_FIXED > 0: K compiled in (the segmented schedules: every segment's K loop then has constant
     bounds, which the software pipeliner needs; a runtime start is the suspected cause of their
     slowness, H200_NOTES run 4). One compile per K; the arithmetic is the same.
-    BLOCK_N2 > 0 (SEGS 1 only): tiles of BLOCK_N + BLOCK_N2 columns in two accumulators (_k_loop2)."""
+    BLOCK_N2 > 0 (SEGS 1 only): tiles of BLOCK_N + BLOCK_N2 columns in two accumulators (_k_loop2).
+    SCRATCH: the segments' tree with its waiting subtrees in ws_ptr, SLOTS = log2(SEGS) fp32 tiles a program
+    (_k_scratch)."""
     if K_FIXED > 0:
         K = K_FIXED
     if TMA:
@@ -332,6 +362,11 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
                 _fixup_merge(ws_ptr, c_ptr, off_m, rn, M, N, scm, scn, BLOCK_M, SEGS)
                 # relaxed: the next use of this counter is the next launch (every tile gets SEGS arrivals a launch)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+        elif SCRATCH:
+            slots = ws_ptr + tl.program_id(0).to(tl.int64) * (SLOTS * BLOCK_M * BLOCK_N)
+            acc = _k_scratch(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk, slots,
+                             BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE, SEGS)
+            ptrs = c_ptr + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
         elif STREAM:
             acc = _k_stream(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
                             BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE, SEGS)
@@ -434,12 +469,14 @@ def schedule_config(dtype_name: str, n: int, k: int, m: int, k_segments: int = 1
                     schedule: str | None = None) -> C.TileConfig:
     """The tile `matmul` runs without `config=`: the table's; fixup's by contracts.gpu.fixup_config; split's partials
     capped at 128 x 128 (bf16); registers and stream's live accumulators fitted by segments_config ("launches" runs
-    plain GEMMs: the table's)."""
+    plain GEMMs, "scratch" one live accumulator: the table's)."""
     if k_segments > 1 and schedule == "fixup":
         return C.fixup_config(dtype_name, n, k, m, k_segments)
     if k_segments > 1 and schedule == "split":
         cfg = C.gemm_config(dtype_name, n, k, m)
         return C.BF16_GEMM["t128x128"] if dtype_name != "float32" and cfg.block_n * cfg.block_m > 128 * 128 else cfg
+    if k_segments > 1 and schedule == "scratch":  # one accumulator live: the table's tile, unfitted
+        return C.gemm_config(dtype_name, n, k, m)
     if k_segments > 1 and schedule in ("registers", "stream"):
         return C.segments_config(dtype_name, n, k, m, k_segments)
     return C.gemm_config(dtype_name, n, k, m)
@@ -481,7 +518,7 @@ def _tma_ok(cfg, *tensors) -> bool:
 # its registers and spills beside each timing
 _LAST_KERNEL: list = [None]
 
-SCHEDULES = ("launches", "split", "registers", "stream", "fixup")  # how k segments run (matmul's docstring): same bits
+SCHEDULES = ("launches", "split", "registers", "stream", "fixup", "scratch")  # how k segments run (matmul's docstring): same bits
 
 # "fixup"'s per-tile arrival counters, int32, all zero between launches (each launch's last arrivals zero them again):
 # one buffer per (device, stream), so launches on two streams never share a counter; grown, never shrunk
@@ -531,8 +568,11 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     per-tile counters are kept per (device, stream): launches on one stream run one after
     another and two streams never share them, but two CUDA graphs captured on one stream do and
     must not replay concurrently; num_ctas 1 only), "registers" (one program walks every
-    segment, the tree in registers) or "stream" (registers' result from one K loop that folds
-    each segment into the tree as it ends; 2 or 4 segments, K a multiple of segments x block_k).
+    segment, the tree in registers), "scratch" (registers' walk with one accumulator live: a
+    subtree awaiting its sibling waits in the program's fp32 slots, log2(S) tiles a program of
+    a buffer allocated per call, so the tile keeps the table's width) or "stream" (registers'
+    result from one K loop that folds each segment into the tree as it ends; 2 or 4 segments,
+    K a multiple of segments x block_k).
     out: write here ([M, N], out_dtype) instead. num_ctas (tuning only, sm_90: a
     program as a cluster of CTAs splitting its tile by rows or columns, never by K): the
     sweep's question whether clusters help small M.
@@ -566,8 +606,8 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     if config is not None and config.block_n2 and k_segments > 1:
         raise ValueError(f"matmul: a two-accumulator tile (block_n2={config.block_n2}) runs unsegmented GEMMs only "
                          f"(k_segments={k_segments})")
-    if schedule == "fixup" and num_ctas != 1:  # each CTA of a cluster would count its own arrival
-        raise ValueError("matmul: schedule 'fixup' counts one arrival a program: num_ctas must be 1")
+    if schedule in ("fixup", "scratch") and num_ctas != 1:  # a cluster's CTAs share a program id (counter, slots)
+        raise ValueError(f"matmul: schedule {schedule!r} keeps per-program state: num_ctas must be 1")
     if out is None:
         out = torch.empty((M, N), device=a.device, dtype=out_dtype or a.dtype)
     if M == 0:
@@ -588,6 +628,7 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         return out
     cfg = config if config is not None else schedule_config(C.dtype_name(a.dtype), N, K, M, k_segments, schedule)
     fixup = schedule == "fixup"
+    scratch = schedule == "scratch"
     split = schedule == "split"
     stream = schedule == "stream"
     if stream and (k_segments not in (2, 4) or K % (k_segments * cfg.block_k)):
@@ -603,6 +644,10 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
                  "cnt_ptr": _fixup_counters(a.device, tiles)}
     tiles *= k_segments if (split or fixup) else 1
     progs = min(num_progs or max(1, _num_sms(a.device) // num_ctas), tiles)
+    if scratch:  # each program's slots for the tree's waiting subtrees (never read before written in a launch)
+        slots = k_segments.bit_length() - 1
+        extra = {"ws_ptr": torch.empty(progs * slots * cfg.block_m * cfg.block_n, device=a.device, dtype=torch.float32),
+                 "SCRATCH": True, "SLOTS": slots}
     # TMA zero-fills only at the end of K: a segment boundary inside a K block would read the
     # next segment's values, so such splits take the masked-pointer path (same bits)
     tma = _tma_ok(cfg, a, bt) and (k_segments == 1 or (K // k_segments) % cfg.block_k == 0)
@@ -615,7 +660,8 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         K_FIXED=K if k_segments > 1 else 0, STREAM=stream, FIXUP=fixup, **extra,
         **({"BLOCK_N2": cfg.block_n2} if cfg.block_n2 else {}),
         num_warps=cfg.num_warps,
-        num_stages=_stages(cfg, a.element_size(), out.element_size(), k_segments if schedule == "registers" and not tma else 1),
+        num_stages=_stages(cfg, a.element_size(), out.element_size(),
+                           k_segments if schedule in ("registers", "scratch") and not tma else 1),
         **({"num_ctas": num_ctas} if num_ctas != 1 else {}))
     if split:  # the segments' balanced binary tree, adjacent pairs: the in-register tree's bits
         p = out.view(k_segments, M, N)
