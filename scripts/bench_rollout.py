@@ -7,7 +7,10 @@ strict/stock (tokens/s), plus a JSON line. Greedy-free sampling at T=1, ignore n
 both engines get identical prompts and max_tokens. Warm-up generate first, then timed runs.
 The engines alternate for --rounds rounds (stock, strict, stock, strict, ...) and each keeps
 its best run, so a slow spell of this shared machine does not land on one engine only; the
-median of rounds is reported beside the best (`*_median`).
+median of rounds is reported beside the best (`*_median`). Every timed generate carries a probe
+(scripts/round_probe.py: CPU seconds of the engine's process tree per 1k tokens, the host's busy
+fraction, Python GCs, the GPU's SM clock / power / utilisation from nvidia-smi), so rounds that
+run slow can be told apart by what they cost (H200 session 19: the strict engine bimodal).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import time
 from pathlib import Path
 
 from gpu_session import last_json  # this script's directory is on sys.path
+from round_probe import RoundProbe
 
 WORKERS = ["strict", "stock", "stock_graphs", "strict_graphs", "strict_fa3_graphs",
            # the strict engine at rlkernel.row_segments=1 (plain GEMMs in the row-parallel layers: a TP=1 run's choice)
@@ -56,12 +60,16 @@ def _build(args):
     return eng, prompts, spec
 
 
-def _timed(eng, prompts, spec) -> tuple[int, float]:
-    """(generated tokens, seconds) of one generate of every prompt, the prefix cache emptied first."""
+def _timed(eng, prompts, spec) -> tuple[int, float, dict]:
+    """(generated tokens, seconds, the round's probe: round_probe.RoundProbe's CPU / host / GC / GPU-clock figures) of
+    one generate of every prompt, the prefix cache emptied first."""
     eng.llm.reset_prefix_cache()
-    t0 = time.perf_counter()
-    out = eng.generate(prompts, spec)
-    return sum(len(c.response_ids) for c in out), time.perf_counter() - t0
+    with RoundProbe() as probe:
+        t0 = time.perf_counter()
+        out = eng.generate(prompts, spec)
+        dt = time.perf_counter() - t0
+    toks = sum(len(c.response_ids) for c in out)
+    return toks, dt, probe.report(toks)
 
 
 MARK = "@@bench "  # a served worker's replies on stdout (the engine may log there too)
@@ -74,17 +82,18 @@ def serve(args) -> None:
     for line in sys.stdin:
         if line.strip() != "gen":
             break
-        toks, dt = _timed(eng, prompts, spec)
-        print(MARK + json.dumps({"tokens": toks, "seconds": dt}), flush=True)
+        toks, dt, probe = _timed(eng, prompts, spec)
+        print(MARK + json.dumps({"tokens": toks, "seconds": dt, "probe": probe}), flush=True)
 
 
 def worker(args) -> None:
     eng, prompts, spec = _build(args)
-    best = None
+    best, probes = None, []
     for _ in range(args.repeat):
-        toks, dt = _timed(eng, prompts, spec)
+        toks, dt, probe = _timed(eng, prompts, spec)
         best = max(best or 0.0, toks / dt)
-    rep = {"engine": args.worker, "tokens_per_second": best, "tokens": toks, "runner": _runner(eng)}
+        probes.append({"tokens_per_second": round(toks / dt, 1), **probe})
+    rep = {"engine": args.worker, "tokens_per_second": best, "tokens": toks, "runner": _runner(eng), "probes": probes}
     if args.cprofile:  # host time by function for one more generate: where a host-bound engine spends its steps
         rep["cprofile"] = _cprofiled(lambda: eng.generate(prompts, spec), eng, args.cprofile)
     if args.profile:  # one more generate under torch's profiler (in-process engine: its kernels are seen here)
@@ -183,6 +192,15 @@ class _Served:
         self.log.close()
 
 
+def _probe_line(p: dict | None) -> str:
+    """A round's probe in a few words: CPU ms per 1k tokens, host busy, the SM clock's mean."""
+    if not p:
+        return "(no probe)"
+    clock = p.get("gpu", {}).get("clocks.sm", {}).get("mean")
+    return (f"cpu {p.get('cpu_ms_per_1k_tokens')} ms/1k tok, host busy {p.get('host_busy')}"
+            + (f", sm {clock:.0f} MHz" if clock else ""))
+
+
 def paired(args, engines: list[str]) -> dict:
     """Both engines alive at once (each its own process; on a GPU each takes --gpu-memory-utilization of it), their
     generates interleaved: each round runs one generate per engine, the order flipped every round (A B, B A, ...), so
@@ -209,14 +227,16 @@ def paired(args, engines: list[str]) -> dict:
         rounds = []
         for r in range(args.rounds):
             order = (stock, strict) if r % 2 == 0 else (strict, stock)
-            row = {}
+            row, probes = {}, {}
             for w in order:
                 rep = served[w].generate()
                 row[w] = round(rep["tokens"] / rep["seconds"], 1)
+                probes[w] = rep.get("probe")
             ratio = row[strict] / row[stock]
-            rounds.append({"order": list(order), **{f"{w}_tokens_per_second": v for w, v in row.items()}, "ratio": round(ratio, 4)})
+            rounds.append({"order": list(order), **{f"{w}_tokens_per_second": v for w, v in row.items()}, "ratio": round(ratio, 4),
+                           "probes": probes})
             print(f"round {r + 1} ({order[0]} first): {stock} {row[stock]:.1f}, {strict} {row[strict]:.1f} tokens/s, ratio "
-                  f"{ratio:.3f}", flush=True)
+                  f"{ratio:.3f}; " + ", ".join(f"{w} {_probe_line(probes[w])}" for w in (stock, strict)), flush=True)
     finally:
         for sv in served.values():
             sv.close()
