@@ -79,18 +79,20 @@ _SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32", "N": "
         "sak": "i32", "sbn": "i32", "sbk": "i32", "scm": "i32", "scn": "i32", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 
 
-@pytest.mark.parametrize("schedule", ["registers", "scratch"])
+@pytest.mark.parametrize("schedule", ["registers", "scratch", "scratch_sliced"])
 @pytest.mark.parametrize("dtype,segs,block_k,ks", [("bf16", 2, 256, 144), ("bf16", 4, 256, 144), ("bf16", 8, 256, 144),
                                                    ("bf16", 4, 64, 16), ("fp32", 4, 32, 16)])
 def test_every_k_segment_of_the_registers_schedule_starts_from_zero(schedule, dtype, segs, block_k, ks):
     """`_gemm_kernel`'s "registers" schedule (SEGS segments in one program, the tree in registers; "scratch": the same
-    walk, waiting subtrees in global slots) where each segment is one K block (SmolLM2's o_proj, the toy's o/down; fp32
-    with 'ieee' dots too): one dot per segment, each from zero (no segment accumulates onto another's partial, nor
-    onto a subtree loaded back). Fails without `_kept` (the combine chains pairs)."""
+    walk, waiting subtrees in global slots; "scratch_sliced": its merges by row slices from memory) where each segment
+    is one K block (SmolLM2's o_proj, the toy's o/down; fp32 with 'ieee' dots too): one dot per segment, each from zero
+    (no segment accumulates onto another's partial, nor onto a subtree loaded back). Fails without `_kept` (the
+    combine chains pairs)."""
     sig = {k: (v.replace("bf16", dtype) if k in ("a_ptr", "b_ptr", "c_ptr") else v) for k, v in _SIG.items()}
     const = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=block_k, GROUP_M=8, NUM_PROGS=132, TMA=False, B_NK=True,
                  IEEE=dtype == "fp32", SEGS=segs, SPLIT=False, K_FIXED=segs * ks, STREAM=False, FIXUP=False, BLOCK_N2=0,
-                 SCRATCH=schedule == "scratch", SLOTS=segs.bit_length() - 1)
+                 SCRATCH=schedule.startswith("scratch"), SLOTS=segs.bit_length() - 1 + schedule.endswith("sliced"),
+                 SLICED=schedule.endswith("sliced"))
     dots = _dots(_compile(gemm._gemm_kernel, sig, const, num_stages=2))
     assert len(dots) == segs, dots
     assert all(z for _, z in dots), [d for d, z in dots if not z]
@@ -104,7 +106,7 @@ def test_a_two_accumulator_tile_lowers_to_wgmma_of_both_widths(tma, block_m, blo
     (contracts/gpu.py). Lowered to mma.sync instead (another order) it would be another contract: checked on the PTX."""
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, NUM_PROGS=132, TMA=tma, B_NK=True,
                  IEEE=False, SEGS=1, SPLIT=False, K_FIXED=0, STREAM=False, FIXUP=False, BLOCK_N2=block_n2,
-                 SCRATCH=False, SLOTS=0)
+                 SCRATCH=False, SLOTS=0, SLICED=False)
     ptx = _compile(gemm._gemm_kernel, _SIG, const, asm="ptx", num_warps=warps)
     shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
     assert shapes == {str(block_n), str(block_n2)}, shapes

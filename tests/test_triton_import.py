@@ -325,6 +325,17 @@ _WRAPPERS = textwrap.dedent('''
                 got = gemm.matmul(xs, b=ws.t().contiguous(), k_segments=S, config=cfg, out_dtype=torch.float32,
                                   schedule=sched)
                 assert torch.equal(got, one), (S, tma, sched, "b")
+            # scratch's sliced merges (tiles above SCRATCH_SLICED_ABOVE, 128 x 256 on the GPU; here every tile): 64-row
+            # tiles merged in two 32-row slices from memory, the last merge storing the tile; rows beyond M masked
+            cfg64 = G.TileConfig(64, 16, 16, 2, 4, tma=tma)
+            above, gemm.SCRATCH_SLICED_ABOVE = gemm.SCRATCH_SLICED_ABOVE, 0
+            try:
+                for xm in (xs, torch.randn(70, 256)):
+                    ref64 = gemm.matmul(xm, ws, k_segments=S, config=cfg64, out_dtype=torch.float32, schedule="launches")
+                    got = gemm.matmul(xm, ws, k_segments=S, config=cfg64, out_dtype=torch.float32, schedule="scratch")
+                    assert torch.equal(got, ref64), (S, tma, "sliced", xm.shape[0])
+            finally:
+                gemm.SCRATCH_SLICED_ABOVE = above
     # two-accumulator tiles (block_n2: 96- or 192-column tiles on the GPU): each output column in the right accumulator
     # and place, column tails in either accumulator, TMA and pointer loads, both B layouts. Integer-valued inputs, so
     # every sum is exact whatever the interpreter's order: this checks the walk (the GPU's bits: gpu_gemm_sweep)

@@ -35,7 +35,7 @@ class TileConfig:
     num_warps: int
     group_m: int = 8  # tile walk (L2 locality only: never changes a bit)
     tma: bool = True  # operands through the bulk tensor copy engine (never changes a bit)
-    block_n2: int = 0  # > 0: a second accumulator of this many columns after block_n's (gemm._k_loop2): tiles of
+    block_n2: int = 0  # > 0: a second accumulator of this many columns after block_n's (tile._k_loop2): tiles of
     #                    block_n + block_n2 columns, a width a wave of SMs can divide (96, 192); scheduling only
 
     def __post_init__(self):

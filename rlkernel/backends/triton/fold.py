@@ -6,7 +6,7 @@ of its own (a [T, tile] x [tile, H] matmul from zero). The composition (`paralle
 runs a GEMM and an add per tile: 297 tiles of 512 rows for a 151,936-token vocabulary, about 900
 launches an update. This kernel computes the same fold per output block: for each tile in order a
 fresh float32 accumulator walks the tile's K range exactly as the plain GEMM kernel does
-(`gemm._k_span`: K blocks in order from zero, IEEE float32 dot, the same masks relative to the
+(`tile._k_span`: K blocks in order from zero, IEEE float32 dot, the same masks relative to the
 tile's end), then one IEEE add into the running sum, compiled without contraction
 (`enable_fp_fusion=False`). The IEEE float32 dot is a chain of fused multiply-adds over K in order,
 so each tile's product has the plain GEMM's bits whatever the block shape, and so has the sum
@@ -14,7 +14,7 @@ so each tile's product has the plain GEMM's bits whatever the block shape, and s
 the per-tile composition, torch.equal).
 
 Operands in bf16 or fp16 (both the same dtype: the vocab-parallel backward of a bf16 model rounds dz to the lm_head's
-dtype) run `_fold_lowp_kernel`: each tile's product is the plain GEMM kernel's own K walk (`gemm._k_span`: tensor
+dtype) run `_fold_lowp_kernel`: each tile's product is the plain GEMM kernel's own K walk (`tile._k_span`: tensor
 cores, float32 accumulate, K blocks in order from the tile's start) with the K block the GEMM contract gives that
 product alone (`contracts.gpu.gemm_config` for its N, K = tile, M; its columns halved while the two live
 accumulators would not fit the registers), so it has the bits of `gemm.matmul(a_t, b=b_t, out_dtype=float32)` (a
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import contracts as C
-from .gemm import _k_span
+from .tile import _k_span
 
 
 @triton.jit(do_not_specialize=["M"])  # M, the scored tokens, changes every step: one compiled variant, not three

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 
 from . import contracts as C
+from .ksegments import _fixup_merge, _k_scratch, _k_segments, _k_stream, _kept  # noqa: F401  (_kept: tests read it)
+from .tile import _dot, _k_loop2, _k_span, _tile_coords
 
 _LOG2E = 1.4426950408889634
 
@@ -35,264 +37,14 @@ def _ensure_allocator():
     triton.set_allocator(_alloc)
 
 
-@triton.jit
-def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    group = GROUP_M * num_pid_n
-    first_m = (tile // group) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % group) % size_m
-    pid_n = (tile % group) // size_m
-    return pid_m, pid_n
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _k_span(a_src, b_src, off_m, off_n, M, N, k_lo, k_hi, sam, sak, sbn, sbk,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr):
-    """fp32 accumulator of one [BLOCK_M, BLOCK_N] tile over K in [k_lo, k_hi): blocks in order from
-    zero. With TMA, k_hi - k_lo is a multiple of BLOCK_K or k_hi is the end of K (zero-filled tail)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_tiles = tl.cdiv(k_hi - k_lo, BLOCK_K)
-    if TMA:
-        for ki in range(k_tiles):
-            a = a_src.load([off_m, k_lo + ki * BLOCK_K])
-            if B_NK:
-                b = b_src.load([off_n, k_lo + ki * BLOCK_K]).T
-            else:
-                b = b_src.load([k_lo + ki * BLOCK_K, off_n])
-            acc = _dot(a, b, acc, IEEE)
-    else:
-        rm = off_m + tl.arange(0, BLOCK_M)
-        rn = off_n + tl.arange(0, BLOCK_N)
-        rm = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
-        rn = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        for ki in range(k_tiles):
-            kk = k_lo + ki * BLOCK_K + rk
-            a = tl.load(a_src + rm[:, None].to(tl.int64) * sam + kk[None, :] * sak, mask=kk[None, :] < k_hi, other=0.0)
-            b = tl.load(b_src + kk[:, None] * sbk + rn[None, :].to(tl.int64) * sbn, mask=kk[:, None] < k_hi, other=0.0)
-            acc = _dot(a, b, acc, IEEE)
-    return acc
-
-
-@triton.jit
-def _k_loop(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr):
-    """fp32 accumulator of one [BLOCK_M, BLOCK_N] tile: K blocks 0, 1, 2, ... in order."""
-    return _k_span(a_src, b_src, off_m, off_n, M, N, 0, K, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE)
-
-
-@triton.jit
-def _k_loop2(a_src, b_src, b2_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr,
-             TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr):
-    """_k_loop for a tile of BLOCK_N + BLOCK_N2 columns as two accumulators ([BLOCK_M, BLOCK_N] and [BLOCK_M, BLOCK_N2],
-    the second's columns after the first's), both fed by each loaded A block: a width that is no power of two (96 =
-    64 + 32, 192 = 128 + 64) so that a wave of SMs divides the tiles. Each output element's chain is the same K blocks
-    in the same order as in a one-accumulator tile: the contract's bits (scheduling only)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
-    off_n2 = off_n + BLOCK_N
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    if TMA:
-        for ki in range(k_tiles):
-            a = a_src.load([off_m, ki * BLOCK_K])
-            if B_NK:
-                b = b_src.load([off_n, ki * BLOCK_K]).T
-                b2 = b2_src.load([off_n2, ki * BLOCK_K]).T
-            else:
-                b = b_src.load([ki * BLOCK_K, off_n])
-                b2 = b2_src.load([ki * BLOCK_K, off_n2])
-            acc = _dot(a, b, acc, IEEE)
-            acc2 = _dot(a, b2, acc2, IEEE)
-    else:
-        rm = off_m + tl.arange(0, BLOCK_M)
-        rn = off_n + tl.arange(0, BLOCK_N)
-        rn2 = off_n2 + tl.arange(0, BLOCK_N2)
-        rm = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
-        rn = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
-        rn2 = tl.max_contiguous(tl.multiple_of(tl.where(rn2 < N, rn2, 0), BLOCK_N2), BLOCK_N2)
-        rk = tl.arange(0, BLOCK_K)
-        for ki in range(k_tiles):
-            kk = ki * BLOCK_K + rk
-            a = tl.load(a_src + rm[:, None].to(tl.int64) * sam + kk[None, :] * sak, mask=kk[None, :] < K, other=0.0)
-            b = tl.load(b_src + kk[:, None] * sbk + rn[None, :].to(tl.int64) * sbn, mask=kk[:, None] < K, other=0.0)
-            b2 = tl.load(b_src + kk[:, None] * sbk + rn2[None, :].to(tl.int64) * sbn, mask=kk[:, None] < K, other=0.0)
-            acc = _dot(a, b, acc, IEEE)
-            acc2 = _dot(a, b2, acc2, IEEE)
-    return acc, acc2
-
-
-@triton.jit
-def _kept(x, M):
-    """x, behind a select on a runtime condition that always holds (M > 0: a launch has rows): the tree's fp32 adds
-    below must add a segment's rounded partial. Triton's combine pass (CombineDotAddFPattern) rewrites
-    addf(dot(a, b, 0), d) into dot(a, b, d), which accumulates the products onto d inside the tensor-core chain
-    instead of rounding them first: another order. It fires where a segment's K loop runs once (a segment of at most
-    block_k, e.g. 576 / 4 = 144 at block_k 256) and the loop folds away: session 18 on the H200, "registers" rows
-    differed from "launches" / "split" / "fixup" at the SmolLM2 and toy widths. A select is no dot, so nothing
-    combines; its cost is one select per accumulator element per segment."""
-    return tl.where(M > 0, x, 0.0)
-
-
-@triton.jit
-def _k_segments(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr, SEGS: tl.constexpr):
-    """SEGS equal K segments, each its own accumulator from zero, merged by the balanced binary
-    tree ((s0 + s1) + (s2 + s3)) ... in fp32: the canonical-segment layout of a row-parallel GEMM.
-    Each partial passes `_kept` before its add (no dot-add combine: the same bits as the other schedules)."""
-    if SEGS == 1:
-        return _k_loop(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK,
-                       IEEE)
-    ks = K // SEGS
-    s0 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, 0, ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K, TMA,
-                       B_NK, IEEE), M)
-    s1 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, ks, 2 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N, BLOCK_K, TMA,
-                       B_NK, IEEE), M)
-    acc = s0 + s1
-    if SEGS >= 4:
-        s2 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, 2 * ks, 3 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N,
-                           BLOCK_K, TMA, B_NK, IEEE), M)
-        s3 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, 3 * ks, 4 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N,
-                           BLOCK_K, TMA, B_NK, IEEE), M)
-        acc = acc + (s2 + s3)
-    if SEGS == 8:
-        s4 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, 4 * ks, 5 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N,
-                           BLOCK_K, TMA, B_NK, IEEE), M)
-        s5 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, 5 * ks, 6 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N,
-                           BLOCK_K, TMA, B_NK, IEEE), M)
-        s6 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, 6 * ks, 7 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N,
-                           BLOCK_K, TMA, B_NK, IEEE), M)
-        s7 = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, 7 * ks, 8 * ks, sam, sak, sbn, sbk, BLOCK_M, BLOCK_N,
-                           BLOCK_K, TMA, B_NK, IEEE), M)
-        acc = acc + ((s4 + s5) + (s6 + s7))
-    return acc
-
-
-@triton.jit
-def _k_stream(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr, SEGS: tl.constexpr):
-    """_k_segments' result (SEGS = 2 or 4) from one K loop that starts at zero: the accumulator restarts at
-    every segment boundary and each finished segment is folded into the tree as it completes (s0; s0 + s1;
-    s2; (s0 + s1) + (s2 + s3)), so the pipeliner sees one loop with no restart per segment. Needs K (compiled
-    in) a multiple of SEGS * BLOCK_K."""
-    seg_iters = (K // SEGS) // BLOCK_K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    lo = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    hi = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if not TMA:
-        rm = off_m + tl.arange(0, BLOCK_M)
-        rn = off_n + tl.arange(0, BLOCK_N)
-        rm = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
-        rn = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-    for ki in range(K // BLOCK_K):
-        if TMA:
-            a = a_src.load([off_m, ki * BLOCK_K])
-            if B_NK:
-                b = b_src.load([off_n, ki * BLOCK_K]).T
-            else:
-                b = b_src.load([ki * BLOCK_K, off_n])
-        else:
-            kk = ki * BLOCK_K + rk
-            a = tl.load(a_src + rm[:, None].to(tl.int64) * sam + kk[None, :] * sak)
-            b = tl.load(b_src + kk[:, None] * sbk + rn[None, :].to(tl.int64) * sbn)
-        acc = _dot(a, b, acc, IEEE)
-        if (ki + 1) % seg_iters == 0:  # segment s just ended
-            s = (ki + 1) // seg_iters - 1
-            part = _kept(acc, M)  # the rounded partial (no dot-add combine, see _kept)
-            if SEGS == 2:
-                if s == 0:
-                    lo = part
-                else:
-                    lo = lo + part
-            else:
-                if s == 0:
-                    lo = part
-                elif s == 1:
-                    lo = lo + part
-                elif s == 2:
-                    hi = part
-                else:
-                    lo = lo + (hi + part)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    return lo
-
-
-@triton.jit
-def _k_scratch(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk, slot_ptr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr, SEGS: tl.constexpr):
-    """_k_segments' result with one accumulator live in any K loop: each segment's partial (behind _kept) is merged
-    into the finished subtrees of the balanced binary tree as it completes, and a subtree awaiting its right sibling
-    waits in this program's fp32 slots in global memory (slot_ptr: log2(SEGS) tiles of [BLOCK_M, BLOCK_N], reused tile
-    after tile, so L2-resident), not in registers: the tile need not be fitted to the tree's live accumulators
-    (segments_config halves its columns) and keeps the table's width. Exact fp32 stores and loads, the same adds in
-    the same order (left + right): the bits of every other schedule."""
-    ks = K // SEGS
-    r = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    x = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in tl.static_range(SEGS):
-        x = _kept(_k_span(a_src, b_src, off_m, off_n, M, N, i * ks, i * ks + ks, sam, sak, sbn, sbk,
-                          BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE), M)
-        lvl = 0
-        for _ in tl.static_range(3):  # at most log2(8) merges: each finished left sibling at its level
-            if (i >> lvl) & 1:
-                tl.debug_barrier()  # every thread's store of the sibling is visible to every thread's load
-                x = tl.load(slot_ptr + lvl * BLOCK_M * BLOCK_N + r) + x
-                lvl += 1
-        if i < SEGS - 1:
-            tl.debug_barrier()  # the previous tile's (or subtree's) loads of this slot are done before it is rewritten
-            tl.store(slot_ptr + lvl * BLOCK_M * BLOCK_N + r, x)
-    return x
-
-
-@triton.jit
-def _fixup_merge(ws_ptr, c_ptr, off_m, rn, M, N, scm, scn, BLOCK_M: tl.constexpr, SEGS: tl.constexpr):
-    """A tile's SEGS fp32 partials (rows s*M + m of ws [SEGS*M, N]) merged by _k_segments' tree,
-    ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), cast and stored into c. By 32-row slices:
-    an element's sum is the same, and a slice's partials fit in registers (a whole 128 x 128
-    tile's spilled, sm_90 ptxas). .cg: read from L2, never a line this SM's L1 may hold from
-    before the other programs' stores."""
-    SUB: tl.constexpr = 32 if BLOCK_M > 32 else BLOCK_M
-    step = M.to(tl.int64) * N
-    for r in tl.static_range(0, BLOCK_M, SUB):
-        rm = off_m + r + tl.arange(0, SUB)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        base = ws_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
-        acc = (tl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
-               + tl.load(base + step, mask=mask, other=0.0, cache_modifier=".cg"))
-        if SEGS >= 4:
-            acc = acc + (tl.load(base + 2 * step, mask=mask, other=0.0, cache_modifier=".cg")
-                         + tl.load(base + 3 * step, mask=mask, other=0.0, cache_modifier=".cg"))
-        if SEGS == 8:
-            hi = (tl.load(base + 4 * step, mask=mask, other=0.0, cache_modifier=".cg")
-                  + tl.load(base + 5 * step, mask=mask, other=0.0, cache_modifier=".cg"))
-            hi = hi + (tl.load(base + 6 * step, mask=mask, other=0.0, cache_modifier=".cg")
-                       + tl.load(base + 7 * step, mask=mask, other=0.0, cache_modifier=".cg"))
-            acc = acc + hi
-        ptrs = c_ptr + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
-        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  NUM_PROGS: tl.constexpr, TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr,
                  SEGS: tl.constexpr = 1, SPLIT: tl.constexpr = False, K_FIXED: tl.constexpr = 0,
                  STREAM: tl.constexpr = False, FIXUP: tl.constexpr = False, ws_ptr=None, cnt_ptr=None,
-                 BLOCK_N2: tl.constexpr = 0, SCRATCH: tl.constexpr = False, SLOTS: tl.constexpr = 0):
+                 BLOCK_N2: tl.constexpr = 0, SCRATCH: tl.constexpr = False, SLOTS: tl.constexpr = 0,
+                 SLICED: tl.constexpr = False):
     """SPLIT: each (segment, tile) is its own work item; segment s's fp32 accumulator is stored at
     rows s*M .. s*M+M-1 of c (the host merges the segments by the same tree: same bits).
     FIXUP: the same work items, tile-major (a tile's segments run at about the same time); each
@@ -304,8 +56,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
     bounds, which the software pipeliner needs; a runtime start is the suspected cause of their
     slowness, H200_NOTES run 4). One compile per K; the arithmetic is the same.
     BLOCK_N2 > 0 (SEGS 1 only): tiles of BLOCK_N + BLOCK_N2 columns in two accumulators (_k_loop2).
-    SCRATCH: the segments' tree with its waiting subtrees in ws_ptr, SLOTS = log2(SEGS) fp32 tiles a program
-    (_k_scratch)."""
+    SCRATCH: the segments' tree with its waiting subtrees in ws_ptr, SLOTS fp32 tiles a program (_k_scratch: log2(SEGS),
+    one more with SLICED, whose last merge stores the tile itself)."""
     if K_FIXED > 0:
         K = K_FIXED
     if TMA:
@@ -364,8 +116,8 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
         elif SCRATCH:
             slots = ws_ptr + tl.program_id(0).to(tl.int64) * (SLOTS * BLOCK_M * BLOCK_N)
-            acc = _k_scratch(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk, slots,
-                             BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE, SEGS)
+            acc = _k_scratch(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk, slots, c_ptr, scm, scn,
+                             BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE, SEGS, SLOTS - SLICED, SLICED)
             ptrs = c_ptr + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
         elif STREAM:
             acc = _k_stream(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
@@ -375,7 +127,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
             acc = _k_segments(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
                               BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_NK, IEEE, SEGS)
             ptrs = c_ptr + rm[:, None].to(tl.int64) * scm + rn[None, :] * scn
-        if not FIXUP:  # FIXUP's last arrival stores its tile above
+        if not FIXUP and not (SCRATCH and SLICED):  # FIXUP's last arrival and SLICED's last merge store the tile above
             tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -518,7 +270,13 @@ def _tma_ok(cfg, *tensors) -> bool:
 # its registers and spills beside each timing
 _LAST_KERNEL: list = [None]
 
-SCHEDULES = ("launches", "split", "registers", "stream", "fixup", "scratch")  # how k segments run (matmul's docstring): same bits
+# how k segments run (matmul's docstring): the same bits under every one
+SCHEDULES = ("launches", "split", "registers", "stream", "fixup", "scratch")
+
+# "scratch" merges by 32-row slices from memory above this many tile elements: a loaded subtree beside a 128 x 256
+# accumulator spills on sm_90 (ptxas -v, 4 segments: 220 bytes whole, none sliced); 128 x 128 and below merge in
+# registers (8 bytes spilled at 128 x 128 w8, none at 64 x 128 w4)
+SCRATCH_SLICED_ABOVE = 128 * 128
 
 # "fixup"'s per-tile arrival counters, int32, all zero between launches (each launch's last arrivals zero them again):
 # one buffer per (device, stream), so launches on two streams never share a counter; grown, never shrunk
@@ -645,9 +403,10 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     tiles *= k_segments if (split or fixup) else 1
     progs = min(num_progs or max(1, _num_sms(a.device) // num_ctas), tiles)
     if scratch:  # each program's slots for the tree's waiting subtrees (never read before written in a launch)
-        slots = k_segments.bit_length() - 1
+        sliced = cfg.block_m * cfg.block_n > SCRATCH_SLICED_ABOVE
+        slots = k_segments.bit_length() - 1 + sliced
         extra = {"ws_ptr": torch.empty(progs * slots * cfg.block_m * cfg.block_n, device=a.device, dtype=torch.float32),
-                 "SCRATCH": True, "SLOTS": slots}
+                 "SCRATCH": True, "SLOTS": slots, "SLICED": sliced}
     # TMA zero-fills only at the end of K: a segment boundary inside a K block would read the
     # next segment's values, so such splits take the masked-pointer path (same bits)
     tma = _tma_ok(cfg, a, bt) and (k_segments == 1 or (K // k_segments) % cfg.block_k == 0)

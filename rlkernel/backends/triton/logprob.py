@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from . import contracts as C
-from .gemm import _ensure_allocator, _k_loop, _num_sms, _tile_coords, _tma_ok
+from .gemm import _ensure_allocator, _num_sms, _tma_ok
+from .tile import _k_loop, _tile_coords
 
 
 @triton.jit(do_not_specialize=["M"])
