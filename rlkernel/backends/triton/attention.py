@@ -28,17 +28,10 @@ import triton
 import triton.language as tl
 
 from . import contracts as C
+from .tile import _dot
 
 _LOG2E = 1.4426950408889634
 _NEG_INF = float("-inf")
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _dot
+from .tile import _dot
 
 _LOG2E = 1.4426950408889634
 
