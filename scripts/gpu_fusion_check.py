@@ -8,6 +8,11 @@ tails (`gemm_row_cases`). Writes fusion_check.json: for each case the number of 
 differing index.
 
     python3 scripts/gpu_fusion_check.py --out DIR
+    TRITON_INTERPRET=1 python3 scripts/gpu_fusion_check.py --device cpu --only gemm_tail --out DIR   # the walk only
+
+On a CPU (Triton's interpreter) the GEMM groups run in float32 (`_gemm_dtype`: the interpreter's bf16 dots are wrong)
+and check the walk, not bits: numpy sums blocks of other tile shapes or row positions in other orders, so "differ"
+across tiles or row offsets is the interpreter's there; across schedules at one tile and one row block it must be 0.
 """
 from __future__ import annotations
 
@@ -25,6 +30,15 @@ def _diff(a, b) -> dict:
     first = None if n == 0 else [int(i) for i in torch.nonzero(ne)[0]]
     return {"differ": n, "of": a.numel(), "first": first,
             "max_abs": float((a.float() - b.float()).abs().max()) if n else 0.0}
+
+
+def _gemm_dtype(dev):
+    """The GEMM groups' input dtype: bf16 on the GPU; float32 under Triton's interpreter, whose bf16 dots are wrong (every
+    schedule's result is garbage there, so bf16 "differ" counts on a CPU would say nothing): there the groups check the
+    walk (which rows, segments and tiles meet which values), not the GPU's bits."""
+    import torch
+
+    return torch.bfloat16 if dev.type == "cuda" else torch.float32
 
 
 def norm_rope_cases(dev) -> dict:
@@ -64,9 +78,9 @@ def swiglu_cases(dev) -> dict:
     out = {}
     g = torch.Generator(device=dev).manual_seed(1)
     for k, n in ((64, 96), (64, 192), (576, 1536), (1024, 3072)):
-        w = (torch.randn(2 * n, k, device=dev, generator=g) * k**-0.5).bfloat16()
+        w = (torch.randn(2 * n, k, device=dev, generator=g) * k**-0.5).to(_gemm_dtype(dev))
         for m in (1, 16, 300):
-            x = torch.randn(m, k, device=dev, generator=g).bfloat16()
+            x = torch.randn(m, k, device=dev, generator=g).to(_gemm_dtype(dev))
             try:
                 one = gemm.matmul_swiglu(x, w)
             except Exception as e:  # noqa: BLE001 -- a shape the epilogue refuses is recorded, not fatal
@@ -92,8 +106,8 @@ def gemm_row_cases(dev) -> dict:
     # schedule); too slow for the CPU smoke under Triton's interpreter
     ms = (16, 64, 300, 600, 1100, 2048) + ((5000,) if dev.type == "cuda" else ())
     for k, n in ((64, 128), (64, 64), (96, 64), (64, 192), (576, 960), (576, 576), (576, 3072), (1536, 576), (2048, 2048)):
-        w = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).bfloat16()
-        x = torch.randn(ms[-1], k, device=dev, generator=g).bfloat16()
+        w = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(_gemm_dtype(dev))
+        x = torch.randn(ms[-1], k, device=dev, generator=g).to(_gemm_dtype(dev))
         for segs in (1, 4):
             alone = torch.cat([ops.linear(x[i:i + 1], w, k_segments=segs) for i in range(8)])
             rec = {}
@@ -124,8 +138,8 @@ def gemm_tail_cases(dev) -> dict:
     g = torch.Generator(device=dev).manual_seed(3)
     ms = (8, 64, 300, 2048, 5000) if dev.type == "cuda" else (8, 64)
     for name, (k, n) in TAIL_SHAPES.items():
-        w = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).bfloat16()
-        x = torch.randn(ms[-1], k, device=dev, generator=g).bfloat16()
+        w = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(_gemm_dtype(dev))
+        x = torch.randn(ms[-1], k, device=dev, generator=g).to(_gemm_dtype(dev))
         ks = k // 4
         lo, hi = ks, 2 * ks  # segment 1 (not at the start of the row)
         parts = {}
@@ -170,8 +184,8 @@ def gemm_tail_row_cases(dev) -> dict:
     total = 5000 if big else 160
     shapes = TAIL_SHAPES if big else {"toy_down": TAIL_SHAPES["toy_down"]}
     for name, (k, n) in shapes.items():
-        w = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).bfloat16()
-        x = torch.randn(total, k, device=dev, generator=g).bfloat16()
+        w = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(_gemm_dtype(dev))
+        x = torch.randn(total, k, device=dev, generator=g).to(_gemm_dtype(dev))
         ref = gemm.matmul(x, w, k_segments=4, schedule="launches")
         rec = {}
         for sched in gemm.SCHEDULES:
@@ -210,6 +224,7 @@ def main() -> int:
         return 2
     dev = torch.device(args.device)
     res = {"gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton's interpreter)",
+           "gemm_dtype": str(_gemm_dtype(dev)).replace("torch.", ""),
            **{name: fn(dev) for name, fn in groups.items() if name in only}}
     if "gemm_rows" in res:
         res["gemm_rows_differ"] = sorted(f"{c}_{m}" for c, r in res["gemm_rows"].items() for m, v in r.items()
