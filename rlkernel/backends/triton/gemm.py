@@ -18,7 +18,7 @@ import triton.language as tl
 
 from . import contracts as C
 from .ksegments import _fixup_merge, _k_scratch, _k_segments, _k_stream, _kept  # noqa: F401  (_kept: tests read it)
-from .tile import _dot, _k_loop2, _k_span, _tile_coords
+from .tile import _k_loop2, _k_span, _tile_coords
 
 _LOG2E = 1.4426950408889634
 
@@ -89,7 +89,7 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, scn,
         rm = off_m + tl.arange(0, BLOCK_M)
         rn = off_n + tl.arange(0, BLOCK_N)
         if BLOCK_N2 > 0:  # the second accumulator's columns stored here, the first's below
-            acc, acc2 = _k_loop2(a_src, b_src, b2_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
+            acc, acc2 = _k_loop2(a_src, b_src, b2_src, off_m, off_n, off_n + BLOCK_N, M, N, N, K, sam, sak, sbn, sbk,
                                  BLOCK_M, BLOCK_N, BLOCK_N2, BLOCK_K, TMA, B_NK, IEEE)
             rn2 = off_n + BLOCK_N + tl.arange(0, BLOCK_N2)
             tl.store(c_ptr + rm[:, None].to(tl.int64) * scm + rn2[None, :] * scn, acc2.to(c_ptr.dtype.element_ty),
@@ -158,30 +158,8 @@ def _gemm_swiglu_kernel(a_ptr, b_ptr, c_ptr, M, N, K, sam, sak, sbn, sbk, scm, s
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        accg = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        accu = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        k_tiles = tl.cdiv(K, BLOCK_K)
-        if TMA:
-            for ki in range(k_tiles):
-                a = a_src.load([off_m, ki * BLOCK_K])
-                bg = b_src.load([off_n, ki * BLOCK_K]).T
-                bu = b_src.load([N + off_n, ki * BLOCK_K]).T
-                accg = _dot(a, bg, accg, IEEE)
-                accu = _dot(a, bu, accu, IEEE)
-        else:
-            rm = off_m + tl.arange(0, BLOCK_M)
-            rn = off_n + tl.arange(0, BLOCK_N)
-            rm = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
-            rn = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
-            rk = tl.arange(0, BLOCK_K)
-            for ki in range(k_tiles):
-                kk = ki * BLOCK_K + rk
-                a = tl.load(a_ptr + rm[:, None].to(tl.int64) * sam + kk[None, :] * sak, mask=kk[None, :] < K, other=0.0)
-                pg = b_ptr + kk[:, None] * sbk + rn[None, :].to(tl.int64) * sbn
-                bg = tl.load(pg, mask=kk[:, None] < K, other=0.0)
-                bu = tl.load(pg + N * sbn, mask=kk[:, None] < K, other=0.0)
-                accg = _dot(a, bg, accg, IEEE)
-                accu = _dot(a, bu, accu, IEEE)
+        accg, accu = _k_loop2(a_src, b_src, b_src, off_m, off_n, N + off_n, M, N, 2 * N, K, sam, sak, sbn, sbk,
+                              BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_K, TMA, True, IEEE)  # gate and up tiles of w [2N, K]
         g = accg.to(out_ty).to(tl.float32)
         u = accu.to(out_ty).to(tl.float32)
         y = _silu_mul(g, u)

@@ -62,16 +62,16 @@ def _k_loop(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
 
 
 @triton.jit
-def _k_loop2(a_src, b_src, b2_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
+def _k_loop2(a_src, b_src, b2_src, off_m, off_n, off_n2, M, N, N2, K, sam, sak, sbn, sbk,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr,
              TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr):
-    """_k_loop for a tile of BLOCK_N + BLOCK_N2 columns as two accumulators ([BLOCK_M, BLOCK_N] and [BLOCK_M, BLOCK_N2],
-    the second's columns after the first's), both fed by each loaded A block: a width that is no power of two (96 =
-    64 + 32, 192 = 128 + 64) so that a wave of SMs divides the tiles. Each output element's chain is the same K blocks
-    in the same order as in a one-accumulator tile: the contract's bits (scheduling only)."""
+    """_k_loop for two accumulators fed by each loaded A block: [BLOCK_M, BLOCK_N] at columns off_n (below N) and
+    [BLOCK_M, BLOCK_N2] at columns off_n2 (below N2; b2_src's). A tile of BLOCK_N + BLOCK_N2 columns (off_n2 = off_n +
+    BLOCK_N, N2 = N: a width that is no power of two, 96 or 192, so that a wave of SMs divides the tiles), or the
+    SwiGLU epilogue's gate and up tiles (off_n2 = N + off_n of a [2N, K] weight). Each output element's chain is the
+    same K blocks in the same order as in a one-accumulator tile: the contract's bits (scheduling only)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
-    off_n2 = off_n + BLOCK_N
     k_tiles = tl.cdiv(K, BLOCK_K)
     if TMA:
         for ki in range(k_tiles):
@@ -90,7 +90,7 @@ def _k_loop2(a_src, b_src, b2_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
         rn2 = off_n2 + tl.arange(0, BLOCK_N2)
         rm = tl.max_contiguous(tl.multiple_of(tl.where(rm < M, rm, 0), BLOCK_M), BLOCK_M)
         rn = tl.max_contiguous(tl.multiple_of(tl.where(rn < N, rn, 0), BLOCK_N), BLOCK_N)
-        rn2 = tl.max_contiguous(tl.multiple_of(tl.where(rn2 < N, rn2, 0), BLOCK_N2), BLOCK_N2)
+        rn2 = tl.max_contiguous(tl.multiple_of(tl.where(rn2 < N2, rn2, 0), BLOCK_N2), BLOCK_N2)
         rk = tl.arange(0, BLOCK_K)
         for ki in range(k_tiles):
             kk = ki * BLOCK_K + rk
