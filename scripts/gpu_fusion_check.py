@@ -102,8 +102,8 @@ def gemm_row_cases(dev) -> dict:
 
     out = {}
     g = torch.Generator(device=dev).manual_seed(2)
-    # 5,000 rows: a k-segment linear above ops.FIXUP_MAX_M runs one plain GEMM per segment (the packed scorer's
-    # schedule); too slow for the CPU smoke under Triton's interpreter
+    # 5,000 rows: a packed scorer's size (a k-segment linear there runs ops.segment_schedule's "scratch"); too slow for
+    # the CPU smoke under Triton's interpreter
     ms = (16, 64, 300, 600, 1100, 2048) + ((5000,) if dev.type == "cuda" else ())
     for k, n in ((64, 128), (64, 64), (96, 64), (64, 192), (576, 960), (576, 576), (576, 3072), (1536, 576), (2048, 2048)):
         w = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(_gemm_dtype(dev))

@@ -92,6 +92,13 @@ STEPS: dict[str, tuple[int, str]] = {
     "rollout_paired": (560, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
                             "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --rounds 20 --paired "
                             "--engines stock_graphs,strict_graphs --out {out}/h200_rollout_paired.json"),
+    # session 20: at the 0.6B shape both engines are host-bound (one core busy the whole generate, the GPU 22-54 %
+    # busy), so the paired ratio there measures two host loops; the same pairing at the Qwen3-1.7B width (28 layers)
+    "q17_ckpt": (180, "python3 scripts/make_tiny_checkpoint.py /tmp/q17 --vocab-size 151936 --hidden-size 2048 "
+                      "--intermediate-size 6144 --num-layers 28 --num-heads 16 --num-kv-heads 8 --head-dim 128"),
+    "rollout_paired_q17": (560, "python3 scripts/bench_rollout.py --model /tmp/q17 --dtype bfloat16 --num-prompts 256 "
+                                "--prompt-len 64 --max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --rounds 10 "
+                                "--paired --engines stock_graphs,strict_graphs --out {out}/h200_rollout_paired_q17.json"),
     "rollout_paired_rs1": (560, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
                                 "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --rounds 20 --paired "
                                 "--engines stock_graphs,strict_graphs_rs1 --out {out}/h200_rollout_paired_rs1.json"),

@@ -77,24 +77,29 @@ def test_tile_table_is_in_the_contract():
 
 
 def test_segment_schedule_follows_the_measured_rule():
-    """The row-parallel layers' k-segment schedule (ops.segment_schedule, session 13's H200 sweep): fixup at decode
-    sizes and wherever fixup's 128 x 256 tile fills 3/4 of a wave, registers between, one GEMM per segment above
-    FIXUP_MAX_M; every bf16 fixup tile is a table tile (or the 128 x 256 one with pointer loads), block_m >= 64."""
+    """The row-parallel layers' k-segment schedule (ops.segment_schedule, session 20's H200 sweep): fixup at decode
+    sizes, registers to 128 rows, scratch from 256 rows at the 8B widths and above REGISTERS_MAX_M at the 0.6B's, at
+    every M above (no plain GEMM per segment); scratch's tile is the table's capped at 128 x 128, fixup's tiles are table
+    tiles (or the 128 x 256 one with pointer loads) with block_m >= 64."""
     from dataclasses import replace
-    from rlkernel.backends.triton import ops as O
+    from rlkernel.backends.triton import gemm, ops as O
     from rlkernel.contracts import gpu as G
     big = replace(G.BF16_GEMM["t128x256"], tma=False)
-    want = {(4096, 4096): {1: "fixup", 64: "fixup", 128: "registers", 256: "fixup", 1024: "fixup", 4096: "fixup",
-                           8192: None},
+    want = {(4096, 4096): {1: "fixup", 64: "fixup", 65: "registers", 128: "registers", 129: "scratch", 256: "scratch",
+                           1024: "scratch", 4096: "scratch", 65536: "scratch"},
+            (4096, 12288): {64: "fixup", 128: "registers", 256: "scratch"},
             (1024, 3072): {1: "fixup", 64: "fixup", 128: "registers", 256: "registers", 512: "registers",
-                           1024: "fixup", 8192: None}}
+                           513: "scratch", 1024: "scratch", 8192: "scratch"}}
     for (n, k), by_m in want.items():
         for m, sched in by_m.items():
             assert O.segment_schedule(m, n, k, 4) == sched, (n, k, m)
             cfg = G.fixup_config("bfloat16", n, k, m, 4)
             assert cfg.block_m >= 64 and (cfg in G.BF16_GEMM.values() or cfg == big)
-            if sched == "registers" or (sched == "fixup" and m > 64):  # fixup above decode sizes only on its big tile
-                assert (cfg == big) == (sched == "fixup"), (n, k, m)
+            table = G.gemm_config("bfloat16", n, k, m)
+            tile = gemm.schedule_config("bfloat16", n, k, m, 4, "scratch")
+            assert tile == (table if table.block_m * table.block_n <= 128 * 128 else G.BF16_GEMM["t128x128"]), (n, k, m)
+            assert tile.block_m * tile.block_n <= gemm.SCRATCH_SLICED_ABOVE  # the table's scratch runs unsliced
+    assert gemm.schedule_config("float32", 4096, 4096, 4096, 4, "scratch") == G.gemm_config("float32", 4096, 4096, 4096)
     assert O.segment_schedule(1, 4096, 4096, 1) is None  # no segments: the plain GEMM
     assert G.fixup_config("float32", 4096, 4096, 256, 4) == G.FP32_GEMM
 

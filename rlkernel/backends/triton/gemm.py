@@ -199,14 +199,12 @@ def schedule_config(dtype_name: str, n: int, k: int, m: int, k_segments: int = 1
                     schedule: str | None = None) -> C.TileConfig:
     """The tile `matmul` runs without `config=`: the table's; fixup's by contracts.gpu.fixup_config; split's partials
     capped at 128 x 128 (bf16); registers and stream's live accumulators fitted by segments_config ("launches" runs
-    plain GEMMs, "scratch" one live accumulator: the table's)."""
+    plain GEMMs, "scratch" one live accumulator: the table's, capped at 128 x 128 like split's)."""
     if k_segments > 1 and schedule == "fixup":
         return C.fixup_config(dtype_name, n, k, m, k_segments)
-    if k_segments > 1 and schedule == "split":
-        cfg = C.gemm_config(dtype_name, n, k, m)
+    if k_segments > 1 and schedule in ("split", "scratch"):  # scratch: one accumulator live, the table's tile unfitted
+        cfg = C.gemm_config(dtype_name, n, k, m)  # but capped (session 20: 128 x 256 sliced 0.26-0.57x, 128 x 128 0.42-0.64x)
         return C.BF16_GEMM["t128x128"] if dtype_name != "float32" and cfg.block_n * cfg.block_m > 128 * 128 else cfg
-    if k_segments > 1 and schedule == "scratch":  # one accumulator live: the table's tile, unfitted
-        return C.gemm_config(dtype_name, n, k, m)
     if k_segments > 1 and schedule in ("registers", "stream"):
         return C.segments_config(dtype_name, n, k, m, k_segments)
     return C.gemm_config(dtype_name, n, k, m)

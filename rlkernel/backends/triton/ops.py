@@ -94,28 +94,36 @@ TRITON = Prims("triton", torch.exp, torch.log, _mm32, _fold, _grad_z)
 
 # ---- linear -------------------------------------------------------------------------------
 
-REGISTERS_MAX_M = 2048  # rows up to which a k-segment linear may run in one launch of the "registers" schedule
-FIXUP_MAX_M = 4096  # rows up to which it may run as one "fixup" launch (above: one plain GEMM per segment)
+SCRATCH_MIN_N = 2048  # output widths from which a k-segment linear runs "scratch" above decode sizes (8B o/down: n 4,096)
+REGISTERS_MAX_M = 512  # below SCRATCH_MIN_N: rows up to which it runs "registers" (above: "scratch")
 
 
 @functools.lru_cache(maxsize=4096)  # called per k-segment linear: a pure function of its arguments
 def segment_schedule(m: int, n: int, k: int, segments: int, dtype_name: str = "bfloat16") -> str | None:
-    """How a k-segment linear of m rows runs (`gemm.matmul`'s schedule; every one gives the same bits). Session 13 on
-    the H200 (benchmarks/h200_gemm_sweep_segments4_fixup*.json: o and down at the 8B and 0.6B shapes, 4 segments,
-    chain ratios vs plain cuBLAS):
-    - m <= 64: "fixup" (segments as separate work items, the tree by the last to finish): 8B o / down 0.73-0.86 /
-      0.93-0.98x against "registers" 0.54-0.66 / 0.50-0.78x; 0.6B at M = 64 0.80 / 0.94x against 0.68 / 0.69x.
-    - where fixup's 128 x 256 tile fills 3/4 of a wave (contracts.gpu.fixup_config; the 8B shapes from M = 256):
-      "fixup", o + down time 8B M = 256 86 vs 106 us, M = 1,024 375 vs 467 us, M = 4,096 1,531 vs 1,595 us ("launches").
-    - else "registers" up to REGISTERS_MAX_M rows (M = 128 on every shape, the 0.6B shapes up to 512: registers 0.55-0.80x
-      against fixup's 0.31-0.83x), one plain GEMM per segment above (None)."""
+    """How a k-segment linear of m rows runs (`gemm.matmul`'s schedule; every one gives the same bits). Session 20 on
+    the H200 (benchmarks/h200_session20/h200_gemm_sweep_segments4_scratch.json: o and down at the 8B and 0.6B shapes,
+    4 segments, M = 64-4,096, chain ratios vs plain cuBLAS; the schedules at their own tiles):
+    - m <= 64: "fixup" (segments as separate work items, the tree by the last to finish): 8B o / down 0.72 / 0.94x,
+      0.6B 0.78 / 0.95x, against registers 0.66 / 0.77 and 0.65 / 0.68x, scratch 0.46-0.63x.
+    - m <= 128: "registers" (the tree in registers, the tile fitted to the live accumulators): 0.67-0.78x against
+      fixup 0.47-0.70x and scratch 0.55-0.64x.
+    - n >= SCRATCH_MIN_N (the 8B shapes) from m = 256: "scratch" (one accumulator live, waiting subtrees in fp32 slots,
+      the table's tile capped at 128 x 128): o 0.68 / 0.55 / 0.55 / 0.55 / 0.64x at M = 256 / 512 / 1,024 / 2,048 / 4,096
+      (128 x 128 tile from M = 1,024), down 0.77 / 0.74 / 0.77 / 0.74 / 0.78x, against registers 0.35-0.57x, fixup
+      0.32-0.78x, one plain GEMM per segment ("launches", session 13's rule above 4,096 rows) 0.29-0.56x.
+    - narrower outputs (the 0.6B's n = 1,024): "registers" up to REGISTERS_MAX_M rows (0.56-0.65x against scratch
+      0.35-0.58x), "scratch" above (M = 1,024 0.46 / 0.54x, 2,048 0.45 / 0.51x, 4,096 0.42 / 0.49x; registers
+      0.46 / 0.48, 0.43 / 0.42, 0.40 / 0.39x; launches 0.16-0.28x).
+    Timed up to M = 4,096; larger M keeps scratch (its cost per tile does not grow with M)."""
     if segments <= 1:
         return None
     if m <= 64:
         return "fixup"
-    if m <= FIXUP_MAX_M and G.fixup_config(dtype_name, n, k, m, segments) == G.FIXUP_TILE:
-        return "fixup"
-    return "registers" if m <= REGISTERS_MAX_M else None
+    if m <= 128:
+        return "registers"
+    if n >= SCRATCH_MIN_N or m > REGISTERS_MAX_M:
+        return "scratch"
+    return "registers"
 
 
 def _rows(x):
@@ -129,7 +137,7 @@ def _linear_fwd(x, weight, bias, k_segments):
     k, n = x.shape[-1], weight.shape[0]
     x2 = _rows(x)
     if bias is None and k_segments in (1, 2, 4, 8):
-        # every schedule gives the same bits (gemm.matmul); which one runs is segment_schedule's (session 13's timings)
+        # every schedule gives the same bits (gemm.matmul); which one runs is segment_schedule's (session 20's timings)
         schedule = segment_schedule(x2.shape[0], n, k, k_segments, G.dtype_name(x2.dtype))
         y = gemm.matmul(x2, weight, k_segments=k_segments, schedule=schedule)
     else:
