@@ -151,14 +151,17 @@ def _report(args, arms: dict, out: Path, tag: str, torch):
         if all(step_wo_sync):
             ratio["step_without_sync"] = round(statistics.median(step_wo_sync[0]) / statistics.median(step_wo_sync[1]), 3)
         report["ratio_strict_over_native"] = ratio
+    profiles = {}  # every arm's update profiles in one file: the device tool returns at most 8 files a call
     for arm, a in arms.items():
         if a["lines"]:
             (out / f"{tag}_{arm}_metrics.jsonl").write_text("\n".join(json.dumps(x) for x in a["lines"]) + "\n")
         for prof in sorted(Path(a["run_dir"]).glob("profile/update_step_*.json")):  # trainer.profile_update
             data = json.loads(prof.read_text())
-            (out / f"{tag}_{arm}_{prof.name}").write_text(json.dumps(data, indent=1))
+            profiles.setdefault(arm, {})[prof.stem] = data
             report["arms"][arm].setdefault("update_profiles", {})[prof.stem] = {
                 k: data.get(k) for k in ("wall_seconds", "device_kernel_ms", "device_kernels", "launch_calls", "host_waits", "memcpy_calls")}
+    if profiles:
+        (out / f"{tag}_update_profiles.json").write_text(json.dumps(profiles, indent=1))
     dirs = [a["run_dir"] for a in arms.values() if a["lines"]]
     if dirs:
         p = subprocess.run([sys.executable, "-m", "vime.cli", "plot", *dirs, "--out", str(out / f"{tag}_curves.png")], cwd=ROOT, stdout=subprocess.PIPE,

@@ -93,7 +93,8 @@ def test_ray_actor_gets_its_own_environment():
 
 def test_gpu_loop_script_streams_each_arm_to_its_out_dir(tmp_path):
     """scripts/gpu_loop.py (the H200 loop's driver) on the CPU recipe: the arm's output and metrics lines land in --out
-    as the arm runs (a device call cut short keeps them), and the report reads them: 2 strict steps at mismatch 0."""
+    as the arm runs (a device call cut short keeps them), and the report reads them: 2 strict steps at mismatch 0; the
+    arms' update profiles (trainer.profile_update) land in one file, so a two-arm call stays within the tool's 8 files."""
     import json
     import subprocess
     import sys
@@ -103,7 +104,7 @@ def test_gpu_loop_script_streams_each_arm_to_its_out_dir(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(root / "scripts" / "gpu_loop.py"), "--allow-cpu", "--config-name", "grpo_tiny",
                            "--steps", "2", "--arms", "strict", "--out", str(out), "--runs", str(tmp_path / "runs"),
-                           "strict:run.seed=7", "native:run.seed=9"],  # an override for one arm only
+                           "strict:trainer.profile_update=1", "strict:run.seed=7", "native:run.seed=9"],  # overrides for one arm only
                           capture_output=True, text=True, timeout=900, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = (out / "h200_loop_grpo_tiny_strict.log").read_text()
@@ -114,7 +115,14 @@ def test_gpu_loop_script_streams_each_arm_to_its_out_dir(tmp_path):
     assert [x["mismatch_count"] for x in lines] == [0, 0]
     report = last_json(proc.stdout)
     assert report["arms"]["strict"]["steps"] == 2 and report["strict_zero_mismatch_every_step"] is True
-    assert report["overrides"] == {"strict": ["run.seed=7"]} and report["parallel"] is False
+    assert report["overrides"] == {"strict": ["trainer.profile_update=1", "run.seed=7"]} and report["parallel"] is False
+    # every arm's update profiles in one file (the device tool returns at most 8 files a call), summarised in the report
+    profiles = json.loads((out / "h200_loop_grpo_tiny_update_profiles.json").read_text())
+    assert list(profiles) == ["strict"] and list(profiles["strict"]) == ["update_step_000001"]
+    assert profiles["strict"]["update_step_000001"]["wall_seconds"] > 0
+    assert report["arms"]["strict"]["update_profiles"]["update_step_000001"]["wall_seconds"] == \
+        profiles["strict"]["update_step_000001"]["wall_seconds"]
+    assert not list(out.glob("*_update_step_*.json"))
     # --parallel needs a GPU per arm, and an arm prefix must name an arm: both refused before anything runs
     for extra, why in ((["--parallel"], "2 arms to run, 0 GPUs here"), (["strcit:run.seed=7"], "the prefix must be an arm")):
         bad = subprocess.run([sys.executable, str(root / "scripts" / "gpu_loop.py"), "--allow-cpu", "--config-name", "grpo_tiny",
