@@ -7,9 +7,10 @@ costs 1.32x: at the loop's size the strict update looks launch-bound. This scrip
 both modes on the same model and batches (warm-up first, then the median of timed updates), then profiles one update
 of each with torch.profiler: wall time, device-kernel time and count, kernel-launch calls on the host, and the top ops
 by host and by device time; then counts one more update's tensor ops by the line of this repository that issued them
-(`op_sites`), and where it reads device values back to the host (`readbacks`: each such read makes the host wait for
-the device). JSON to --out (`h200_update_profile.json`). On a machine without CUDA it exits at once
-unless `--device cpu` (a smoke run at tiny size: what CI runs).
+(`op_sites`), where it reads device values back to the host (`readbacks`: each such read makes the host wait for
+the device), and where its host time goes by Python function (`host_functions`, cProfile). JSON to --out
+(`h200_update_profile.json`). On a machine without CUDA it exits at once unless `--device cpu` (a smoke run at tiny
+size: what CI runs).
 """
 from __future__ import annotations
 
@@ -142,6 +143,54 @@ def _sync_sites(tr, batch, top: int) -> dict:
     return report
 
 
+def _host_functions(tr, batch, top: int) -> dict:
+    """Where one update's host time goes by Python function (cProfile): the top functions by own time and by cumulative
+    time, each named `area/file:line(function)`, and own time summed by area (this repository's rlkernel/ and vime/,
+    triton, megatron, torch, other). torch.profiler charges a custom autograd function's Python, Triton's launcher and
+    the ops it issues to one row (`_RmsNormFnBackward`: 29 ms self CPU in session 16); this splits them. cProfile's own
+    overhead inflates every call alike, so compare the strict and native columns, not the absolute milliseconds."""
+    import cProfile
+    import pstats
+
+    root = str(ROOT) + "/"
+
+    def area(path: str) -> str:
+        for name in ("triton", "megatron", "torch"):  # installed packages first (a .venv may sit inside the checkout)
+            if f"/site-packages/{name}/" in path or f"/dist-packages/{name}/" in path:
+                return name
+        if path.startswith(root) and "-packages/" not in path:
+            return path[len(root):].split("/")[0]
+        return "other"  # builtins (C functions: torch ops, launches) and every other package
+
+    def name(key) -> str:
+        path, line, fn = key
+        if "-packages/" in path:
+            short = path.split("-packages/", 1)[1]
+        else:
+            short = path[len(root):] if path.startswith(root) else "/".join(path.split("/")[-2:])
+        return f"{short}:{line}({fn})"
+
+    _sync(next(tr.model.parameters()).device.type)
+    prof = cProfile.Profile()
+    prof.enable()
+    tr.update(batch)
+    _sync(next(tr.model.parameters()).device.type)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # key -> (primitive calls, calls, own time, cumulative time, callers)
+    areas: dict[str, float] = {}
+    for key, (_, calls, tt, _, _) in stats.items():
+        areas[area(key[0])] = areas.get(area(key[0]), 0.0) + tt
+
+    def rows(index: int) -> list[dict]:
+        keys = sorted(stats, key=lambda k: stats[k][index], reverse=True)[:top]
+        return [{"function": name(k), "calls": stats[k][1], "own_ms": round(stats[k][2] * 1e3, 3),
+                 "cum_ms": round(stats[k][3] * 1e3, 3)} for k in keys]
+
+    return {"total_own_ms": round(sum(areas.values()) * 1e3, 3),
+            "own_ms_by_area": {k: round(v * 1e3, 3) for k, v in sorted(areas.items(), key=lambda kv: -kv[1])},
+            "top_by_own": rows(2), "top_by_cumulative": rows(3)}
+
+
 def _poison_check(ckpt, args) -> dict:
     """The trainer turns torch's NaN fill of fresh allocations off (TrainerConfig.fill_uninitialized_memory): one strict
     update with the fill on (every fresh allocation poisoned) against one with it off, every parameter bit for bit."""
@@ -209,6 +258,9 @@ def run(args) -> dict:
                 prof["op_sites"] = _op_sites(tr, _batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"]), args.top)
                 step += 1
                 prof["readbacks"] = _sync_sites(tr, _batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"]), args.top)
+                step += 1
+                prof["host_functions"] = _host_functions(tr, _batch(step, args.sequences, args.prompt, args.response,
+                                                                    shape["vocab_size"]), args.top)
                 report["modes"][mode] = {"update_seconds": [round(t, 4) for t in times], "median_seconds": round(statistics.median(times), 4),
                                          "profile": prof}
             print(f"{mode}: median update {report['modes'][mode]['median_seconds']} s, {prof['device_kernels']} device kernels, "

@@ -162,6 +162,9 @@ def test_gpu_harness_skips_without_cuda(tmp_path):
         reads = m["profile"]["readbacks"]  # every update reads at least its loss and grad norm back to the host
         assert reads["readbacks"] >= sum(x["count"] for x in reads["top"]) >= 2 and all(" @ " in x["site"] for x in reads["top"])
         assert any("vime/trainer.py" in x["site"] for x in reads["top"]), reads
+        host = m["profile"]["host_functions"]  # cProfile of one update: this repository's Python is on the list
+        assert host["total_own_ms"] >= sum(host["own_ms_by_area"].values()) - 1e-3 and host["own_ms_by_area"]["rlkernel"] > 0
+        assert any(x["function"].startswith("rlkernel/") for x in host["top_by_cumulative"]), host
     assert rep["ratio_strict_over_native"] > 0 and rep["code"]["source_sha256"]
     poison = rep["poisoned_equal"]  # a strict update with torch's NaN fill on equals the default (fill off)
     assert poison["tensors"] > 0 and poison["tensors_differ"] == 0 and poison["loss_equal"] and poison["grad_norm_equal"], poison
