@@ -37,6 +37,22 @@ _SCRIPT = textwrap.dedent('''
             got, want = R.tree_sum_rows(x), P.tree_sum_composition(x, dim=0)
             assert torch.equal(bits(got), bits(want)), (n, m, (got - want).abs().max())
             cases += 1
+    # launches: a length up to 4,096 in one (the RMSNorm weight gradients' trees), longer ones by 64-row blocks first
+    launched = []
+    kernel = R._tree_rows_kernel_fast
+
+    class Count:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    R._tree_rows_kernel_fast = Count()
+    for n, m, want_launches in ((1000, 64, 1), (4096, 3, 1), (2048, 130, 1), (4097, 3, 2), (9000, 1, 2)):
+        launched.clear()
+        x = torch.randn(n, m, generator=g)
+        assert torch.equal(bits(R.tree_sum_rows(x)), bits(P.tree_sum_composition(x, dim=0))), (n, m)
+        assert len(launched) == want_launches, (n, m, launched)
+    R._tree_rows_kernel_fast = kernel
     # -0.0 survives exactly where the composition keeps it (a single row, a whole tree of -0.0 rows gives +0.0)
     z = torch.full((1, 4), -0.0)
     assert torch.equal(bits(R.tree_sum_rows(z)), bits(P.tree_sum(z, dim=0)))

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .tile import _dot
+from .launch import fast, cdiv
 
 _LOG2E = 1.4426950408889634
 
@@ -253,14 +254,14 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens, *, scale=None
     ieee = q.dtype == torch.float32
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     delta = torch.empty((T, hq), device=q.device, dtype=torch.float32)  # read only inside sequences
-    n_tiles = triton.cdiv(max_seqlen, cfg.dq_block_m // G)
-    _bwd_delta[(n_tiles, B, hkv)](out, dout, delta, q_start, q_len, out.stride(0), out.stride(1), dout.stride(0),
+    n_tiles = cdiv(max_seqlen, cfg.dq_block_m // G)
+    _bwd_delta_fast[(n_tiles, B, hkv)](out, dout, delta, q_start, q_len, out.stride(0), out.stride(1), dout.stride(0),
                                   dout.stride(1), n_tiles, G=G, BLOCK_M=cfg.dq_block_m, D=d, **launch)
-    _bwd_dq[(n_tiles, B, hkv)](
+    _bwd_dq_fast[(n_tiles, B, hkv)](
         q, k, v, dout, lse, delta, dq, q_start, q_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), scale, qk_scale, n_tiles,
         G=G, BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, D=d, IEEE=ieee, **launch)
-    _bwd_dkdv[(triton.cdiv(max_seqlen, cfg.block_n), B, hkv)](
+    _bwd_dkdv_fast[(cdiv(max_seqlen, cfg.block_n), B, hkv)](
         q, k, v, dout, lse, delta, dk, dv, q_start, q_len, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
         dv.stride(1), scale, qk_scale, G=G, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d, IEEE=ieee, **launch)
@@ -268,3 +269,8 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens, *, scale=None
 
 
 __all__ = ["AttentionBwdConfig", "bwd_config", "attention_varlen_backward"]
+
+# the launches on launch.py's fast path: the kernels Triton's own kernel[grid](...) would run, less host time
+_bwd_delta_fast = fast(_bwd_delta)
+_bwd_dq_fast = fast(_bwd_dq)
+_bwd_dkdv_fast = fast(_bwd_dkdv)

@@ -15,6 +15,7 @@ import triton.language as tl
 from . import contracts as C
 from .gemm import _ensure_allocator, _num_sms, _tma_ok
 from .tile import _k_loop, _tile_coords
+from .launch import fast, cdiv, next_pow2
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -99,12 +100,12 @@ def grad_z(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ls
     dz = torch.empty((T, hi - lo), device=hidden.device, dtype=out_dtype or weight.dtype)
     if T == 0 or hi <= lo:
         return dz
-    tiles = triton.cdiv(T, cfg.block_m) * triton.cdiv(hi - lo, cfg.block_n)
+    tiles = cdiv(T, cfg.block_m) * cdiv(hi - lo, cfg.block_n)
     progs = min(_num_sms(hidden.device), tiles)
     tma = _tma_ok(cfg, hidden, weight) and (lo * weight.stride(0) * weight.element_size()) % 16 == 0
     if tma:
         _ensure_allocator()
-    _grad_z_kernel[(progs,)](
+    _grad_z_kernel_fast[(progs,)](
         hidden, weight, targets.to(torch.int32).contiguous(), lse.contiguous(), g.float().contiguous(), dz, T,
         weight.shape[0], H, lo, hi, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         dz.stride(0), float(temperature), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -156,16 +157,16 @@ def tile_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     Over a vocab shard starting at a tile boundary these are exactly the tiles `linear_logprob` computes there."""
     T, H = hidden.shape
     cfg = config or C.logprob_config(C.dtype_name(hidden.dtype), n_rows, H)
-    n_vt = triton.cdiv(n_rows, cfg.block_n)
+    n_vt = cdiv(n_rows, cfg.block_n)
     ml = torch.empty((T, n_vt, 2), device=hidden.device, dtype=torch.float32)
     zt = torch.zeros(T, device=hidden.device, dtype=torch.float32)
     if T == 0 or n_vt == 0:
         return ml, zt
-    progs = min(_num_sms(hidden.device), triton.cdiv(T, cfg.block_m) * n_vt)
+    progs = min(_num_sms(hidden.device), cdiv(T, cfg.block_m) * n_vt)
     tma = _tma_ok(cfg, hidden, weight)
     if tma:
         _ensure_allocator()
-    _logits_stats_kernel[(progs,)](
+    _logits_stats_kernel_fast[(progs,)](
         hidden, weight, targets.to(torch.int32).contiguous(), ml, zt, T, weight.shape[0], H, n_rows, hidden.stride(0),
         hidden.stride(1), weight.stride(0), weight.stride(1), 0.0, float(temperature), n_vt,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGS=progs,
@@ -182,9 +183,9 @@ def merge_tiles(ml: torch.Tensor, zt: torch.Tensor) -> tuple[torch.Tensor, torch
     stats = torch.empty((T, 2), device=ml.device, dtype=torch.float32)
     if T == 0:
         return out, stats
-    nt = triton.next_power_of_2(n_vt)
+    nt = next_pow2(n_vt)
     block_r = max(1, min(16, 8192 // nt))
-    _tile_tree_kernel[(triton.cdiv(T, block_r),)](ml.contiguous(), zt.contiguous(), out, stats, T, n_vt, BLOCK_R=block_r,
+    _tile_tree_kernel_fast[(cdiv(T, block_r),)](ml.contiguous(), zt.contiguous(), out, stats, T, n_vt, BLOCK_R=block_r,
                                                   NT=nt, LEVELS=nt.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
     return out, stats
 
@@ -207,3 +208,8 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     if return_stats:
         return out, m + log_l, m, log_l
     return (out, m + log_l) if return_lse else out
+
+# the launches on launch.py's fast path: the kernels Triton's own kernel[grid](...) would run, less host time
+_grad_z_kernel_fast = fast(_grad_z_kernel)
+_logits_stats_kernel_fast = fast(_logits_stats_kernel)
+_tile_tree_kernel_fast = fast(_tile_tree_kernel)

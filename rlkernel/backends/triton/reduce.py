@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from .launch import fast, cdiv
 
 MAX_LOG2_ROWS = 12  # rows folded per program (R <= 4096): a million summands take two launches
 
@@ -71,12 +72,17 @@ def _tree_rows_kernel(x_ptr, y_ptr, n, m, col_blocks, C: tl.constexpr, R: tl.con
 
 
 def _shape(n: int, m: int) -> tuple[int, int]:
-    """(log2 R, C) for one launch: about 4,096 summands per program, R never past the padded length. C is 1 or 64
-    (masked columns cost little), so a run compiles few variants: a cold H200 compiles each in every process."""
+    """(log2 R, C) for one launch of about 4,096 summands a program, R never past the padded length P. A length of up
+    to 4,096 takes one launch: R = P, C = 4,096 / P columns (at most 64); longer ones go by R = 64 x C = 64 blocks (one
+    column alone: R = 4,096), then the same rule on the block sums. The weight gradients of a strict update's 113
+    RMSNorms are such short trees (a few thousand packed tokens): one launch each instead of two (session 23: the update
+    is host-bound, 221 trees took two launches each). Few compiled variants: (C, R) is a function of P alone."""
     log2p = max(n - 1, 0).bit_length()
-    c = 1 if m == 1 else 64
-    log2r = min(log2p, MAX_LOG2_ROWS, (4096 // c).bit_length() - 1)
-    return log2r, c
+    if m == 1:
+        return min(log2p, MAX_LOG2_ROWS), 1
+    if log2p <= MAX_LOG2_ROWS:
+        return log2p, min(64, 1 << (MAX_LOG2_ROWS - log2p))
+    return 6, 64
 
 
 def tree_sum_rows(x: torch.Tensor) -> torch.Tensor:
@@ -90,9 +96,12 @@ def tree_sum_rows(x: torch.Tensor) -> torch.Tensor:
     while n > 1:
         log2r, c = _shape(n, m)
         r = 1 << log2r
-        rows_out = triton.cdiv(n, r)
+        rows_out = cdiv(n, r)
         y = torch.empty((rows_out, m), dtype=x.dtype, device=x.device)
-        col_blocks = triton.cdiv(m, c)
-        _tree_rows_kernel[(rows_out * col_blocks,)](x, y, n, m, col_blocks, C=c, R=r, LOG2R=log2r, num_warps=4)
+        col_blocks = cdiv(m, c)
+        _tree_rows_kernel_fast[(rows_out * col_blocks,)](x, y, n, m, col_blocks, C=c, R=r, LOG2R=log2r, num_warps=4)
         x, n = y, rows_out
     return x[0]
+
+# the launches on launch.py's fast path: the kernels Triton's own kernel[grid](...) would run, less host time
+_tree_rows_kernel_fast = fast(_tree_rows_kernel)

@@ -18,6 +18,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from .launch import fast, cdiv
 
 try:  # Triton 3.x
     from triton.language.extra import libdevice
@@ -73,6 +74,9 @@ def backward(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> tuple[to
     if lib and libdevice is None:
         raise RuntimeError("swiglu backward: this Triton has no triton.language.extra.libdevice (the strict exp)")
     if n:
-        _swiglu_bwd_kernel[(triton.cdiv(n, 1024),)](g, u, d, dg, du, n, cols, g.stride(0), u.stride(0), d.stride(0),
+        _swiglu_bwd_kernel_fast[(cdiv(n, 1024),)](g, u, d, dg, du, n, cols, g.stride(0), u.stride(0), d.stride(0),
                                                     BLOCK=1024, LIBDEVICE=lib, num_warps=4, enable_fp_fusion=False)
     return dg, du
+
+# the launches on launch.py's fast path: the kernels Triton's own kernel[grid](...) would run, less host time
+_swiglu_bwd_kernel_fast = fast(_swiglu_bwd_kernel)

@@ -1,0 +1,123 @@
+"""The fast launch path (`rlkernel/backends/triton/launch.py`): it must launch the compiled kernel Triton's own
+`kernel[grid](...)` would, for every specialization of the arguments (pointer alignment, integers equal to 1 or
+multiples of 16, constexpr and option values), and step aside for launch hooks and the interpreter. On a GPU the
+checks compare the compiled-kernel objects and the outputs (torch.equal); on a CPU-only machine the host helpers and
+the interpreter's pass-through run, the GPU part skips."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from helpers import interpreter_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+triton = pytest.importorskip("triton")
+torch = pytest.importorskip("torch")
+
+
+def test_host_helpers_equal_tritons():
+    from rlkernel.backends.triton.launch import cdiv, next_pow2
+
+    for a in range(0, 300):
+        for b in (1, 2, 3, 7, 16, 64, 128, 1024):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    for n in range(1, 70_000, 7):
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+    assert [next_pow2(n) for n in (1, 2, 3, 4, 5, 1024, 1025)] == [1, 2, 4, 4, 8, 1024, 2048]
+
+
+_INTERPRETED = textwrap.dedent('''
+    import torch, triton, triton.language as tl
+    from rlkernel.backends.triton import launch
+    from rlkernel.backends.triton import reduce as R
+
+    @triton.jit
+    def _add(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1.0, mask=i < n)
+
+    k = launch.fast(_add)
+    assert not launch._fast_ok() and not k._jit  # the interpreter's function: Triton's own path
+    x = torch.arange(37, dtype=torch.float32)
+    y = torch.empty_like(x)
+    k[(launch.cdiv(37, 16),)](x, y, 37, BLOCK=16)
+    assert torch.equal(y, x + 1.0)
+    assert isinstance(R._tree_rows_kernel_fast, launch.FastKernel) and R._tree_rows_kernel_fast.fn is R._tree_rows_kernel
+    print("ok")
+''')
+
+
+def test_interpreter_takes_tritons_own_path():
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=interpreter_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_session.py launch_tests)")
+
+
+@cuda
+def test_fast_path_runs_tritons_kernel_for_every_specialization():
+    from rlkernel.backends.reference import primitives as P
+    from rlkernel.backends.triton import launch, norm, reduce as R
+
+    assert launch._fast_ok(), "the fast path is off on this GPU machine (another Triton than 3.6?)"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(4 * 4096 + 8, device="cuda", generator=g)
+    for n, m in ((1, 1), (16, 1), (17, 3), (1000, 64), (1024, 16), (4097, 5), (9000, 1)):
+        for offset in (0, 1, 4):  # a data pointer 16-byte aligned or not (Triton specializes on it)
+            x = base[offset:offset + n * m].view(n, m)
+            first = R.tree_sum_rows(x)  # through the fast path (the second call served from its cache)
+            again = R.tree_sum_rows(x)
+            want = P.tree_sum_composition(x, dim=0)  # the contract's tree as torch ops
+            log2r, c = R._shape(n, m)
+            y = torch.empty((launch.cdiv(n, 1 << log2r), m), device="cuda")
+            check = R._tree_rows_kernel_fast.verify(((launch.cdiv(n, 1 << log2r) * launch.cdiv(m, c)),), x, y, n, m,
+                                                    launch.cdiv(m, c), C=c, R=1 << log2r, LOG2R=log2r, num_warps=4)
+            assert check == {"fast_path": True, "cached": True, "same_kernel": True}, (n, m, offset, check)
+            assert torch.equal(first.view(torch.int32), want.view(torch.int32))
+            assert torch.equal(again.view(torch.int32), want.view(torch.int32))
+    # a kernel with no do_not_specialize: integer arguments equal to 1 and multiples of 16 are specialized
+    for rows, h in ((1, 1024), (16, 128), (17, 1000), (64, 4096)):
+        for offset in (0, 3):
+            x = torch.randn(rows * h + offset, device="cuda", generator=g)[offset:].view(rows, h)
+            w = torch.randn(h, device="cuda", generator=g)
+            kw = dict(HAS_RES=False, BLOCK=launch.next_pow2(h), num_warps=norm._warps(h), enable_fp_fusion=False)
+
+            def args(y):
+                return (x, x, w, y, x, h, x.stride(0), x.stride(0), y.stride(0), x.stride(0), 1e-6)
+
+            check = norm._rmsnorm_kernel_fast.verify((rows,), *args(torch.empty_like(x)), **kw)
+            assert check == {"fast_path": True, "cached": True, "same_kernel": True}, (rows, h, offset, check)
+            fast_y, own_y = torch.empty_like(x), torch.empty_like(x)
+            norm._rmsnorm_kernel_fast[(rows,)](*args(fast_y), **kw)
+            norm._rmsnorm_kernel[(rows,)](*args(own_y), **kw)  # Triton's own launch writes the same bits
+            assert torch.equal(fast_y.view(torch.int32), own_y.view(torch.int32))
+
+
+@cuda
+def test_launch_hooks_take_tritons_own_path():
+    from triton import knobs
+
+    from rlkernel.backends.triton import reduce as R
+
+    x = torch.randn(300, 7, device="cuda")
+    R.tree_sum_rows(x)  # cached
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        R.tree_sum_rows(x)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 1  # the hook saw the launch: a profiler's view is never bypassed
+    R.tree_sum_rows(x)
+    assert len(seen) == 1
