@@ -38,6 +38,7 @@ STEPS: dict[str, tuple[int, str]] = {
     "gpu_tests": (300, "python3 -m pytest -q -p no:cacheprovider tests/test_gpu_reference.py tests/test_fa3.py tests/test_dispatch.py tests/test_triton_launch.py"),
     # the fast launch path (backends/triton/launch.py) runs Triton's own compiled kernel for every specialization tried
     "launch_tests": (240, "python3 -m pytest -q -p no:cacheprovider tests/test_triton_launch.py"),
+    "launch_bench": (240, "python3 scripts/bench_launch.py --out {out}"),
     "tiny_ckpt": (120, f"python3 scripts/make_tiny_checkpoint.py {TQ} --head-dim 64"),
     "parity_strict": (300, _PARITY),
     "parity_strict_bf16": (300, f"{_PARITY} --dtype bfloat16 --update-weights"),
