@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# pytest workers (pytest-xdist; a test file stays on one worker). 2 on CI's two cores; 0 runs the suite in this process
+TEST_WORKERS ?= 2
 
 .PHONY: install run test bench clean
 
@@ -27,7 +29,7 @@ run: install
 	$(VENV)/bin/vime train --config-name grpo_tiny
 
 test: install
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(PY) scripts/bench_ops.py
