@@ -170,11 +170,12 @@ def _host_functions(tr, batch, top: int) -> dict:
             short = path[len(root):] if path.startswith(root) else "/".join(path.split("/")[-2:])
         return f"{short}:{line}({fn})"
 
-    _sync(next(tr.model.parameters()).device.type)
+    device = next(tr.model.parameters()).device.type
+    _sync(device)
     prof = cProfile.Profile()
     prof.enable()
     tr.update(batch)
-    _sync(next(tr.model.parameters()).device.type)
+    _sync(device)
     prof.disable()
     stats = pstats.Stats(prof).stats  # key -> (primitive calls, calls, own time, cumulative time, callers)
     areas: dict[str, float] = {}
