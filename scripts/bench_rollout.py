@@ -28,12 +28,12 @@ from round_probe import RoundProbe
 WORKERS = ["strict", "stock", "stock_graphs", "strict_graphs", "strict_fa3_graphs",
            # the strict engine at rlkernel.row_segments=1 (plain GEMMs in the row-parallel layers: a TP=1 run's choice)
            "strict_rs1", "strict_graphs_rs1",
-           # runner variants, to tell what the rollout gap is made of (issue 11): stock forced onto vLLM's V1 model runner
-           # (the runner the strict engine gets, since V2 refuses logprobs_mode="raw_logits"), and the strict engine on
-           # the V2 runner with raw_logprobs (vLLM log-softmaxes the contract's logprobs again: timing only, not our bits)
-           "stock_graphs_v1", "strict_graphs_v2"]
-VARIANT_ENV = {"stock_graphs_v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "strict_graphs_v2": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}
-VARIANT_ARGS = {"strict_graphs_v2": (("logprobs_mode", "raw_logprobs"),)}
+           # runner variants (issue 11): both engines on vLLM's V1 model runner. On CUDA the strict engine runs on V2
+           # (vLLM 0.25's default; raw_logprobs + the model's sampler wrapper, vllm_compat.ContractLogprobSampler); until
+           # session 24 it ran on V1 with raw_logits, which V2 refuses
+           "stock_graphs_v1", "strict_graphs_v1"]
+VARIANT_ENV = {"stock_graphs_v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "strict_graphs_v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
+VARIANT_ARGS = {"strict_graphs_v1": (("logprobs_mode", "raw_logits"),)}
 
 
 def _build(args):
@@ -206,9 +206,11 @@ def paired(args, engines: list[str]) -> dict:
     figure. What an engine start costs, or how fast the host was when it started, no longer decides the ratio."""
     import tempfile
 
-    if len(engines) != 2 or not (engines[0].startswith("stock") ^ engines[1].startswith("stock")):
-        raise SystemExit(f"bench_rollout --paired: two engines, one stock* and one strict*; got {engines}")
-    stock, strict = sorted(engines, key=lambda w: not w.startswith("stock"))
+    if len(engines) != 2 or len(set(engines)) != 2:
+        raise SystemExit(f"bench_rollout --paired: two different engines; got {engines}")
+    # the ratio is the second over the first: stock first where one is stock, else as listed (e.g. strict_graphs_v1,
+    # strict_graphs: the strict engine on V2 over itself on V1)
+    stock, strict = sorted(engines, key=lambda w: not w.startswith("stock")) if engines[1].startswith("stock") else engines
     argv = [a for a in sys.argv[1:] if a != "--paired"]
     log_dir = tempfile.mkdtemp(prefix="bench_rollout_")
     served, runners = {}, {}

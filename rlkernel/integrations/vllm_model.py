@@ -9,9 +9,13 @@ and scheduling, with the strict backend doing the math.
 
 Sampled-token logprobs: `compute_logits` returns the full-vocab float32
 log-softmax at the rollout temperature from `rlkernel.linear_logprobs_full`,
-and the engine runs with `logprobs_mode="raw_logits"` and request temperature
-1.0, so vLLM reports exactly those bits (any further log_softmax or division
-by a temperature would change them) and samples from softmax(z / T).
+and the engine runs at request temperature 1.0 with `logprobs_mode="raw_logits"`
+(vLLM's V1 runner; the CPU) or, on vLLM's V2 runner (the CUDA default), with
+"raw_logprobs" and the sampler wrapped by the model's own ModelState
+(`vllm_compat.strict_model_state_cls`), so vLLM reports exactly those bits (any
+further log_softmax or division by a temperature would change them) and samples
+from softmax(z / T). A mode that would re-normalise them without the wrapper is
+refused at the first `compute_logits`.
 
 Plugin settings come from `additional_config={"rlkernel": {...}}`:
 `temperature` (rollout temperature, default 1.0), `mode` and `ops` (an
@@ -29,7 +33,7 @@ from vllm.model_executor.layers.attention import Attention
 from ..dispatch import ExecutionPolicy, ProvenanceCounter, mode
 from ..models.decoder import DecoderConfig, StrictDecoder, TensorParallel
 from ..ops.logprob import linear_logprobs_full
-from .vllm_compat import strict_attention_backend
+from .vllm_compat import strict_attention_backend, strict_model_state_cls
 
 
 def plugin_settings(vllm_config) -> dict:
@@ -56,6 +60,11 @@ class StrictForCausalLM(StrictDecoder):
             raise ValueError(f"rlkernel rollout temperature must be > 0, got {self.rollout_temperature}")
         self.policy = ExecutionPolicy(mode=settings.get("mode", "strict"), ops=tuple(sorted(dict(settings.get("ops", {})).items())))
         self.weight_version = int(settings.get("weight_version", 0))
+        # the reported logprobs are compute_logits' values only if vLLM reports raw logits, or its V2 runner's sampler
+        # is wrapped by our ModelState (custom_sampler sets contract_sampler)
+        self.logprobs_mode = getattr(vllm_config.model_config, "logprobs_mode", "raw_logits")
+        self.contract_sampler = False
+        self.contract_sampler_calls = 0
         self.provenance = ProvenanceCounter()  # per-op contract ids and call counts, taken per step
         backend = strict_attention_backend()
         world = 1 if self.tp is None else self.tp.world  # this rank's heads (vLLM's TP)
@@ -83,7 +92,18 @@ class StrictForCausalLM(StrictDecoder):
         with self._policy(), self.provenance.collect():
             return self.hidden_states(input_ids, positions.long(), self._attend)
 
+    @staticmethod
+    def get_model_state_cls():
+        """vLLM's V2 model runner builds this model's ModelState from this class (the sampler wrapper)."""
+        return strict_model_state_cls()
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.logprobs_mode != "raw_logits" and not self.contract_sampler:
+            raise RuntimeError(
+                f"rlkernel strict model: logprobs_mode={self.logprobs_mode!r} without the contract sampler (vLLM's V1 "
+                "model runner, or a V2 runner that did not build the model's ModelState) would report vLLM's own "
+                "log-softmax of the contract's logprobs, not their bits. Run with logprobs_mode='raw_logits' on the V1 "
+                "runner, or let vime choose (vllm_compat.contract_logprobs_mode).")
         with self._policy(), self.provenance.collect():
             return linear_logprobs_full(hidden_states, self.lm_head_weight, self.rollout_temperature, vocab_size=self.config.vocab_size)
 

@@ -77,4 +77,7 @@ class StrictWorkerExtension:
             "weight_version": self.rlkernel_weight_version(),
             "tp": [model.tp.rank, model.tp.world] if getattr(model, "tp", None) is not None else [0, 1],  # [rank, world]
             "row_segments": getattr(getattr(model, "config", None), "row_segments", None),
+            "runner": type(self.model_runner).__module__ + "." + type(self.model_runner).__name__,
+            "logprobs_mode": getattr(model, "logprobs_mode", None),
+            "contract_sampler": bool(getattr(model, "contract_sampler", False)),  # V2: reported logprobs via the wrapper
         }
