@@ -37,6 +37,10 @@ sys.path.insert(0, str(ROOT))
 T0 = time.time()
 SHAPES = {**GEMMS,  # (K, N) at Qwen3-8B (the harness's table)
           "q06_qkv": (1024, 4096), "q06_o": (2048, 1024), "q06_gate_up": (1024, 6144), "q06_down": (3072, 1024)}  # 0.6B
+# K = 4,096 at widths around qkv's (N = 6,144: 96 tiles of 128 x 128 at M = 256 on 132 SMs): 32 to 264 such tiles. Time
+# per call against the tile count tells whether a partial wave runs each tile at the full-wave rate (then qkv's gap is
+# the idle SMs) or faster (then shared L2 / HBM bandwidth, not the idle SMs, bounds it)
+SHAPES.update({f"k4096_n{n}": (4096, n) for n in (2048, 4096, 8192, 8448, 12288, 16896)})
 # (block_m, block_n, block_k, stages, warps): block_m >= 64 throughout (wgmma; smaller tiles would lower to mma.sync)
 CLUSTERED = [(64, 128, 128, 4, 4), (128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 256, 64, 4, 4)]  # also at num_ctas=2
 CANDIDATES = [(64, 32, 128, 4, 4), (64, 32, 256, 4, 4), (64, 64, 128, 4, 4), (64, 64, 256, 3, 4), (64, 128, 64, 6, 4),

@@ -213,6 +213,11 @@ STEPS: dict[str, tuple[int, str]] = {
                        "--out {out}"),
     # the GEMM + SwiGLU epilogue (gemm.matmul_swiglu; off in the engine since session 12, contracts.gpu.SWIGLU_EPILOGUE) vs
     # the strict two launches and stock cuBLAS + silu_and_mul
+    # the GEMM against the number of 128 x 128 tiles at M = 256 / 512 (K = 4,096; N from 2,048 to 16,896; qkv is 6,144):
+    # is qkv's M = 256 gap its idle SMs or a shared bandwidth? (session 24)
+    "gemm_waves": (400, "python3 scripts/gpu_gemm_sweep.py --ms 256,512 --shapes k4096_n2048,k4096_n4096,qkv,k4096_n8192,"
+                        "k4096_n8448,k4096_n12288,k4096_n16896 --candidates contract,128x128x64_s4_w8,64x128x128_s4_w4,"
+                        "128x256x64_s3_w8 --name h200_gemm_waves.json --out {out}"),
     "gemm_swiglu": (300, "python3 scripts/gpu_gemm_sweep.py --swiglu --ms 1,16,64,256,512,1024,4096 --out {out}"),
     # FA3 with num_splits=1 (inside vLLM) vs rlkernel's Triton attention: speed and the bit properties a contract needs
     "fa3_compare": (300, "python3 scripts/gpu_fa3_compare.py --out {out}"),
