@@ -82,6 +82,12 @@ def test_model_state_class_is_vllms_default_with_the_sampler_hook():
     from rlkernel.integrations.vllm_compat import ContractLogprobSampler, strict_model_state_cls
     from rlkernel.integrations.vllm_model import StrictForCausalLM
 
+    import torch as _t
+
+    from rlkernel.integrations.vllm_compat import contract_logprobs_mode
+
+    if not _t.cuda.is_available():  # the CPU platform keeps raw_logits (its runners report compute_logits as is)
+        assert contract_logprobs_mode(1) == contract_logprobs_mode(2) == "raw_logits"
     cls = StrictForCausalLM.get_model_state_cls()
     assert issubclass(cls, DefaultModelState) and cls is not DefaultModelState and cls.__name__ == "StrictModelState"
     assert strict_model_state_cls().custom_sampler is not DefaultModelState.custom_sampler

