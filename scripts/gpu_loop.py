@@ -131,6 +131,10 @@ def _summary(a: dict) -> dict:
         "median_seconds": {k: med(f"time_{k}") for k in ("step", "rollout", "score", "update", "sync")},
         "median_tokens_per_second": med("tokens_per_second"),
         "first_step_seconds": round(lines[0]["time_step"], 2) if lines else None,
+        # of it, the trainer's first launches of rlkernel's Triton kernels (compiling on a cold machine; None: native
+        # or a run before this field)
+        "first_step_compile_seconds": lines[0].get("time_compile") if lines else None,
+        "compile_seconds_total": round(sum(x.get("time_compile") or 0.0 for x in lines), 2) if lines else None,
     }
 
 

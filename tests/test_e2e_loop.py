@@ -130,6 +130,7 @@ def test_strict_loop(tmp, strict_run):
         assert sum(len(r.response_ids) for r in recs) == m["compared_tokens"] == m["response_tokens"]
         assert abs(sum(r.reward for r in recs) / len(recs) - m["reward_mean"]) < 1e-9
         assert len({r.sampling.seed for r in recs}) == 16  # a seed per sample, recorded
+        assert "time_compile" in m and m["time_compile"] is None  # no Triton kernels run off CUDA (the field is always there)
         prov = json.loads((out / "provenance" / f"step_{m['step']:06d}.json").read_text())
         assert m["contracts_match"] and prov["contracts_match"]
         for side in ("rollout", "trainer"):  # both engines ran the strict contracts, and only those

@@ -101,6 +101,24 @@ def test_fast_path_runs_tritons_kernel_for_every_specialization():
 
 
 @cuda
+def test_first_launches_are_counted_once_per_specialization():
+    """launch.first_launch_stats counts a (kernel, specialization) the first time the fast path runs it (what the
+    trainer reports as a step's time_compile), and not again when it is served from the fast path's cache."""
+    from rlkernel.backends.triton import launch, reduce as R
+
+    x = torch.randn(333, 29, device="cuda")  # one launch of the tree kernel (<= 4,096 rows)
+    launch.reset()  # the fast path forgets its kernels: the next launch of any specialization is a first one
+    before = launch.first_launch_stats()
+    R.tree_sum_rows(x)
+    mid = launch.first_launch_stats()
+    R.tree_sum_rows(x)
+    R.tree_sum_rows(torch.randn(333, 29, device="cuda"))  # same specialization
+    after = launch.first_launch_stats()
+    assert mid["launches"] == before["launches"] + 1 and mid["seconds"] > before["seconds"]
+    assert after == mid
+
+
+@cuda
 def test_launch_hooks_take_tritons_own_path():
     from triton import knobs
 

@@ -128,7 +128,7 @@ def _advantages(records, cfg: VimeConfig) -> torch.Tensor:
 
 # the only fields of a metric line measured by the wall clock (and so not bitwise repeatable: an exact resume
 # reproduces every other field)
-WALL_CLOCK_FIELDS = ("time_rollout", "time_score", "time_update", "time_sync", "time_step", "tokens_per_second")
+WALL_CLOCK_FIELDS = ("time_rollout", "time_score", "time_update", "time_sync", "time_step", "tokens_per_second", "time_compile")
 
 
 def _step_metrics(step, records, stats, cmp, upd, version, t) -> dict:
@@ -146,6 +146,9 @@ def _step_metrics(step, records, stats, cmp, upd, version, t) -> dict:
         "reward_failures": dict(Counter(r.reward_status for r in records if r.reward_status != "ok")),
         "time_rollout": t[1] - t[0], "time_score": t[2] - t[1], "time_update": t[3] - t[2], "time_sync": t[4] - t[3],
         "time_step": t[4] - t[0], "tokens_per_second": tokens / max(t[4] - t[0], 1e-9),
+        # of the score and update: the trainer's first launches of rlkernel's Triton kernels (compiling them, once per
+        # machine: Triton caches them); None off CUDA
+        "time_compile": upd.get("time_compile"),
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 
@@ -43,6 +44,11 @@ class MetricSinks:
             os.fsync(f.fileno())
         if self.wandb is not None:
             self.wandb.log(_numbers(metrics), step=metrics["step"])
+        compile_s = metrics.get("time_compile")
+        if compile_s is not None and compile_s >= COMPILE_NOTE_SECONDS:  # say why a (first) step took long
+            self.bar.write(f"vime: step {metrics['step']} spent {compile_s:.0f} s of its {metrics['time_step']:.0f} s compiling "
+                           "rlkernel's Triton kernels for this GPU (once per machine: Triton caches them; "
+                           f"cache: {_triton_cache_dir()})", file=sys.stderr)
         self.bar.set_postfix(postfix(metrics))
         self.bar.update(1)
 
@@ -50,6 +56,14 @@ class MetricSinks:
         self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+COMPILE_NOTE_SECONDS = 10.0  # a step whose trainer compiled kernels this long says so under the progress bar
+
+
+def _triton_cache_dir() -> str:
+    """Where Triton keeps compiled kernels (TRITON_CACHE_DIR, else its default under the home directory)."""
+    return os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
 
 
 def arm_name(config: dict) -> str:

@@ -437,8 +437,21 @@ class MegatronTrainer:
                 raise NonFiniteUpdateError(self._nonfinite("global grad norm", grad_norm, inputs))
         self.weight_version += 1
         metrics = read_metrics({**metrics, "loss": loss.detach()})  # one read, after the step
-        metrics.update(grad_norm=grad_norm, weight_version=self.weight_version, tokens=int(mask.numel()))
+        metrics.update(grad_norm=grad_norm, weight_version=self.weight_version, tokens=int(mask.numel()),
+                       time_compile=self._compile_seconds())
         return metrics
+
+    def _compile_seconds(self) -> float | None:
+        """Wall seconds this trainer spent in first launches of rlkernel's Triton kernels since the previous update (so
+        the step's score and update; the first step's figure counts from the trainer's start): Triton compiling them,
+        or loading them from its disk cache. None off CUDA (no Triton kernels run)."""
+        if self.config.device != "cuda":
+            return None
+        from rlkernel.backends.triton.launch import first_launch_stats
+
+        total = first_launch_stats()["seconds"]
+        delta, self._compile_mark = total - getattr(self, "_compile_mark", 0.0), total
+        return round(delta, 3)
 
     def _nonfinite(self, what: str, value: float, inputs: dict) -> str:
         self.optimizer.zero_grad(set_to_none=True)

@@ -24,6 +24,7 @@ that they pick the same compiled kernel (tests/test_triton_launch.py on a GPU, `
 from __future__ import annotations
 
 import os
+import time
 
 FAST_ENV = "RLKERNEL_TRITON_FAST_LAUNCH"
 TESTED_TRITON = ("3.6",)  # the Triton minor versions whose JITFunction / CompiledKernel internals this was checked on
@@ -62,6 +63,18 @@ def _fast_ok() -> bool:
             ok = False
         _STATE["ok"] = ok
     return ok
+
+
+# kernels this process launched for the first time through the fast path (Triton compiled them, or loaded them from its
+# disk cache) and the wall seconds those first launches took: what a cold machine's first step spends compiling
+_FIRST = {"launches": 0, "seconds": 0.0}
+
+
+def first_launch_stats() -> dict:
+    """{"launches", "seconds"}: first launches of a (kernel, specialization) in this process on the fast path, and their
+    wall time (a compile, or a load from Triton's disk cache, plus the launch). Kernels that take Triton's own path
+    (interpreter, hooks, RLKERNEL_TRITON_FAST_LAUNCH=0) are not counted."""
+    return dict(_FIRST)
 
 
 _DEFAULT_OPTIONS = (False, "")  # (debug, instrumentation mode) under which kernels are cached: Triton's defaults
@@ -121,10 +134,15 @@ class FastKernel:
         except TypeError:  # an unhashable specialization value: Triton's own path
             return self.fn[grid](*args, **kwargs)
         if kernel is None or _hooks_active():
+            first = kernel is None
+            t0 = time.perf_counter()
             kernel = self.fn[grid](*args, **kwargs)  # launches (compiling if needed) and returns the kernel it ran
             if hasattr(kernel, "result"):
                 kernel = kernel.result()
             if kernel is not None and not _hooks_active() and _options_now() == _DEFAULT_OPTIONS:
+                if first:  # counted once per cached key (under hooks every launch comes here and none is cached)
+                    _FIRST["launches"] += 1
+                    _FIRST["seconds"] += time.perf_counter() - t0
                 self._kernels[key] = kernel
                 _CACHES.add(self)
             return kernel
