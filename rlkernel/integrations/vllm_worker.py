@@ -80,4 +80,5 @@ class StrictWorkerExtension:
             "runner": type(self.model_runner).__module__ + "." + type(self.model_runner).__name__,
             "logprobs_mode": getattr(model, "logprobs_mode", None),
             "contract_sampler": bool(getattr(model, "contract_sampler", False)),  # V2: reported logprobs via the wrapper
+            "contract_sampler_calls": int(getattr(model, "contract_sampler_calls", 0)),  # sampler steps it has served so far
         }
