@@ -239,10 +239,12 @@ def run(args) -> dict:
             cfg = TrainerConfig(device=args.device, dtype=args.dtype, mode=mode, lr=2e-5, seed=7, grpo=GRPOConfig())
             with MegatronTrainer(cfg) as tr:
                 tr.load_hf(ckpt)
-                step = 0
-                for _ in range(args.warmup):
+                step, warm = 0, []
+                for _ in range(args.warmup):  # the first compiles rlkernel's Triton kernels on a cold machine
                     step += 1
-                    tr.update(_batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"]))
+                    t0 = time.perf_counter()
+                    m = tr.update(_batch(step, args.sequences, args.prompt, args.response, shape["vocab_size"]))
+                    warm.append({"seconds": round(time.perf_counter() - t0, 3), "time_compile": m.get("time_compile")})
                 times = []
                 for _ in range(args.repeat):
                     step += 1
@@ -263,7 +265,7 @@ def run(args) -> dict:
                 prof["host_functions"] = _host_functions(tr, _batch(step, args.sequences, args.prompt, args.response,
                                                                     shape["vocab_size"]), args.top)
                 report["modes"][mode] = {"update_seconds": [round(t, 4) for t in times], "median_seconds": round(statistics.median(times), 4),
-                                         "profile": prof}
+                                         "warmup": warm, "profile": prof}
             print(f"{mode}: median update {report['modes'][mode]['median_seconds']} s, {prof['device_kernels']} device kernels, "
                   f"{prof['launch_calls']} launch calls", flush=True)
         if "strict" in args.modes.split(",") and not args.skip_poison:

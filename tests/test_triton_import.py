@@ -157,6 +157,7 @@ def test_gpu_harness_skips_without_cuda(tmp_path):
     for mode in ("strict", "native"):
         m = rep["modes"][mode]
         assert m["median_seconds"] > 0 and m["profile"]["wall_seconds"] > 0 and m["profile"]["top_by_host"], (mode, m)
+        assert [w["time_compile"] for w in m["warmup"]] == [None] and m["warmup"][0]["seconds"] > 0  # no Triton off CUDA
         sites = m["profile"]["op_sites"]
         assert sites["ops"] >= sum(x["ops"] for x in sites["top"]) > 0 and all(":" in x["site"] for x in sites["top"][:3])
         reads = m["profile"]["readbacks"]  # every update reads at least its loss and grad norm back to the host
