@@ -210,7 +210,8 @@ def paired(args, engines: list[str]) -> dict:
         raise SystemExit(f"bench_rollout --paired: two different engines; got {engines}")
     # the ratio is the second over the first: stock first where one is stock, else as listed (e.g. strict_graphs_v1,
     # strict_graphs: the strict engine on V2 over itself on V1)
-    stock, strict = sorted(engines, key=lambda w: not w.startswith("stock")) if engines[1].startswith("stock") else engines
+    swap = engines[1].startswith("stock") and not engines[0].startswith("stock")
+    stock, strict = engines[::-1] if swap else engines
     argv = [a for a in sys.argv[1:] if a != "--paired"]
     log_dir = tempfile.mkdtemp(prefix="bench_rollout_")
     served, runners = {}, {}

@@ -208,7 +208,8 @@ def run(args) -> dict:
     if args.restart_check:
         phases["v1_restart"] = _restart_phase(args, engine, new, scorer, prompts, specs, comps)
     last = phases[f"v{versions[-1]}"]
-    report = dict(mode=args.mode, attention=args.attention, engine=engine.config.engine, cuda_graphs=not engine.config.enforce_eager, scorer=args.scorer, scorer_device=device, engine_tp=args.tp, row_segments=args.row_segments, engine_row_segments=engine.provenance.engine_args.get("worker", {}).get("row_segments"), engine_workers=engine.provenance.engine_args.get("worker", {}).get("workers"), engine_runner=engine.provenance.engine_args.get("worker", {}).get("runner"), engine_logprobs_mode=engine.provenance.engine_args.get("worker", {}).get("logprobs_mode"), engine_contract_sampler=engine.provenance.engine_args.get("worker", {}).get("contract_sampler"), engine_tp_ranks=engine.provenance.engine_args.get("worker", {}).get("tp_ranks"), model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
+    worker = engine.provenance.engine_args.get("worker", {})  # the strict engine's rlkernel_info ({} for stock vLLM)
+    report = dict(mode=args.mode, attention=args.attention, engine=engine.config.engine, cuda_graphs=not engine.config.enforce_eager, scorer=args.scorer, scorer_device=device, engine_tp=args.tp, row_segments=args.row_segments, engine_row_segments=worker.get("row_segments"), engine_workers=worker.get("workers"), engine_runner=worker.get("runner"), engine_logprobs_mode=worker.get("logprobs_mode"), engine_contract_sampler=worker.get("contract_sampler"), engine_tp_ranks=worker.get("tp_ranks"), model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
                   temperature=args.temperature, engine_start_seconds=round(engine.provenance.start_seconds, 2),
                   total_seconds=round(time.perf_counter() - t0, 2), phases=phases,
                   mismatch_count=sum(p["mismatch_count"] for p in phases.values()),

@@ -62,8 +62,12 @@ COMPILE_NOTE_SECONDS = 10.0  # a step whose trainer compiled kernels this long s
 
 
 def _triton_cache_dir() -> str:
-    """Where Triton keeps compiled kernels (TRITON_CACHE_DIR, else its default under the home directory)."""
-    return os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
+    """Where Triton keeps compiled kernels: Triton's own setting (`knobs.cache.dir`: TRITON_CACHE_DIR or its default)."""
+    try:
+        from triton import knobs
+    except ImportError:  # only a CUDA run (which has Triton) reports compile time
+        return os.environ.get("TRITON_CACHE_DIR", "Triton's default")
+    return knobs.cache.dir
 
 
 def arm_name(config: dict) -> str:
