@@ -218,6 +218,16 @@ STEPS: dict[str, tuple[int, str]] = {
     "gemm_waves": (400, "python3 scripts/gpu_gemm_sweep.py --ms 256,512 --shapes k4096_n2048,k4096_n4096,qkv,k4096_n8192,"
                         "k4096_n8448,k4096_n12288,k4096_n16896 --candidates contract,128x128x64_s4_w8,64x128x128_s4_w4,"
                         "128x256x64_s3_w8 --name h200_gemm_waves.json --out {out}"),
+    # the attention prefill's kernel feature by feature (TMA loads, load masks, alpha's where, the segment accumulator,
+    # the tile), each variant bit-checked against production and timed against SDPA's backends (issue 10: 0.56-0.60x)
+    "attn_sweep": (420, "python3 scripts/gpu_attn_sweep.py --out {out}"),
+    # the production attention at candidate contract tiles (block_n, seg_keys): prefill, decode at batch 1-256, bits
+    "attn_contracts": (420, "python3 scripts/gpu_attn_sweep.py --contracts --out {out}"),
+    # after a change that keeps the bits (session 25: the packed prefill's K / V through TMA): the committed golden bits
+    # checked, then issue 10's timing and train ratios, then the 1,000,000-token parity (hash 8f3204762ef5c300 so far),
+    # merged into the harness JSON
+    "strict_recheck": (590, "python3 -m rlkernel.golden --check-gpu && python3 scripts/gpu_strict_parity.py --only "
+                            "timing,train,parity --merge benchmarks/h200_strict_parity.json --out {out}"),
     "gemm_swiglu": (300, "python3 scripts/gpu_gemm_sweep.py --swiglu --ms 1,16,64,256,512,1024,4096 --out {out}"),
     # FA3 with num_splits=1 (inside vLLM) vs rlkernel's Triton attention: speed and the bit properties a contract needs
     "fa3_compare": (300, "python3 scripts/gpu_fa3_compare.py --out {out}"),

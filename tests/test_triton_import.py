@@ -200,6 +200,18 @@ _INTERPRET = textwrap.dedent('''
     assert (full[:29] - ref).abs().max() < 1e-4
     assert torch.equal(full, rk.attention_varlen(q, k, v, cu, config=acfg, split=True))
     assert torch.equal(full, rk.attention_varlen(q, k, v, cu, config=acfg, split=False, walk="nested"))
+    # packed K / V load through tensor descriptors (TMA on the GPU; the interpreter runs them too): the same bits as the
+    # pointer loads, also for K / V as views of a fused qkv projection (rows strided past the heads)
+    from rlkernel.backends.triton import attention as A_
+    assert A_._tma_ok(k, v, d, d)
+    A_._TMA_ENABLED = False
+    assert torch.equal(full, rk.attention_varlen(q, k, v, cu, config=acfg))
+    assert torch.equal(full, rk.attention_varlen(q, k, v, cu, config=acfg, split=True))
+    A_._TMA_ENABLED = True
+    qkv = torch.cat([q, k, v], 1)
+    qv, kv_, vv_ = qkv.split([hq, hkv, hkv], 1)
+    assert A_._tma_ok(kv_, vv_, d, d) and kv_.stride(0) == (hq + 2 * hkv) * d
+    assert torch.equal(full, rk.attention_varlen(qv, kv_, vv_, cu, config=acfg))
     kc = torch.full((12, 4, hkv, d), float("nan")); vc = kc.clone()
     bt = torch.tensor([[7, 2, 9, 0, 11, 4, 1, 8], [3, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.int32)
     for i, L in enumerate(lens):

@@ -22,6 +22,7 @@ One formulation serves packed varlen prefill, paged-KV decode and chunked prefil
 """
 from __future__ import annotations
 
+import os
 
 import torch
 import triton
@@ -30,6 +31,11 @@ import triton.language as tl
 from . import contracts as C
 from .tile import _dot
 from .launch import fast, cdiv, next_pow2
+from .gemm import _ensure_allocator
+
+# packed prefill's K / V through the bulk tensor copy engine (TMA; 1.17-1.26x the pointer loads on the H200, same bits:
+# benchmarks/h200_session25/call1); RLKERNEL_ATTENTION_TMA=0 keeps the pointer loads (a check or a bisection)
+_TMA_ENABLED = os.environ.get("RLKERNEL_ATTENTION_TMA", "1") != "0"
 
 _LOG2E = 1.4426950408889634
 _NEG_INF = float("-inf")
@@ -38,18 +44,23 @@ _NEG_INF = float("-inf")
 @triton.jit
 def _chunk(q, m, l, acc, k_ptr, v_ptr, bt_ptr, req, kvh, c, kv_len, kv_start, qpos, qk_scale,
            skb, skt, skh, sbt, MASK: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
     kpos = c * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = kpos < kv_len
-    if PAGED:
-        page = tl.load(bt_ptr + req * sbt + kpos // PAGE, mask=valid, other=0).to(tl.int64)
-        roff = page * skb + (kpos % PAGE) * skt
+    if TMA:  # k_ptr / v_ptr are tensor descriptors of [rows, Hkv * D]: keys past kv_len are the next sequence's (or
+        # zeros past the buffer), which the causal mask below makes p == 0 exactly, as the zero rows of the loads are
+        k = k_ptr.load([kv_start + c * BLOCK_N, kvh * D])
+        v = v_ptr.load([kv_start + c * BLOCK_N, kvh * D])
     else:
-        roff = (kv_start + kpos).to(tl.int64) * skt
-    d = tl.arange(0, D)
-    off = roff[:, None] + kvh * skh + d[None, :]
-    k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
-    v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
+        valid = kpos < kv_len
+        if PAGED:
+            page = tl.load(bt_ptr + req * sbt + kpos // PAGE, mask=valid, other=0).to(tl.int64)
+            roff = page * skb + (kpos % PAGE) * skt
+        else:
+            roff = (kv_start + kpos).to(tl.int64) * skt
+        d = tl.arange(0, D)
+        off = roff[:, None] + kvh * skh + d[None, :]
+        k = tl.load(k_ptr + off, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + off, mask=valid[:, None], other=0.0)
     s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), IEEE)
     if MASK:
         s = tl.where(kpos[None, :] <= qpos[:, None], s, float("-inf"))
@@ -66,7 +77,7 @@ def _chunk(q, m, l, acc, k_ptr, v_ptr, bt_ptr, req, kvh, c, kv_len, kv_start, qp
 @triton.jit
 def _segment(q, seg, n_chunks, n_full, k_ptr, v_ptr, bt_ptr, req, kvh, kv_len, kv_start, qpos, qk_scale,
              skb, skt, skh, sbt, SEG_CHUNKS: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
     m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
@@ -75,10 +86,10 @@ def _segment(q, seg, n_chunks, n_full, k_ptr, v_ptr, bt_ptr, req, kvh, kv_len, k
     cf = tl.minimum(tl.maximum(n_full, c0), c1)
     for c in range(c0, cf):  # every key visible to every row of the tile
         m, l, acc = _chunk(q, m, l, acc, k_ptr, v_ptr, bt_ptr, req, kvh, c, kv_len, kv_start, qpos, qk_scale,
-                           skb, skt, skh, sbt, False, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE)
+                           skb, skt, skh, sbt, False, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE, TMA)
     for c in range(cf, c1):  # the causal edge (and the kv end)
         m, l, acc = _chunk(q, m, l, acc, k_ptr, v_ptr, bt_ptr, req, kvh, c, kv_len, kv_start, qpos, qk_scale,
-                           skb, skt, skh, sbt, True, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE)
+                           skb, skt, skh, sbt, True, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE, TMA)
     return m, l, acc
 
 
@@ -139,7 +150,8 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr
               sqt, sqh, sot, soh, skb, skt, skh, sbt, qk_scale, n_tiles, nseg,
               G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
               SEG_CHUNKS: tl.constexpr, PAGED: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr,
-              IEEE: tl.constexpr, STORE_LSE: tl.constexpr, NESTED: tl.constexpr = False):
+              IEEE: tl.constexpr, STORE_LSE: tl.constexpr, NESTED: tl.constexpr = False, TMA: tl.constexpr = False,
+              kv_rows=0):
     pid0 = tl.program_id(0)
     req = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -160,10 +172,16 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr
         d = tl.arange(0, D)
         qrow = (q_start + tok_c).to(tl.int64)
         q = tl.load(q_ptr + qrow[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=row_ok[:, None], other=0.0)
+        if TMA:  # packed K / V [kv_rows, Hkv, D] with the heads contiguous in a row (the host checks): 2-D descriptors
+            k_src = tl.make_tensor_descriptor(k_ptr, [kv_rows, tl.num_programs(2) * D], [skt, 1], [BLOCK_N, D])
+            v_src = tl.make_tensor_descriptor(v_ptr, [kv_rows, tl.num_programs(2) * D], [skt, 1], [BLOCK_N, D])
+        else:
+            k_src = k_ptr
+            v_src = v_ptr
         if SPLIT:
             if seg < n_seg:
-                m, l, acc = _segment(q, seg, n_chunks, n_full, k_ptr, v_ptr, bt_ptr, req, kvh, kv_len, kv_start, qpos,
-                                     qk_scale, skb, skt, skh, sbt, SEG_CHUNKS, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE)
+                m, l, acc = _segment(q, seg, n_chunks, n_full, k_src, v_src, bt_ptr, req, kvh, kv_len, kv_start, qpos,
+                                     qk_scale, skb, skt, skh, sbt, SEG_CHUNKS, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE, TMA)
                 hq = tl.num_programs(2) * G
                 pidx = (qrow * hq + head) * nseg + seg
                 tl.store(po_ptr + pidx[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
@@ -176,8 +194,8 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr
             L = tl.zeros((BLOCK_M,), dtype=tl.float32)
             O = tl.zeros((BLOCK_M, D), dtype=tl.float32)
             for s in range(0, n_seg):
-                m, l, acc = _segment(q, s, n_chunks, n_full, k_ptr, v_ptr, bt_ptr, req, kvh, kv_len, kv_start, qpos,
-                                     qk_scale, skb, skt, skh, sbt, SEG_CHUNKS, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE)
+                m, l, acc = _segment(q, s, n_chunks, n_full, k_src, v_src, bt_ptr, req, kvh, kv_len, kv_start, qpos,
+                                     qk_scale, skb, skt, skh, sbt, SEG_CHUNKS, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE, TMA)
                 M, L, O = _merge(M, L, O, m, l, acc)
             _finish(o_ptr, lse_ptr, qrow, head, d, sot, soh, M, L, O, row_ok, G, STORE_LSE)
         else:
@@ -186,25 +204,31 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr
             M = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
             L = tl.zeros((BLOCK_M,), dtype=tl.float32)
             O = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-            m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-            l = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-            for c in range(0, n_full):  # every key visible to every row: no mask
-                if ((c % SEG_CHUNKS) == 0) & (c > 0):
-                    M, L, O = _merge(M, L, O, m, l, acc)
-                    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-                    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
-                    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-                m, l, acc = _chunk(q, m, l, acc, k_ptr, v_ptr, bt_ptr, req, kvh, c, kv_len, kv_start, qpos, qk_scale,
-                                   skb, skt, skh, sbt, False, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE)
-            for c in range(n_full, n_chunks):  # the causal edge (and the kv end)
-                if ((c % SEG_CHUNKS) == 0) & (c > 0):
-                    M, L, O = _merge(M, L, O, m, l, acc)
-                    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-                    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
-                    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-                m, l, acc = _chunk(q, m, l, acc, k_ptr, v_ptr, bt_ptr, req, kvh, c, kv_len, kv_start, qpos, qk_scale,
-                                   skb, skt, skh, sbt, True, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE)
+            if n_seg == 1:  # every key of the tile in segment 0: its chunk loop alone (no fold test inside the
+                # loop); the walk below does the same arithmetic there, never folding before the last merge
+                m, l, acc = _segment(q, 0, n_chunks, n_full, k_src, v_src, bt_ptr, req, kvh, kv_len, kv_start, qpos,
+                                     qk_scale, skb, skt, skh, sbt, SEG_CHUNKS, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE,
+                                     TMA)
+            else:
+                m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+                l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+                for c in range(0, n_full):  # every key visible to every row: no mask
+                    if ((c % SEG_CHUNKS) == 0) & (c > 0):
+                        M, L, O = _merge(M, L, O, m, l, acc)
+                        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+                        l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+                    m, l, acc = _chunk(q, m, l, acc, k_src, v_src, bt_ptr, req, kvh, c, kv_len, kv_start, qpos,
+                                       qk_scale, skb, skt, skh, sbt, False, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE, TMA)
+                for c in range(n_full, n_chunks):  # the causal edge (and the kv end)
+                    if ((c % SEG_CHUNKS) == 0) & (c > 0):
+                        M, L, O = _merge(M, L, O, m, l, acc)
+                        m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+                        l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                        acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+                    m, l, acc = _chunk(q, m, l, acc, k_src, v_src, bt_ptr, req, kvh, c, kv_len, kv_start, qpos,
+                                       qk_scale, skb, skt, skh, sbt, True, PAGED, PAGE, BLOCK_M, BLOCK_N, D, IEEE, TMA)
             M, L, O = _merge(M, L, O, m, l, acc)
             _finish(o_ptr, lse_ptr, qrow, head, d, sot, soh, M, L, O, row_ok, G, STORE_LSE)
 
@@ -265,18 +289,32 @@ def _launch(q, k, v, out, bt, q_start, q_len, kv_len, kv_start, n_tiles, max_kv,
         po = pml = out  # unused
     store_lse = lse is not None
     lse = lse if store_lse else out  # unused
+    tma = not paged and _tma_ok(k, v, skh, d)
+    if tma:
+        _ensure_allocator()
     _attn_fwd_fast[(n_tiles * (nseg if split else 1), B, hkv)](
         q, k, v, out, bt, q_start, q_len, kv_len, kv_start, po, pml, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), skb, skt, skh, bt.stride(0) if paged else 0,
         qk_scale, n_tiles, nseg, PAGED=paged, SPLIT=split, PAGE=cfg.page_size if not paged else k.shape[1],
-        IEEE=q.dtype == torch.float32, STORE_LSE=store_lse and not split, NESTED=walk == "nested",
-        num_warps=cfg.num_warps,
+        IEEE=q.dtype == torch.float32, STORE_LSE=store_lse and not split, NESTED=walk == "nested", TMA=tma,
+        kv_rows=k.shape[0] if tma else 0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, enable_fp_fusion=False, **common)
     if split:
         _attn_combine_fast[(n_tiles, B, hkv)](out, q_start, q_len, kv_len, po, pml, lse, out.stride(0), out.stride(1),
                                          n_tiles, nseg, STORE_LSE=store_lse, num_warps=cfg.num_warps,
                                          enable_fp_fusion=False, **common)
     return out
+
+
+def _tma_ok(k, v, skh, d) -> bool:
+    """Whether packed K / V [rows, Hkv, D] load through 2-D tensor descriptors [rows, Hkv * D]: on CUDA, the heads
+    contiguous in a row (stride D), and the base addresses and the row stride 16-byte aligned (the copy engine's rule).
+    Scheduling only: the descriptors load the same values as the pointer loads (session 25's sweep: equal bits)."""
+    if not _TMA_ENABLED or not (k.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
+        return False  # (the interpreter runs the descriptors too: the CPU suite checks their indexing)
+    es = k.element_size()
+    return (skh == d and k.stride(2) == 1 and v.stride() == k.stride() and k.data_ptr() % 16 == 0
+            and v.data_ptr() % 16 == 0 and (k.stride(0) * es) % 16 == 0)
 
 
 def _check_qkv(q, hkv, d):
