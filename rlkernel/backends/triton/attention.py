@@ -16,6 +16,10 @@ One formulation serves packed varlen prefill, paged-KV decode and chunked prefil
 * fp contraction is off and the FMAs are explicit, so the in-register merge (one program
   walks every segment) and the combine kernel (one program per segment) do the same
   arithmetic: split and unsplit give the same bits, and the host may choose either;
+* packed prefill loads K / V through tensor descriptors (the bulk copy engine, TMA) where the layout allows
+  (`_tma_ok`), the paged cache through pointer loads: the same values reach the same dots, so the same bits
+  (checked: the golden bits, the 1,123,092-token parity's hash, session 25); a tile whose keys all lie in segment 0
+  runs that segment's chunk loop alone (the flat walk never folds there before its last merge);
 * on request (varlen prefill, for training) the kernel that finishes a row also stores its
   log-sum-exp, lse = (M + log2 L) * ln 2 in natural log, from the final (M, L) of either path,
   so split and unsplit give the same lse bits too; the output path does not change.
