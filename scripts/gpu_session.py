@@ -223,6 +223,9 @@ STEPS: dict[str, tuple[int, str]] = {
     "attn_sweep": (420, "python3 scripts/gpu_attn_sweep.py --out {out}"),
     # the production attention at candidate contract tiles (block_n, seg_keys): prefill, decode at batch 1-256, bits
     "attn_contracts": (420, "python3 scripts/gpu_attn_sweep.py --contracts --out {out}"),
+    # compile-ahead (rlkernel/backends/triton/precompile.py) on cold caches: record a strict workload's kernels, then
+    # preload them in 16 threads (and in 1) before the same workload in fresh processes; bits hashed in each
+    "precompile_check": (560, "python3 scripts/gpu_precompile_check.py --out {out}"),
     # after a change that keeps the bits (session 25: the packed prefill's K / V through TMA): the committed golden bits
     # checked, then issue 10's timing and train ratios, then the 1,000,000-token parity (hash 8f3204762ef5c300 so far),
     # merged into the harness JSON
