@@ -2,15 +2,16 @@
 """Compile-ahead on a cold machine (rlkernel/backends/triton/precompile.py), measured: three fresh processes, three empty
 Triton caches, one strict workload.
 
-    python3 scripts/gpu_precompile_check.py [--out DIR] [--layers 2] [--threads 16]
+    python3 scripts/gpu_precompile_check.py [--out DIR] [--layers 2] [--workers 16] [--phases record,ahead,threads]
 
   record    empty cache A: the workload (a strict trainer's kernels: packed forward + logprob head + backward at two
             packings, a scoring forward) with the recorder on; its first launches' seconds (the cold cost) and the
             manifest it writes;
-  ahead     empty cache B: compile_ahead(manifest, --threads) first, then the same workload: the preload's wall time, the
-            first launches' seconds left, and how many kernels the JIT still had to compile or load (the recorder's
-            new entries during the workload; 0 when the manifest covered it);
-  serial    empty cache C: the same with one thread (the threads' speedup).
+  ahead     empty cache B: compile_ahead(manifest) first (--workers processes, then the preload), then the same
+            workload: compile-ahead's wall time, the first launches' seconds left, and how many kernels the JIT still
+            had to compile or load (the recorder's new entries during the workload; 0 when the manifest covered it);
+  threads   empty cache C: the same with no worker processes, the preload's 16 threads alone (session 25's first
+            version: 70 s for 114 s of serial compiles).
 Every process hashes the workload's logprobs and gradients: preloaded kernels must give the bits the recording process
 got (they are the kernels Triton's own JIT compiles for those specializations). Writes DIR/h200_precompile.json
 (DIR: $OUT, else benchmarks/); without CUDA {"skipped": ...}.
@@ -72,7 +73,8 @@ def child(args) -> dict:
     rec = precompile.Recorder().install()
     out = {"phase": args.child, "cache": os.environ.get("TRITON_CACHE_DIR")}
     if args.child != "record":
-        out["ahead"] = precompile.compile_ahead(args.manifest, args.threads)
+        workers = 1 if args.child == "threads" else args.workers
+        out["ahead"] = {k: v for k, v in precompile.compile_ahead(args.manifest, 16, workers).items()}
     before = len(rec.entries)
     t0 = time.perf_counter()
     try:
@@ -90,10 +92,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=16)
-    ap.add_argument("--child", choices=("record", "ahead", "serial"))
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--child", choices=("record", "ahead", "threads"))
     ap.add_argument("--manifest")
-    ap.add_argument("--phases", default="record,ahead,serial", help="which of record, ahead, serial to run")
+    ap.add_argument("--phases", default="record,ahead,threads", help="which of record, ahead, threads to run")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args)))
@@ -108,11 +110,11 @@ def main():
     res = {"device": torch.cuda.get_device_name(), "cpus": os.cpu_count(), "layers": args.layers, "phases": {}}
     tmp = Path(tempfile.mkdtemp(prefix="precompile_"))
     manifest = tmp / "triton_kernels.json"
-    for phase, threads in (("record", args.threads), ("ahead", args.threads), ("serial", 1)):
+    for phase in ("record", "ahead", "threads"):
         if phase not in args.phases.split(","):
             continue
         env = {**os.environ, "TRITON_CACHE_DIR": str(tmp / f"cache_{phase}")}
-        cmd = [sys.executable, __file__, "--child", phase, "--manifest", str(manifest), "--threads", str(threads),
+        cmd = [sys.executable, __file__, "--child", phase, "--manifest", str(manifest), "--workers", str(args.workers),
                "--layers", str(args.layers)]
         t0 = time.perf_counter()
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -129,17 +131,19 @@ def main():
         cold = ph["record"]["first_launches"]["seconds"]
         res["summary"] = {
             "cold_first_launch_seconds": round(cold, 2),
-            "ahead_seconds": ph["ahead"]["ahead"]["seconds"], "ahead_threads": ph["ahead"]["ahead"]["threads"],
+            "ahead_seconds": ph["ahead"]["ahead"]["seconds"], "ahead_workers": ph["ahead"]["ahead"]["workers"],
+            "ahead_worker_seconds": ph["ahead"]["ahead"]["worker_seconds"],
+            "ahead_preload_seconds": ph["ahead"]["ahead"]["preload_seconds"],
             "after_ahead_first_launch_seconds": round(ph["ahead"]["first_launches"]["seconds"], 2),
             "cold_to_ahead": round(cold / max(ph["ahead"]["ahead"]["seconds"]
                                               + ph["ahead"]["first_launches"]["seconds"], 1e-9), 2),
             "jit_compiles_left_after_ahead": ph["ahead"]["jit_compiles_or_loads_in_workload"],
             "bits_equal": len({ph[k]["hash"] for k in ph}) == 1,
             "skipped": ph["ahead"]["ahead"]["skipped"]}
-        if "serial" in ph:
-            res["summary"]["serial_ahead_seconds"] = ph["serial"]["ahead"]["seconds"]
-            res["summary"]["thread_speedup"] = round(ph["serial"]["ahead"]["seconds"]
-                                                     / max(ph["ahead"]["ahead"]["seconds"], 1e-9), 2)
+        if "threads" in ph:
+            res["summary"]["threads_only_ahead_seconds"] = ph["threads"]["ahead"]["seconds"]
+            res["summary"]["processes_vs_threads"] = round(ph["threads"]["ahead"]["seconds"]
+                                                           / max(ph["ahead"]["ahead"]["seconds"], 1e-9), 2)
     except Exception as e:  # noqa: BLE001
         res["summary_error"] = f"{type(e).__name__}: {e}"
     out_path.write_text(json.dumps(res, indent=1) + "\n")

@@ -24,10 +24,25 @@ def test_documented_overrides():
                                           ("data.layout=alpaca", "data.layout"), ("run.executor=slurm", "run.executor"),
                                           ("rlkernel.row_segments=3", "rlkernel.row_segments"),
                                           ("rlkernel.row_segments=0", "rlkernel.row_segments"),
-                                          ("trainer.profile_update=-1", "trainer.profile_update")])
+                                          ("trainer.profile_update=-1", "trainer.profile_update"),
+                                          ("trainer.compile_workers=0", "trainer.compile_workers")])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(Exception, match=key.replace(".", r"\.")):
         load_config("grpo_tiny", [override])
+
+
+def test_kernel_manifest_is_the_run_directorys_on_gpu_runs_a_named_path_or_off():
+    """trainer.kernel_manifest (compile-ahead of the Triton kernels): "auto" is run_dir/triton_kernels.json on a GPU run,
+    a path is taken as given, null turns it off; CPU runs compile no Triton kernels and get none."""
+    from vime.roles import _kernel_manifest
+
+    gpu = ["resources.gpus=1", "run.output_dir=/tmp/run_a"]
+    assert _kernel_manifest(load_config("grpo_qwen3_gpu", ["run.output_dir=/tmp/run_a"])[0]) == "/tmp/run_a/triton_kernels.json"
+    assert _kernel_manifest(load_config("grpo_tiny", gpu)[0]) == "/tmp/run_a/triton_kernels.json"
+    assert _kernel_manifest(load_config("grpo_tiny", gpu + ["trainer.kernel_manifest=/tmp/old/triton_kernels.json"])[0]) \
+        == "/tmp/old/triton_kernels.json"
+    assert _kernel_manifest(load_config("grpo_tiny", gpu + ["trainer.kernel_manifest=null"])[0]) is None
+    assert _kernel_manifest(load_config("grpo_tiny", ["run.output_dir=/tmp/run_a"])[0]) is None  # CPU
 
 
 def test_row_segments_reach_both_engines_and_bound_the_tp_size():

@@ -188,9 +188,18 @@ class TrainerSection:
     # run_dir/profile/update_step_N.json (host and device time, kernel launches, the host's waits for the device). That
     # step's wall times include the profiler's overhead
     profile_update: Optional[int] = None
+    # compile-ahead of rlkernel's Triton kernels (GPU runs; rlkernel/backends/triton/precompile.py): the trainer records
+    # every kernel specialization it compiles into this JSON manifest and, when the file exists at start, compiles its
+    # entries in parallel before the first step (a fresh machine's first strict step otherwise spends ~2 minutes
+    # compiling one kernel at a time). "auto": run_dir/triton_kernels.json (a resumed run, or a new run pointed at an
+    # old run's manifest, starts warm); null: off
+    kernel_manifest: Optional[str] = "auto"
+    compile_workers: Optional[int] = None  # compile-ahead's processes (null: the CPU count, at most 16)
 
     def __post_init__(self):
         _positive("trainer.total_steps", self.total_steps, example=20)
+        if self.compile_workers is not None:
+            _positive("trainer.compile_workers", self.compile_workers, example="8 (or null: the CPU count, at most 16)")
         _require(self.profile_update is None or (isinstance(self.profile_update, int) and self.profile_update >= 0),
                  "trainer.profile_update", f"must be a step index >= 0 or null, got {self.profile_update!r}", "set trainer.profile_update=10")
         _positive("trainer.lr", self.lr, example=1e-3)

@@ -161,6 +161,14 @@ class RolloutRole:
         self.engine.weight_version = int(version)
 
 
+def _kernel_manifest(cfg: VimeConfig) -> str | None:
+    """trainer.kernel_manifest as a path: "auto" is the run directory's triton_kernels.json; GPU runs only."""
+    m = cfg.trainer.kernel_manifest
+    if not m or not cfg.resources.gpus:
+        return None
+    return str(Path(cfg.run.output_dir) / "triton_kernels.json") if m == "auto" else str(Path(m).expanduser())
+
+
 class TrainerRole:
     def __init__(self, cfg: VimeConfig, model_path: str, weights: str | None = None, rank: int = 0, world_size: int = 1,
                  init_method: str | None = None):
@@ -181,7 +189,7 @@ class TrainerRole:
             mode=cfg.rlkernel.mode, ops=cfg.rlkernel.side_ops("trainer"), tp=t.tp, cp=t.cp, token_segments=t.token_segments, dtype=cfg.model.dtype,
             seed=cfg.run.seed, threads=t.threads, lr=t.lr, grad_clip=t.grad_clip, grpo=grpo,
             rank=rank, world_size=world_size, init_method=init_method, device="cuda" if cfg.resources.gpus else "cpu",
-            row_segments=cfg.rlkernel.row_segments,
+            row_segments=cfg.rlkernel.row_segments, kernel_manifest=_kernel_manifest(cfg), compile_workers=t.compile_workers,
         ))
         self._ipc_keep = None  # the tensors behind the last IPC handles: alive until the engine has copied them
         self.rank = rank

@@ -95,6 +95,10 @@ class TrainerConfig:
     rank: int = 0
     world_size: int = 1
     init_method: str | None = None
+    # cuda: the kernel manifest (rlkernel/backends/triton/precompile.py) this trainer records into and, when it exists
+    # at start, compiles ahead from (compile_workers processes; None: the CPU count, at most 16); None: neither
+    kernel_manifest: str | None = None
+    compile_workers: int | None = None
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -193,6 +197,8 @@ class MegatronTrainer:
         self.tp_group = self._ps.get_tensor_model_parallel_group()
         self.cp_group = self._ps.get_context_parallel_group() if c.cp > 1 else None
         self.dp_group = self._ps.get_data_parallel_group()
+        if c.device == "cuda":
+            self._compile_ahead()
 
     # ------------------------------------------------------------------ lifecycle
     def _policy(self, pack_weights: bool = False):
@@ -213,10 +219,49 @@ class MegatronTrainer:
             "mode": c.mode, "ops": dict(c.ops), "dtype": c.dtype, "contracts": contracts,
             "cpu_kernels": _cpu_kernels_status(c.device),
             "gpu_kernels": _gpu_kernels_status(c.device),
+            "kernel_manifest": c.kernel_manifest, "compile_ahead": getattr(self, "compile_ahead_stats", None),
         }
+
+    def _compile_ahead(self) -> None:
+        """cuda + kernel_manifest: record every rlkernel kernel this trainer compiles; if the manifest exists, compile
+        its entries first (in compile_workers processes) and preload them, so the first step's launches find them."""
+        self.compile_ahead_stats = None
+        path = self.config.kernel_manifest
+        if not path:
+            return
+        from rlkernel.backends.triton import precompile
+
+        self._kernel_recorder = precompile.Recorder().install()
+        group = dist.get_world_size() > 1
+        if Path(path).exists():  # (every rank sees the same file: the run directory, or the path the recipe names)
+            n = len(precompile.load(path)["entries"])
+            if dist.get_rank() == 0:
+                print(f"[vime] compiling {n} rlkernel kernels ahead from {path} ...", flush=True)
+            if group:  # rank 0's processes fill the shared disk cache once; then every rank preloads from it
+                if dist.get_rank() == 0:
+                    precompile.compile_ahead(path, workers=self.config.compile_workers, preload=False)
+                dist.barrier()
+            st = precompile.compile_ahead(path, workers=1 if group else self.config.compile_workers)
+            self.compile_ahead_stats = {k: v for k, v in st.items() if k != "worker_reports"}
+            if dist.get_rank() == 0:
+                print(f"[vime] compile-ahead: {st['preloaded']}/{st['entries']} kernels in {st['seconds']:.1f} s"
+                      + (f"; skipped: {st['skipped']}" if st["skipped"] else ""), flush=True)
+
+    def _save_kernel_manifest(self) -> None:
+        rec = getattr(self, "_kernel_recorder", None)
+        if rec is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            try:
+                rec.save(self.config.kernel_manifest)
+            except OSError as e:  # a read-only or full disk: the run goes on, the next start compiles as before
+                print(f"[vime] could not write the kernel manifest {self.config.kernel_manifest}: {e}", flush=True)
 
     def close(self) -> None:
         """Destroy parallel_state (and the process group if the engine created it); restore torch settings."""
+        self._save_kernel_manifest()
+        rec = getattr(self, "_kernel_recorder", None)
+        if rec is not None:
+            rec.uninstall()
+            self._kernel_recorder = None
         if self._ps.model_parallel_is_initialized():
             self._ps.destroy_model_parallel()
         if self._owns_pg and dist.is_initialized():
@@ -439,6 +484,7 @@ class MegatronTrainer:
         metrics = read_metrics({**metrics, "loss": loss.detach()})  # one read, after the step
         metrics.update(grad_norm=grad_norm, weight_version=self.weight_version, tokens=int(mask.numel()),
                        time_compile=self._compile_seconds())
+        self._save_kernel_manifest()  # the kernels this step compiled, for the next start (no-op when none are new)
         return metrics
 
     def _compile_seconds(self) -> float | None:

@@ -1,24 +1,27 @@
 """Compile-ahead for rlkernel's Triton kernels: record what a run compiled, compile it in parallel before the next run.
 
-Why: a strict trainer's first step on a fresh machine spends ~125 s compiling Triton kernels one after another, as each
-(kernel, specialization) is first launched (H200 sessions 22 and 24). Triton compiles in parallel threads (its own
-`AsyncCompileMode`; the GIL is released through the compiler: `scripts/bench_triton_compile.py`, 1.75x on two cores),
-but only for kernels it knows about in advance.
+Why: a strict trainer's first step on a fresh machine spends ~2 minutes compiling Triton kernels one after another, as
+each (kernel, specialization) is first launched (H200 sessions 22 and 24: 125-130 s; session 25: 63 kernels of a strict
+forward + backward, 114 s of first launches).
 
-- `Recorder` (Triton's official hook, `knobs.runtime.jit_cache_hook`, chained after any hook already set): every time a
-  process's JIT is about to compile or load a kernel of rlkernel's (`rlkernel.*` modules), it keeps Triton's own
-  serialisation of that specialization (`specialization_data`: signature, constexprs, attributes, options, the JIT's
-  cache key) — what `JITFunction.preload` takes. Nothing else changes: the hook returns the chained hook's answer.
+- `Recorder` (Triton's official hooks, `knobs.runtime.jit_cache_hook` / `jit_post_compile_hook`, chained after any
+  hooks already set): every time a process's JIT is about to compile or load a kernel of rlkernel's (`rlkernel.*`
+  modules), it keeps Triton's own serialisation of that specialization (`specialization_data`: signature, constexprs,
+  attributes, options, the JIT's cache key: what `JITFunction.preload` takes) and the compile's seconds. Nothing else
+  changes: the hooks return the chained hooks' answers.
 - `save(path)` merges the recorded entries into a JSON manifest (deduplicated by kernel and Triton's key; written
   atomically), tagged with the Triton version that made it.
-- `compile_ahead(path, threads)` preloads every entry through `JITFunction.preload` under Triton's `AsyncCompileMode`
-  on a thread pool: each specialization lands in Triton's disk cache and in the kernel's in-memory cache, so its first
-  launch compiles nothing. Which kernel runs, and so every bit, is still Triton's choice for that launch: a preloaded
-  kernel is the one its own JIT would compile for the same specialization (the key is Triton's). Entries that no longer
-  fit (a kernel renamed or with another signature since the manifest was written, another Triton version) are skipped
-  and counted with their reason, never fatal: they compile at first launch as before.
+- `compile_ahead(path)`: worker processes (`--worker i/n`) compile their shares (`plan`: longest recorded compile
+  first, to the least-loaded worker) for the device's target into Triton's disk cache, without a GPU context; then the
+  calling process preloads every entry (`JITFunction.preload` under Triton's `AsyncCompileMode`), which finds them on
+  disk and fills the kernels' in-memory caches, so their first launches compile nothing. Threads alone do not scale
+  (H200, session 25: 16 threads took 70 s for the 114 s above: Triton's frontend holds the GIL); processes do not
+  share it. Which kernel runs, and so every bit, is still Triton's choice: a preloaded kernel is the one its own JIT
+  compiles for that specialization (the same key; the session-25 check hashed the bits with and without). Entries that
+  no longer fit (a kernel renamed or with another signature since, another Triton version) are skipped and counted with
+  their reason, never fatal: they compile at first launch as before.
 
-CLI: `python -m rlkernel.backends.triton.precompile MANIFEST [--threads N]` warms this machine's Triton cache from a
+CLI: `python -m rlkernel.backends.triton.precompile MANIFEST [--workers N]` warms this machine's Triton cache from a
 manifest (on a GPU); vime's trainer does it at start from `trainer.kernel_manifest` (default: the run directory's
 `triton_kernels.json`) and records into the same file.
 """
@@ -44,45 +47,70 @@ def _triton_version() -> str | None:
 
 
 class Recorder:
-    """Keeps the specialization data of every rlkernel kernel this process's Triton JIT compiles or loads."""
+    """Keeps the specialization data of every rlkernel kernel this process's Triton JIT compiles or loads, and the
+    seconds each compile took (Triton's pre- and post-compile hooks; a compile inline in the launching thread)."""
 
     def __init__(self):
         self.entries: dict[tuple[str, str], str] = {}  # (kernel full name, Triton's key) -> specialization data
+        self.seconds: dict[tuple[str, str], float] = {}  # the same -> compile (or disk-cache load) wall seconds
         self._lock = threading.Lock()
-        self._prev = None
+        self._started: dict[tuple[str, str], float] = {}
+        self._prev = self._prev_post = None
         self._installed = False
+
+    @staticmethod
+    def _ident(key, fn, compile):  # noqa: A002
+        data = (compile or {}).get("specialization_data")
+        module = getattr(fn, "module", "") or ""
+        if not data or not str(module).startswith(_PREFIX):
+            return None, None
+        return (json.loads(data)["name"], str(key)), data
 
     def hook(self, *, key=None, fn=None, compile=None, **kwargs):  # noqa: A002 -- Triton's keyword names
         """knobs.runtime.jit_cache_hook: called before Triton compiles (or loads from its disk cache) a kernel."""
-        data = (compile or {}).get("specialization_data")
-        module = getattr(fn, "module", "") or ""
-        if data and module.startswith(_PREFIX):
-            name = json.loads(data)["name"]
+        ident, data = self._ident(key, fn, compile)
+        if ident is not None:
             with self._lock:
-                self.entries.setdefault((name, str(key)), data)
+                self.entries.setdefault(ident, data)
+                self._started[ident] = time.perf_counter()
         prev = self._prev
+        return prev(key=key, fn=fn, compile=compile, **kwargs) if prev is not None else None
+
+    def post_hook(self, *, key=None, fn=None, compile=None, **kwargs):  # noqa: A002
+        """knobs.runtime.jit_post_compile_hook: the compile's wall seconds (kept: the largest seen)."""
+        ident, _ = self._ident(key, fn, compile)
+        if ident is not None:
+            with self._lock:
+                t0 = self._started.pop(ident, None)
+                if t0 is not None:
+                    self.seconds[ident] = max(self.seconds.get(ident, 0.0), time.perf_counter() - t0)
+        prev = self._prev_post
         return prev(key=key, fn=fn, compile=compile, **kwargs) if prev is not None else None
 
     def install(self) -> "Recorder":
         from triton import knobs
 
         if not self._installed:
-            self._prev = knobs.runtime.jit_cache_hook
+            self._prev, self._prev_post = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
             knobs.runtime.jit_cache_hook = self.hook
+            knobs.runtime.jit_post_compile_hook = self.post_hook
             self._installed = True
         return self
 
     def uninstall(self) -> None:
         from triton import knobs
 
-        if self._installed and knobs.runtime.jit_cache_hook is self.hook:
-            knobs.runtime.jit_cache_hook = self._prev
+        if self._installed:
+            if knobs.runtime.jit_cache_hook == self.hook:
+                knobs.runtime.jit_cache_hook = self._prev
+            if knobs.runtime.jit_post_compile_hook == self.post_hook:
+                knobs.runtime.jit_post_compile_hook = self._prev_post
         self._installed = False
 
     def save(self, path: str | os.PathLike) -> int:
         """Merge the recorded entries into the manifest at `path`; the number of entries new to it."""
         with self._lock:
-            recorded = dict(self.entries)
+            recorded = {k: (d, self.seconds.get(k)) for k, d in self.entries.items()}
         return save_entries(path, recorded)
 
 
@@ -97,23 +125,51 @@ def load(path: str | os.PathLike) -> dict:
     return doc
 
 
-def save_entries(path: str | os.PathLike, entries: dict[tuple[str, str], str]) -> int:
-    """Merge {(kernel, key): specialization data} into the manifest at `path` (atomic replace); how many were new.
-    A manifest written by another Triton version is replaced, not merged (its entries would not preload here)."""
+def save_entries(path: str | os.PathLike, entries: dict) -> int:
+    """Merge {(kernel, key): specialization data, or (data, compile seconds)} into the manifest at `path` (atomic
+    replace); how many were new. A manifest written by another Triton version is replaced, not merged (its entries
+    would not preload here). An entry's seconds are the largest seen (they order the compiles: longest first)."""
     p = Path(path)
-    doc = load(p) if p.exists() else {"format": FORMAT, "triton": _triton_version(), "entries": []}
+    try:
+        doc = load(p)
+    except (ValueError, UnicodeDecodeError):  # a damaged file (a crash mid-write elsewhere): replaced by what we have
+        doc = {}
     if doc.get("triton") != _triton_version():
         doc = {"format": FORMAT, "triton": _triton_version(), "entries": []}
-    have = {(e["kernel"], e["key"]) for e in doc["entries"]}
-    new = [{"kernel": k, "key": key, "data": d} for (k, key), d in sorted(entries.items()) if (k, key) not in have]
-    if not new and p.exists():
+    have = {(e["kernel"], e["key"]): e for e in doc["entries"]}
+    new = changed = 0
+    for (k, key), v in sorted(entries.items()):
+        data, sec = v if isinstance(v, tuple) else (v, None)
+        e = have.get((k, key))
+        if e is None:
+            e = have[(k, key)] = {"kernel": k, "key": key, "seconds": None, "data": data}
+            doc["entries"].append(e)
+            new += 1
+        if sec is not None and (e.get("seconds") is None or sec > e["seconds"]):
+            e["seconds"] = round(sec, 3)
+            changed += 1
+    if not (new or changed) and p.exists():
         return 0
-    doc["entries"].extend(new)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=0) + "\n")
     os.replace(tmp, p)
-    return len(new)
+    return new
+
+
+def plan(entries: list, workers: int) -> list[list[int]]:
+    """Entry indices per worker: longest recorded compile first, each to the least-loaded worker (LPT; an entry with
+    no recorded time counts as the median of the others). The same manifest gives every worker the same plan."""
+    secs = [e.get("seconds") for e in entries]
+    known = sorted(x for x in secs if x is not None)
+    fill = known[len(known) // 2] if known else 1.0
+    order = sorted(range(len(entries)), key=lambda i: (-(secs[i] if secs[i] is not None else fill), i))
+    loads, shares = [0.0] * workers, [[] for _ in range(workers)]
+    for i in order:
+        w = min(range(workers), key=lambda j: (loads[j], j))
+        shares[w].append(i)
+        loads[w] += secs[i] if secs[i] is not None else fill
+    return shares
 
 
 def _resolve(full_name: str):
@@ -133,15 +189,103 @@ def _resolve(full_name: str):
     return None, f"{full_name}: module not importable"
 
 
-def compile_ahead(path: str | os.PathLike, threads: int | None = None, progress=None) -> dict:
-    """Preload every entry of the manifest at `path` into Triton's caches, `threads` compiles at a time (default:
-    the CPU count, at most 32). Needs the GPU the kernels are for (the current CUDA device). Returns
-    {"entries", "preloaded", "skipped": {reason: count}, "seconds", "threads"}; `progress(done, total)` after each."""
+def _source(fn, data: str, backend):
+    """(ASTSource, options) for one entry, deserialised as Triton 3.6's `JITFunction.preload` does, so a worker's
+    compile has the key (and lands in the disk-cache slot) that the preload in the training process looks up."""
+    import triton.language as tl
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import convert_to_tuple_if_list
+
+    obj = json.loads(data)
+    if obj["name"] != fn._fn_name:
+        raise RuntimeError(f"specialization data is for {obj['name']}, not {fn._fn_name}")
+    constexprs = {tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else
+                  tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+                  for k, v in zip(obj["constant_keys"], obj["constant_vals"])}
+    attrs = dict(zip(map(tuple, obj["attrs_keys"]), obj["attrs_vals"]))
+    signature = {k: convert_to_tuple_if_list(v) for k, v in obj["signature"].items()}
+    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in obj["options"].items()})
+    return ASTSource(fn, signature, constexprs, attrs), options
+
+
+def compile_share(path: str | os.PathLike, target: str, worker: int, workers: int) -> dict:
+    """A worker's share of the manifest (`plan`), compiled for `target` ("cuda:90:32") into Triton's disk cache without
+    a GPU context: {"compiled", "skipped": {reason: n}, "seconds"}."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile, make_backend
+
     t0 = time.perf_counter()
-    doc = load(path)
+    be, arch, warp = target.split(":")
+    tgt = GPUTarget(be, int(arch) if arch.isdigit() else arch, int(warp))
+    backend = make_backend(tgt)
+    entries = load(path)["entries"]
+    out = {"worker": worker, "compiled": 0, "skipped": {}}
+    for i in plan(entries, workers)[worker]:
+        e = entries[i]
+        fn, why = _resolve(e["kernel"])
+        try:
+            if fn is None:
+                raise LookupError(why)
+            src, options = _source(fn, e["data"], backend)
+            triton_compile(src, target=tgt, options=options.__dict__)
+            out["compiled"] += 1
+        except Exception as ex:  # noqa: BLE001 -- counted; the preload (or the first launch) compiles it instead
+            r = f"{e['kernel']}: {type(ex).__name__}: {str(ex)[:160]}"
+            out["skipped"][r] = out["skipped"].get(r, 0) + 1
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
+def _run_workers(path, target: str, workers: int, timeout: float) -> list[dict]:
+    """`workers` processes compiling their shares into this process's Triton cache dir; their reports."""
+    import subprocess
+    import sys
+
+    from triton import knobs
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(knobs.cache.dir)}
+    procs = [subprocess.Popen([sys.executable, "-m", __name__, str(path), "--worker", f"{i}/{workers}", "--target",
+                               target], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(workers)]
+    reports = []
+    deadline = time.monotonic() + timeout
+    for i, p in enumerate(procs):
+        try:
+            so, se = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            rep = json.loads(so.strip().splitlines()[-1]) if p.returncode == 0 and so.strip() else \
+                {"worker": i, "error": f"rc {p.returncode}: {se.strip()[-300:]}"}
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            rep = {"worker": i, "error": f"timed out after {timeout:.0f} s"}
+        except ValueError as ex:
+            rep = {"worker": i, "error": f"unreadable report: {ex}"}
+        reports.append(rep)
+    return reports
+
+
+def compile_ahead(path: str | os.PathLike, threads: int | None = None, workers: int | None = None, progress=None,
+                  timeout: float = 900.0, preload: bool = True) -> dict:
+    """Compile every entry of the manifest at `path` for the current CUDA device, then preload them.
+
+    workers > 1 (default: the CPU count, at most 16): that many processes first compile their shares (`plan`: longest
+    recorded compile first) for this device's target into Triton's disk cache, with no GPU context of their own (a
+    thread pool does not scale: Triton's frontend holds the GIL); then this process preloads every entry
+    (`JITFunction.preload`, `threads` at a time under Triton's `AsyncCompileMode`), which finds them in the disk cache
+    and puts them in the kernels' in-memory caches, so their first launches compile nothing. workers=1: the preload
+    compiles them itself. preload=False: the workers only (one rank of a group fills the shared disk cache; every rank
+    then preloads). Returns {"entries", "preloaded", "skipped": {reason: n}, "seconds", "workers", "worker_seconds",
+    "preload_seconds", "threads"}; `progress(done, total)` after each preload."""
+    t0 = time.perf_counter()
+    stats = {"manifest": str(path), "entries": 0, "preloaded": 0, "skipped": {}, "threads": 0,
+             "workers": 0, "worker_seconds": None, "preload_seconds": None, "seconds": 0.0}
+    try:
+        doc = load(path)
+    except (ValueError, UnicodeDecodeError) as ex:  # never fatal: the kernels compile at first launch as before
+        stats["skipped"][f"unreadable manifest: {str(ex)[:160]}"] = 1
+        return stats
     entries = doc["entries"]
-    stats = {"manifest": str(path), "entries": len(entries), "preloaded": 0, "skipped": {}, "threads": 0,
-             "seconds": 0.0}
+    stats["entries"] = len(entries)
 
     def skip(reason: str, n: int = 1):
         stats["skipped"][reason] = stats["skipped"].get(reason, 0) + n
@@ -154,8 +298,24 @@ def compile_ahead(path: str | os.PathLike, threads: int | None = None, progress=
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     from triton.runtime._async_compile import AsyncCompileMode
+    from triton.runtime.driver import driver
 
-    threads = threads or min(32, os.cpu_count() or 1)
+    cpus = os.cpu_count() or 1
+    workers = min(workers if workers is not None else min(16, cpus), len(entries))
+    if workers > 1:
+        t = driver.active.get_current_target()
+        reports = _run_workers(path, f"{t.backend}:{t.arch}:{t.warp_size}", workers, timeout)
+        stats["workers"] = workers
+        stats["worker_seconds"] = round(time.perf_counter() - t0, 3)
+        for r in reports:
+            if "error" in r:
+                skip(f"worker {r['worker']}: {r['error']}")
+        stats["worker_reports"] = reports
+    if not preload:
+        stats["seconds"] = round(time.perf_counter() - t0, 3)
+        return stats
+    t1 = time.perf_counter()
+    threads = threads or min(32, cpus)
     stats["threads"] = threads
     pending = {}
     with ThreadPoolExecutor(max_workers=threads) as pool, AsyncCompileMode(pool, ignore_errors=True):
@@ -182,6 +342,7 @@ def compile_ahead(path: str | os.PathLike, threads: int | None = None, progress=
                 skip(f"{pending[fut]}: {type(ex).__name__}: {str(ex)[:160]}")
             if progress is not None:
                 progress(i + 1, len(pending))
+    stats["preload_seconds"] = round(time.perf_counter() - t1, 3)
     stats["seconds"] = round(time.perf_counter() - t0, 3)
     return stats
 
@@ -193,14 +354,24 @@ def main(argv=None) -> int:
                                              "(on the GPU the kernels are for).")
     ap.add_argument("manifest")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--workers", type=int, default=None, help="compiling processes (default: CPUs, at most 16)")
+    ap.add_argument("--worker", help="i/n: compile share i of n for --target, print its report (compile_ahead's "
+                                     "worker processes; no GPU needed)")
+    ap.add_argument("--target", help="backend:arch:warp_size, e.g. cuda:90:32 (with --worker)")
     args = ap.parse_args(argv)
     if not Path(args.manifest).exists():
         raise SystemExit(f"no manifest at {args.manifest}")
+    if args.worker:
+        if not args.target:
+            raise SystemExit("--worker needs --target (e.g. cuda:90:32)")
+        i, n = (int(x) for x in args.worker.split("/"))
+        print(json.dumps(compile_share(args.manifest, args.target, i, n)))
+        return 0
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("compile-ahead preloads kernels for the current CUDA device; none here")
-    stats = compile_ahead(args.manifest, args.threads)
+    stats = compile_ahead(args.manifest, args.threads, args.workers)
     print(json.dumps(stats, indent=1))
     return 0 if not stats["skipped"] else 1
 

@@ -1,0 +1,196 @@
+"""Compile-ahead (`rlkernel/backends/triton/precompile.py`) on a machine without a GPU: the recorder behind Triton's
+jit hooks, the manifest file, the longest-first plan, and the worker processes that compile recorded specializations
+for sm_90 into Triton's disk cache. What needs the GPU (the preload into the JIT's caches; a first launch then compiling
+nothing; the bits of preloaded kernels) is `scripts/gpu_precompile_check.py` (`gpu_session.py precompile_check`)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from rlkernel.backends.triton import precompile as P  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Info:  # what Triton passes as `fn` to its jit hooks (JitFunctionInfo: module name, kernel name, function)
+    def __init__(self, module):
+        self.module = module
+
+
+def _data(name: str, **extra) -> str:
+    return json.dumps({"name": name, **extra})
+
+
+def test_recorder_keeps_rlkernel_kernels_times_their_compiles_and_chains_the_hooks_already_set():
+    from triton import knobs
+
+    seen = []
+
+    def prev_pre(**kw):
+        seen.append(("pre", kw["key"]))
+        return None
+
+    def prev_post(**kw):
+        seen.append(("post", kw["key"]))
+        return "post-result"
+
+    old = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = prev_pre, prev_post
+    try:
+        rec = P.Recorder().install()
+        assert knobs.runtime.jit_cache_hook == rec.hook and knobs.runtime.jit_post_compile_hook == rec.post_hook
+        ours = dict(fn=_Info("rlkernel.backends.triton.gemm"),
+                    compile={"specialization_data": _data("rlkernel.backends.triton.gemm._gemm_kernel")})
+        theirs = dict(fn=_Info("someone.else"), compile={"specialization_data": _data("someone.else.k")})
+        assert knobs.runtime.jit_cache_hook(key="k1", repr="r", **ours) is None
+        assert knobs.runtime.jit_post_compile_hook(key="k1", repr="r", **ours) == "post-result"
+        knobs.runtime.jit_cache_hook(key="k2", repr="r", **theirs)
+        knobs.runtime.jit_post_compile_hook(key="k2", repr="r", **theirs)
+        assert list(rec.entries) == [("rlkernel.backends.triton.gemm._gemm_kernel", "k1")]
+        assert rec.seconds[("rlkernel.backends.triton.gemm._gemm_kernel", "k1")] >= 0.0
+        assert seen == [("pre", "k1"), ("post", "k1"), ("pre", "k2"), ("post", "k2")]  # every call reached the chain
+        rec.uninstall()
+        assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == (prev_pre, prev_post)
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = old
+
+
+def test_a_hook_that_asks_triton_to_skip_a_compile_still_decides():
+    """Triton skips a compile when its jit_cache_hook returns true: the recorder passes the chained hook's answer on."""
+    from triton import knobs
+
+    old = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda **kw: True
+    try:
+        rec = P.Recorder().install()
+        assert rec.hook(key="k", fn=_Info("rlkernel.x"), compile={"specialization_data": _data("rlkernel.x.k")}) is True
+        rec.uninstall()
+    finally:
+        knobs.runtime.jit_cache_hook = old
+
+
+def test_manifest_merges_dedupes_keeps_the_longest_time_and_is_replaced_under_another_triton(tmp_path):
+    path = tmp_path / "m.json"
+    assert P.load(path)["entries"] == []
+    assert P.save_entries(path, {("rlkernel.a.k", "1"): ("d1", 2.0), ("rlkernel.a.k", "2"): "d2"}) == 2
+    assert P.save_entries(path, {("rlkernel.a.k", "1"): ("d1", 5.0), ("rlkernel.b.k", "1"): ("d3", 1.0)}) == 1
+    assert P.save_entries(path, {("rlkernel.a.k", "1"): ("d1", 3.0)}) == 0
+    doc = json.loads(path.read_text())
+    assert doc["triton"] == triton.__version__ and doc["format"] == P.FORMAT
+    got = {(e["kernel"], e["key"]): (e["data"], e["seconds"]) for e in doc["entries"]}
+    assert got == {("rlkernel.a.k", "1"): ("d1", 5.0), ("rlkernel.a.k", "2"): ("d2", None),
+                   ("rlkernel.b.k", "1"): ("d3", 1.0)}
+    doc["triton"] = "0.0.1"
+    path.write_text(json.dumps(doc))
+    assert P.save_entries(path, {("rlkernel.c.k", "1"): "d4"}) == 1
+    assert [e["kernel"] for e in json.loads(path.read_text())["entries"]] == ["rlkernel.c.k"]
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not an rlkernel kernel manifest"):
+        P.load(path)
+    st = P.compile_ahead(path)  # a damaged manifest is reported, never fatal; the next save replaces it
+    assert st["preloaded"] == 0 and list(st["skipped"]) == [f"unreadable manifest: {path}: not an rlkernel kernel "
+                                                            f"manifest of format {P.FORMAT}"]
+    assert P.save_entries(path, {("rlkernel.d.k", "1"): "d5"}) == 1
+    assert [e["kernel"] for e in P.load(path)["entries"]] == ["rlkernel.d.k"]
+
+
+def test_plan_gives_the_longest_compiles_first_each_to_the_least_loaded_worker():
+    entries = [{"seconds": s} for s in (5.0, 1.0, None, 4.0, 3.0, 9.0)]
+    shares = P.plan(entries, 3)
+    assert sorted(i for s in shares for i in s) == list(range(6))
+    assert shares[0][0] == 5 and shares[1][0] == 0  # 9 s, then 5 s, each on its own worker
+    loads = [sum(entries[i]["seconds"] or 4.0 for i in s) for s in shares]  # the unknown one counts as the median (4)
+    assert max(loads) - min(loads) <= 5.0
+    assert P.plan(entries, 1) == [[5, 0, 2, 3, 4, 1]]
+
+
+def test_compile_ahead_without_a_usable_manifest_reports_and_never_fails(tmp_path):
+    assert P.compile_ahead(tmp_path / "absent.json")["entries"] == 0
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"format": P.FORMAT, "triton": "0.0.1", "entries": [{"kernel": "rlkernel.a.k",
+                                                                                      "key": "1", "data": "{}"}]}))
+    st = P.compile_ahead(path)
+    assert st["preloaded"] == 0 and st["skipped"] == {f"manifest from Triton 0.0.1, this is {triton.__version__}": 1}
+
+
+def _entries_for_sm90() -> dict:
+    """Specialization data as Triton's jit hook records it (`serialize_specialization_data`), for two real kernels:
+    the packed-prefill attention (descriptors) and a GEMM tile; options as the sm_90 backend parses them."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import serialize_specialization_data
+
+    from rlkernel.backends.triton import attention as A
+    from rlkernel.backends.triton import gemm
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    out = {}
+    args = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "bt_ptr", "qs_ptr", "ql_ptr", "kl_ptr", "ks_ptr", "po_ptr", "pml_ptr",
+            "lse_ptr", "sqt", "sqh", "sot", "soh", "skb", "skt", "skh", "sbt", "qk_scale", "n_tiles", "nseg", "kv_rows")
+    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "bt_ptr": "*i32", "qs_ptr": "*i32",
+             "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32", "po_ptr": "*fp32", "pml_ptr": "*fp32",
+             "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=8, PAGED=False, SPLIT=False, PAGE=16, IEEE=False,
+                 STORE_LSE=True, NESTED=False, TMA=True)
+    names = [p.name for p in A._attn_fwd.params]
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
+    cx = {(names.index(n),): v for n, v in const.items()}
+    opts = backend.parse_options({"num_warps": 4, "num_stages": 3, "enable_fp_fusion": False})
+    out[("rlkernel.backends.triton.attention._attn_fwd", "a")] = serialize_specialization_data(
+        A._attn_fwd._fn_name, sig, cx, {}, opts, "a")
+    gnames = [p.name for p in gemm._gemm_kernel.params]
+    gconst = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, NUM_PROGS=132, TMA=True, B_NK=True, IEEE=False,
+                  SEGS=1, SPLIT=False, K_FIXED=0, STREAM=False, FIXUP=False, BLOCK_N2=0, SCRATCH=False, SLOTS=0,
+                  SLICED=False, ws_ptr=None, cnt_ptr=None)
+    gtypes = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16"}
+    gsig = {n: "constexpr" if n in gconst else gtypes.get(n, "i32") for n in gnames}
+    gcx = {(gnames.index(n),): v for n, v in gconst.items()}
+    out[("rlkernel.backends.triton.gemm._gemm_kernel", "g")] = serialize_specialization_data(
+        gemm._gemm_kernel._fn_name, gsig, gcx, {}, backend.parse_options({"num_warps": 4, "num_stages": 4}), "g")
+    out[("rlkernel.backends.triton.attention._gone", "x")] = json.dumps({"name": "rlkernel.backends.triton.attention._gone"})
+    return out
+
+
+def _cache_files(d: Path) -> set:
+    return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()}
+
+
+def test_worker_processes_compile_recorded_specializations_for_sm90_into_the_cache(tmp_path):
+    """Two workers (the CLI compile_ahead spawns) split the manifest, compile each entry for sm_90 into the Triton
+    cache dir they are given, and report a stale entry (a kernel renamed since) instead of failing. A second pass finds
+    everything in the cache: the directory does not change."""
+    path = tmp_path / "m.json"
+    P.save_entries(path, {k: (d, s) for (k, d), s in zip(_entries_for_sm90().items(), (2.0, 1.0, 0.5))})
+    cache = tmp_path / "cache"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+
+    def run_workers():
+        reps = []
+        for i in range(2):
+            p = subprocess.run([sys.executable, "-m", "rlkernel.backends.triton.precompile", str(path), "--worker",
+                                f"{i}/2", "--target", "cuda:90:32"], env=env, capture_output=True, text=True,
+                               timeout=600, cwd=ROOT)
+            assert p.returncode == 0, p.stderr[-2000:]
+            reps.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        return reps
+
+    reps = run_workers()
+    if any("ptxas" in r for rep in reps for r in rep["skipped"]):
+        pytest.skip(f"this Triton cannot compile for sm_90 here: {reps}")
+    assert sum(r["compiled"] for r in reps) == 2, reps
+    skipped = {k: v for r in reps for k, v in r["skipped"].items()}
+    assert list(skipped) == ["rlkernel.backends.triton.attention._gone: LookupError: "
+                             "rlkernel.backends.triton.attention._gone: no such kernel in this checkout"], skipped
+    files = _cache_files(cache)
+    assert any(f.endswith(".cubin") for f in files), sorted(files)[:10]
+    assert sum(f.endswith(".cubin") for f in files) == 2
+    reps2 = run_workers()
+    assert sum(r["compiled"] for r in reps2) == 2 and _cache_files(cache) == files
