@@ -43,6 +43,10 @@ def test_kernel_manifest_is_the_run_directorys_on_gpu_runs_a_named_path_or_off()
         == "/tmp/old/triton_kernels.json"
     assert _kernel_manifest(load_config("grpo_tiny", gpu + ["trainer.kernel_manifest=null"])[0]) is None
     assert _kernel_manifest(load_config("grpo_tiny", ["run.output_dir=/tmp/run_a"])[0]) is None  # CPU
+    # a rollout engine's own file beside it (each process writes only its own)
+    assert _kernel_manifest(load_config("grpo_tiny", gpu)[0], "vllm-1") == "/tmp/run_a/triton_kernels_vllm-1.json"
+    assert _kernel_manifest(load_config("grpo_tiny", gpu + ["trainer.kernel_manifest=/tmp/old/k.json"])[0], "vllm-0") \
+        == "/tmp/old/k_vllm-0.json"
 
 
 def test_row_segments_reach_both_engines_and_bound_the_tp_size():

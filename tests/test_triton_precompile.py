@@ -62,6 +62,33 @@ def test_recorder_keeps_rlkernel_kernels_times_their_compiles_and_chains_the_hoo
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = old
 
 
+def test_start_records_and_autosaves_each_new_compile_and_a_preload_is_not_timed(tmp_path):
+    """precompile.start on a path with no manifest yet: nothing to compile ahead; the recorder merges each new
+    compile into the file as it finishes (a vLLM worker has no natural end to save at); a preload's post hook
+    (is_manual_warmup: compile_ahead's) neither saves nor counts its wait as a compile time."""
+    from triton import knobs
+
+    path = tmp_path / "run" / "triton_kernels.json"
+    old = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    try:
+        rec, stats = P.start(path, log=lambda m: None)
+        assert stats is None and not path.exists()
+        kw = dict(fn=_Info("rlkernel.backends.triton.norm"),
+                  compile={"specialization_data": _data("rlkernel.backends.triton.norm._rmsnorm_kernel")})
+        knobs.runtime.jit_cache_hook(key="k1", repr="r", **kw)
+        knobs.runtime.jit_post_compile_hook(key="k1", repr="r", is_manual_warmup=False, **kw)
+        doc = P.load(path)
+        assert [(e["kernel"], e["key"]) for e in doc["entries"]] == [("rlkernel.backends.triton.norm._rmsnorm_kernel", "k1")]
+        assert doc["entries"][0]["seconds"] is not None
+        knobs.runtime.jit_cache_hook(key="k2", repr="r", **kw)
+        knobs.runtime.jit_post_compile_hook(key="k2", repr="r", is_manual_warmup=True, **kw)
+        assert len(P.load(path)["entries"]) == 1 and ("rlkernel.backends.triton.norm._rmsnorm_kernel", "k2") not in rec.seconds
+        assert rec.save(path) == 1 and P.load(path)["entries"][1]["seconds"] is None  # recorded, untimed
+        rec.uninstall()
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = old
+
+
 def test_a_hook_that_asks_triton_to_skip_a_compile_still_decides():
     """Triton skips a compile when its jit_cache_hook returns true: the recorder passes the chained hook's answer on."""
     from triton import knobs

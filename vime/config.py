@@ -192,7 +192,8 @@ class TrainerSection:
     # every kernel specialization it compiles into this JSON manifest and, when the file exists at start, compiles its
     # entries in parallel before the first step (a fresh machine's first strict step otherwise spends ~2 minutes
     # compiling one kernel at a time). "auto": run_dir/triton_kernels.json (a resumed run, or a new run pointed at an
-    # old run's manifest, starts warm); null: off
+    # old run's manifest, starts warm); the strict rollout engines keep theirs beside it (triton_kernels_vllm-0.json);
+    # null: off
     kernel_manifest: Optional[str] = "auto"
     compile_workers: Optional[int] = None  # compile-ahead's processes (null: the CPU count, at most 16)
 

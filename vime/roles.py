@@ -89,6 +89,8 @@ class RolloutRole:
             max_model_len=r.max_model_len, tp=r.tp, gpu_memory_utilization=gpu_memory_utilization(cfg),
             row_segments=cfg.rlkernel.row_segments,
             enforce_eager=r.enforce_eager if r.enforce_eager is not None else default_enforce_eager(cfg),
+            kernel_manifest=_kernel_manifest(cfg, engine_id) if cfg.rlkernel.rollout_engine() == "rlkernel" else None,
+            compile_workers=cfg.trainer.compile_workers,
         ))
         self.tokenizer = self.engine.tokenizer
         self.rewards = RewardWorker(cfg.reward.fn, cfg.reward.timeout_s, memory_mb=cfg.reward.memory_mb)
@@ -161,12 +163,14 @@ class RolloutRole:
         self.engine.weight_version = int(version)
 
 
-def _kernel_manifest(cfg: VimeConfig) -> str | None:
-    """trainer.kernel_manifest as a path: "auto" is the run directory's triton_kernels.json; GPU runs only."""
+def _kernel_manifest(cfg: VimeConfig, engine_id: str | None = None) -> str | None:
+    """trainer.kernel_manifest as a path, GPU runs only: "auto" is the run directory's triton_kernels.json; a rollout
+    engine's is that name with its id (triton_kernels_vllm-0.json), one file a process (none writes another's)."""
     m = cfg.trainer.kernel_manifest
     if not m or not cfg.resources.gpus:
         return None
-    return str(Path(cfg.run.output_dir) / "triton_kernels.json") if m == "auto" else str(Path(m).expanduser())
+    p = Path(cfg.run.output_dir) / "triton_kernels.json" if m == "auto" else Path(m).expanduser()
+    return str(p if engine_id is None else p.with_name(f"{p.stem}_{engine_id}{p.suffix}"))
 
 
 class TrainerRole:

@@ -69,6 +69,10 @@ class RolloutConfig:
     gpu_memory_utilization: float | None = None  # on a GPU: vLLM's share of the device's memory (None: vLLM's default)
     row_segments: int | None = None  # the strict model's canonical K segments (rlkernel.row_segments: the trainer's); None: the model's default
     enforce_eager: bool = True  # False, on a GPU: CUDA graphs (stock: vLLM's compile + graphs; strict: decode graphs, no compile)
+    # the strict engine on a GPU: the kernel manifest its model records into and compiles ahead from at start
+    # (rlkernel/backends/triton/precompile.py; a one-rank engine compiles ahead, TP rank 0 records); None: neither
+    kernel_manifest: str | None = None
+    compile_workers: int | None = None
     # further vllm.LLM keyword arguments, applied last (they override ours; recorded in provenance): for experiments such
     # as scripts/bench_rollout.py's runner variants. (("logprobs_mode", "raw_logprobs"),) on the strict engine reports
     # vLLM's log-softmax of the contract's logprobs: not the contract's bits
@@ -199,7 +203,9 @@ class VLLMRollout:
                 logprobs_mode=contract_logprobs_mode(c.tp),  # raw_logits (V1, CPU) or raw_logprobs + the model's sampler wrapper (V2)
                 worker_extension_cls="rlkernel.integrations.vllm_worker.StrictWorkerExtension",
                 additional_config={"rlkernel": {"temperature": c.temperature, "mode": c.mode, "ops": dict(c.ops)}
-                                   | ({} if c.row_segments is None else {"row_segments": c.row_segments})},
+                                   | ({} if c.row_segments is None else {"row_segments": c.row_segments})
+                                   | ({} if not c.kernel_manifest else {"kernel_manifest": c.kernel_manifest,
+                                                                        "compile_workers": c.compile_workers})},
             )
             if not c.enforce_eager:
                 # whole-step CUDA graphs of decode-only batches, captured from the eager model (no torch.compile):

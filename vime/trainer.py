@@ -223,29 +223,27 @@ class MegatronTrainer:
         }
 
     def _compile_ahead(self) -> None:
-        """cuda + kernel_manifest: record every rlkernel kernel this trainer compiles; if the manifest exists, compile
-        its entries first (in compile_workers processes) and preload them, so the first step's launches find them."""
+        """cuda + kernel_manifest: record every rlkernel kernel this trainer compiles (rank 0 writes the manifest after
+        each new one); if the manifest exists, compile its entries first and preload them, so the first step's launches
+        find them. In a group, rank 0's worker processes fill the shared disk cache once, then every rank preloads."""
         self.compile_ahead_stats = None
         path = self.config.kernel_manifest
         if not path:
             return
         from rlkernel.backends.triton import precompile
 
-        self._kernel_recorder = precompile.Recorder().install()
-        group = dist.get_world_size() > 1
-        if Path(path).exists():  # (every rank sees the same file: the run directory, or the path the recipe names)
-            n = len(precompile.load(path)["entries"])
-            if dist.get_rank() == 0:
-                print(f"[vime] compiling {n} rlkernel kernels ahead from {path} ...", flush=True)
-            if group:  # rank 0's processes fill the shared disk cache once; then every rank preloads from it
-                if dist.get_rank() == 0:
-                    precompile.compile_ahead(path, workers=self.config.compile_workers, preload=False)
-                dist.barrier()
-            st = precompile.compile_ahead(path, workers=1 if group else self.config.compile_workers)
+        rank0 = dist.get_rank() == 0
+        workers = self.config.compile_workers
+        if dist.get_world_size() > 1 and Path(path).exists():
+            if rank0:
+                precompile.compile_ahead(path, workers=workers, preload=False)
+            dist.barrier()
+            workers = 1
+        rec, st = precompile.start(path, workers=workers, log=(lambda m: print(m, flush=True)) if rank0 else (lambda m: None),
+                                   autosave=rank0)
+        self._kernel_recorder = rec
+        if st is not None:
             self.compile_ahead_stats = {k: v for k, v in st.items() if k != "worker_reports"}
-            if dist.get_rank() == 0:
-                print(f"[vime] compile-ahead: {st['preloaded']}/{st['entries']} kernels in {st['seconds']:.1f} s"
-                      + (f"; skipped: {st['skipped']}" if st["skipped"] else ""), flush=True)
 
     def _save_kernel_manifest(self) -> None:
         rec = getattr(self, "_kernel_recorder", None)

@@ -52,6 +52,18 @@ class StrictForCausalLM(StrictDecoder):
             config = dataclasses.replace(config, row_segments=int(settings["row_segments"]))
         super().__init__(config, dtype=vllm_config.model_config.dtype, device=vllm_config.device_config.device, tp=_vllm_tp())
         self.set_max_positions(vllm_config.model_config.max_model_len)  # RoPE without reading positions back
+        self._kernel_recorder = self.compile_ahead_stats = None
+        manifest = settings.get("kernel_manifest")
+        if manifest and torch.device(vllm_config.device_config.device).type == "cuda":
+            # compile-ahead (rlkernel/backends/triton/precompile.py), before weights and graph capture launch anything:
+            # TP rank 0 records into the manifest; a one-rank engine compiles ahead from it (a TP engine's ranks would
+            # each spawn their own compile processes: they record only)
+            from ..backends.triton import precompile
+
+            world, rank = (1, 0) if self.tp is None else (self.tp.world, self.tp.rank)
+            self._kernel_recorder, self.compile_ahead_stats = precompile.start(
+                manifest, workers=settings.get("compile_workers"), ahead=world == 1, autosave=rank == 0,
+                log=lambda m: print(m, flush=True))
         # the engine layout: q/k/v and gate/up one GEMM each over views of one weight, gate/up + SwiGLU, head norm +
         # RoPE and each residual add + norm one op each (one launch on CUDA): the same bits
         self.fuse_projections()

@@ -81,4 +81,5 @@ class StrictWorkerExtension:
             "logprobs_mode": getattr(model, "logprobs_mode", None),
             "contract_sampler": bool(getattr(model, "contract_sampler", False)),  # V2: reported logprobs via the wrapper
             "contract_sampler_calls": int(getattr(model, "contract_sampler_calls", 0)),  # sampler steps it has served so far
+            "compile_ahead": getattr(model, "compile_ahead_stats", None),  # GPU: the Triton kernels compiled ahead at start
         }

@@ -50,7 +50,10 @@ class Recorder:
     """Keeps the specialization data of every rlkernel kernel this process's Triton JIT compiles or loads, and the
     seconds each compile took (Triton's pre- and post-compile hooks; a compile inline in the launching thread)."""
 
-    def __init__(self):
+    def __init__(self, autosave: str | os.PathLike | None = None):
+        """autosave: a manifest path merged after every new kernel's compile (a process with no natural end, such as a
+        vLLM worker, keeps what it compiled even if it is killed)."""
+        self.autosave = autosave
         self.entries: dict[tuple[str, str], str] = {}  # (kernel full name, Triton's key) -> specialization data
         self.seconds: dict[tuple[str, str], float] = {}  # the same -> compile (or disk-cache load) wall seconds
         self._lock = threading.Lock()
@@ -76,16 +79,23 @@ class Recorder:
         prev = self._prev
         return prev(key=key, fn=fn, compile=compile, **kwargs) if prev is not None else None
 
-    def post_hook(self, *, key=None, fn=None, compile=None, **kwargs):  # noqa: A002
-        """knobs.runtime.jit_post_compile_hook: the compile's wall seconds (kept: the largest seen)."""
+    def post_hook(self, *, key=None, fn=None, compile=None, is_manual_warmup=False, **kwargs):  # noqa: A002
+        """knobs.runtime.jit_post_compile_hook: the compile's wall seconds (kept: the largest seen). A preload's
+        (`is_manual_warmup`: compile_ahead's) is not timed: under the async mode it is the wait, not the compile."""
         ident, _ = self._ident(key, fn, compile)
         if ident is not None:
             with self._lock:
                 t0 = self._started.pop(ident, None)
-                if t0 is not None:
+                if t0 is not None and not is_manual_warmup:
                     self.seconds[ident] = max(self.seconds.get(ident, 0.0), time.perf_counter() - t0)
+            if self.autosave is not None and not is_manual_warmup:
+                try:
+                    self.save(self.autosave)
+                except OSError:  # a read-only or full disk: the kernels still run; the next start compiles as before
+                    pass
         prev = self._prev_post
-        return prev(key=key, fn=fn, compile=compile, **kwargs) if prev is not None else None
+        return prev(key=key, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup, **kwargs) \
+            if prev is not None else None
 
     def install(self) -> "Recorder":
         from triton import knobs
@@ -345,6 +355,24 @@ def compile_ahead(path: str | os.PathLike, threads: int | None = None, workers: 
     stats["preload_seconds"] = round(time.perf_counter() - t1, 3)
     stats["seconds"] = round(time.perf_counter() - t0, 3)
     return stats
+
+
+def start(path: str | os.PathLike, workers: int | None = None, ahead: bool = True, log=print, autosave: bool = True):
+    """A process's compile-ahead in one call: install a Recorder (merging into `path` after every new compile when
+    `autosave`), and, if `path` exists and `ahead`, compile_ahead from it first. Returns (recorder, compile_ahead's
+    stats or None). Never raises for the manifest's sake (a damaged or stale one is reported in the stats)."""
+    rec = Recorder(autosave=path if autosave else None).install()
+    stats = None
+    if ahead and Path(path).exists():
+        try:
+            n = len(load(path)["entries"])
+        except (ValueError, UnicodeDecodeError):
+            n = "?"
+        log(f"[rlkernel] compiling {n} Triton kernels ahead from {path} ...")
+        stats = compile_ahead(path, workers=workers)
+        log(f"[rlkernel] compile-ahead: {stats['preloaded']}/{stats['entries']} kernels in {stats['seconds']:.1f} s"
+            + (f"; skipped: {stats['skipped']}" if stats["skipped"] else ""))
+    return rec, stats
 
 
 def main(argv=None) -> int:
