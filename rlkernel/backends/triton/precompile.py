@@ -125,7 +125,8 @@ class Recorder:
 
 
 def load(path: str | os.PathLike) -> dict:
-    """The manifest at `path` ({"format", "triton", "entries": [{"kernel", "key", "data"}]}); empty if absent."""
+    """The manifest at `path` ({"format", "triton", "entries": [{"kernel", "key", "seconds", "data"}]}); empty if
+    absent."""
     p = Path(path)
     if not p.exists():
         return {"format": FORMAT, "triton": _triton_version(), "entries": []}
