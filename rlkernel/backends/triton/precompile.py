@@ -370,7 +370,10 @@ def start(path: str | os.PathLike, workers: int | None = None, ahead: bool = Tru
         except (ValueError, UnicodeDecodeError):
             n = "?"
         log(f"[rlkernel] compiling {n} Triton kernels ahead from {path} ...")
-        stats = compile_ahead(path, workers=workers)
+        try:
+            stats = compile_ahead(path, workers=workers)
+        except Exception as ex:  # noqa: BLE001 -- an optimisation never stops a run: first launches compile as before
+            stats = {"entries": n, "preloaded": 0, "seconds": 0.0, "skipped": {f"{type(ex).__name__}: {str(ex)[:200]}": 1}}
         log(f"[rlkernel] compile-ahead: {stats['preloaded']}/{stats['entries']} kernels in {stats['seconds']:.1f} s"
             + (f"; skipped: {stats['skipped']}" if stats["skipped"] else ""))
     return rec, stats
