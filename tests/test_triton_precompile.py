@@ -221,3 +221,21 @@ def test_worker_processes_compile_recorded_specializations_for_sm90_into_the_cac
     assert sum(f.endswith(".cubin") for f in files) == 2
     reps2 = run_workers()
     assert sum(r["compiled"] for r in reps2) == 2 and _cache_files(cache) == files
+
+
+def test_start_never_raises_when_compile_ahead_cannot_run(tmp_path):
+    """An optimisation never stops a run: here (no GPU driver) compile_ahead cannot ask the device for its target;
+    start reports that in the stats and leaves the recorder installed."""
+    from triton import knobs
+
+    path = tmp_path / "m.json"
+    P.save_entries(path, {("rlkernel.backends.triton.norm._rmsnorm_kernel", "k"): "{}"})
+    old = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    try:
+        logged = []
+        rec, st = P.start(path, workers=2, log=logged.append)
+        assert st["preloaded"] == 0 and sum(st["skipped"].values()) == 1, st
+        assert knobs.runtime.jit_cache_hook == rec.hook and len(logged) == 2
+        rec.uninstall()
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = old
