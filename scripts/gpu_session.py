@@ -58,6 +58,15 @@ STEPS: dict[str, tuple[int, str]] = {
                                  "trainer.profile_update=10"),
     "loop_qwen3_strict": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
                                "--reuse native --out {out} trainer.profile_update=10"),
+    # the cold first strict step with compile-ahead (after loop_qwen3_native + loop_qwen3_strict on this machine: the
+    # strict run wrote its trainer's and engine's kernel manifests): the manifests kept aside, Triton's cache emptied,
+    # the strict arm again with trainer.kernel_manifest pointing at them (the engine reads <stem>_vllm-0.json beside it);
+    # first_step_compile_seconds and compile_ahead (trainer provenance, rlkernel_info) against the cold run's
+    "loop_qwen3_strict_ahead": (560, "rm -rf /tmp/km && mkdir -p /tmp/km && cp /tmp/vime_gpu_runs/grpo_qwen3_gpu_strict/"
+                                     "triton_kernels*.json /tmp/km/ && ls -la /tmp/km && TRITON_CACHE_DIR=$(mktemp -d) "
+                                     "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
+                                     "--reuse native --tag h200_loop_grpo_qwen3_gpu_ahead --out {out} "
+                                     "strict:trainer.kernel_manifest=/tmp/km/triton_kernels.json"),
     # the strict arm at rlkernel.row_segments=1 (a TP=1 run's plain row-parallel GEMMs) against the native arm of a
     # previous call on this machine (loop_qwen3_native first)
     "loop_qwen3_strict_rs1": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
