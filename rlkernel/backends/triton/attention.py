@@ -311,13 +311,16 @@ def _launch(q, k, v, out, bt, q_start, q_len, kv_len, kv_start, n_tiles, max_kv,
 
 
 def _tma_ok(k, v, skh, d) -> bool:
-    """Whether packed K / V [rows, Hkv, D] load through 2-D tensor descriptors [rows, Hkv * D]: on CUDA, the heads
-    contiguous in a row (stride D), and the base addresses and the row stride 16-byte aligned (the copy engine's rule).
-    Scheduling only: the descriptors load the same values as the pointer loads (session 25's sweep: equal bits)."""
-    if not _TMA_ENABLED or not (k.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
-        return False  # (the interpreter runs the descriptors too: the CPU suite checks their indexing)
-    es = k.element_size()
-    return (skh == d and k.stride(2) == 1 and v.stride() == k.stride() and k.data_ptr() % 16 == 0
+    """Whether packed K / V [rows, Hkv, D] load through 2-D tensor descriptors [rows, Hkv * D]: on CUDA, 16-bit
+    dtypes (bf16 / fp16: what was timed and bit-checked on the H200; fp32, a checking mode on the GPU, keeps the pointer
+    loads), the heads contiguous in a row (stride D), and the base addresses and the row stride 16-byte aligned (the
+    copy engine's rule). Scheduling only: the descriptors load the same values as the pointer loads (session 25's
+    sweep, the golden bits and the 1,123,092-token parity: equal bits)."""
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if not _TMA_ENABLED or not (k.is_cuda or interp):
+        return False
+    es = k.element_size()  # (the interpreter runs the descriptors at any dtype: the CPU suite checks their indexing)
+    return ((es == 2 or interp) and skh == d and k.stride(2) == 1 and v.stride() == k.stride() and k.data_ptr() % 16 == 0
             and v.data_ptr() % 16 == 0 and (k.stride(0) * es) % 16 == 0)
 
 
