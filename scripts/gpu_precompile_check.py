@@ -74,7 +74,7 @@ def child(args) -> dict:
     out = {"phase": args.child, "cache": os.environ.get("TRITON_CACHE_DIR")}
     if args.child != "record":
         workers = 1 if args.child == "threads" else args.workers
-        out["ahead"] = {k: v for k, v in precompile.compile_ahead(args.manifest, 16, workers).items()}
+        out["ahead"] = precompile.compile_ahead(args.manifest, 16, workers)
     before = len(rec.entries)
     t0 = time.perf_counter()
     try:

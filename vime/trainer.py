@@ -245,18 +245,9 @@ class MegatronTrainer:
         if st is not None:
             self.compile_ahead_stats = {k: v for k, v in st.items() if k != "worker_reports"}
 
-    def _save_kernel_manifest(self) -> None:
-        rec = getattr(self, "_kernel_recorder", None)
-        if rec is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-            try:
-                rec.save(self.config.kernel_manifest)
-            except OSError as e:  # a read-only or full disk: the run goes on, the next start compiles as before
-                print(f"[vime] could not write the kernel manifest {self.config.kernel_manifest}: {e}", flush=True)
-
     def close(self) -> None:
         """Destroy parallel_state (and the process group if the engine created it); restore torch settings."""
-        self._save_kernel_manifest()
-        rec = getattr(self, "_kernel_recorder", None)
+        rec = getattr(self, "_kernel_recorder", None)  # (it wrote the manifest after each new compile)
         if rec is not None:
             rec.uninstall()
             self._kernel_recorder = None
@@ -482,7 +473,6 @@ class MegatronTrainer:
         metrics = read_metrics({**metrics, "loss": loss.detach()})  # one read, after the step
         metrics.update(grad_norm=grad_norm, weight_version=self.weight_version, tokens=int(mask.numel()),
                        time_compile=self._compile_seconds())
-        self._save_kernel_manifest()  # the kernels this step compiled, for the next start (no-op when none are new)
         return metrics
 
     def _compile_seconds(self) -> float | None:

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from . import contracts as C
 from .tile import _dot
-from .launch import fast, cdiv, next_pow2
+from .launch import fast, cdiv, interpreting, next_pow2
 from .gemm import _ensure_allocator
 
 # packed prefill's K / V through the bulk tensor copy engine (TMA; 1.17-1.26x the pointer loads on the H200, same bits:
@@ -316,7 +316,7 @@ def _tma_ok(k, v, skh, d) -> bool:
     loads), the heads contiguous in a row (stride D), and the base addresses and the row stride 16-byte aligned (the
     copy engine's rule). Scheduling only: the descriptors load the same values as the pointer loads (session 25's
     sweep, the golden bits and the 1,123,092-token parity: equal bits)."""
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interp = interpreting()
     if not _TMA_ENABLED or not (k.is_cuda or interp):
         return False
     es = k.element_size()  # (the interpreter runs the descriptors at any dtype: the CPU suite checks their indexing)

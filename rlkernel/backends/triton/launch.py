@@ -30,6 +30,11 @@ FAST_ENV = "RLKERNEL_TRITON_FAST_LAUNCH"
 TESTED_TRITON = ("3.6",)  # the Triton minor versions whose JITFunction / CompiledKernel internals this was checked on
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter here (TRITON_INTERPRET set and not 0)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for non-negative ints (triton.cdiv's value, without its constexpr_function wrapper)."""
     return -(-a // b)
@@ -52,7 +57,7 @@ def _fast_ok() -> bool:
             from triton import knobs
             from triton.runtime.jit import JITFunction  # noqa: F401 -- the class whose internals the fast path reads
 
-            ok = (os.environ.get(FAST_ENV, "1") != "0" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            ok = (os.environ.get(FAST_ENV, "1") != "0" and not interpreting()
                   and triton.__version__.startswith(TESTED_TRITON) and hasattr(knobs, "runtime"))
             if ok:  # the current device and stream as Triton's own launch reads them (torch's)
                 from triton.runtime.driver import driver

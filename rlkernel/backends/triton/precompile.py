@@ -365,15 +365,11 @@ def start(path: str | os.PathLike, workers: int | None = None, ahead: bool = Tru
     rec = Recorder(autosave=path if autosave else None).install()
     stats = None
     if ahead and Path(path).exists():
-        try:
-            n = len(load(path)["entries"])
-        except (ValueError, UnicodeDecodeError):
-            n = "?"
-        log(f"[rlkernel] compiling {n} Triton kernels ahead from {path} ...")
+        log(f"[rlkernel] compiling Triton kernels ahead from {path} ...")
         try:
             stats = compile_ahead(path, workers=workers)
         except Exception as ex:  # noqa: BLE001 -- an optimisation never stops a run: first launches compile as before
-            stats = {"entries": n, "preloaded": 0, "seconds": 0.0, "skipped": {f"{type(ex).__name__}: {str(ex)[:200]}": 1}}
+            stats = {"entries": "?", "preloaded": 0, "seconds": 0.0, "skipped": {f"{type(ex).__name__}: {str(ex)[:200]}": 1}}
         log(f"[rlkernel] compile-ahead: {stats['preloaded']}/{stats['entries']} kernels in {stats['seconds']:.1f} s"
             + (f"; skipped: {stats['skipped']}" if stats["skipped"] else ""))
     return rec, stats
