@@ -29,6 +29,9 @@ _TOY = ("python3 scripts/make_tiny_checkpoint.py /tmp/toy --vocab-size 211 --hid
         "--dtype bfloat16 > /dev/null")
 _TOY_PARITY = "--dtype bfloat16 --num-prompts 64 --max-tokens 24 --max-num-seqs 64 --max-num-batched-tokens 512"
 
+# the strict arm of the GPU loop against the native arm a previous call ran on this machine (loop_qwen3_native first)
+_STRICT_VS_NATIVE = "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict --reuse native"
+
 # name -> (seconds, command); {out} is the output directory
 STEPS: dict[str, tuple[int, str]] = {
     "trainer_check": (240, "python3 scripts/gpu_trainer_check.py float32 bfloat16 > {out}/h200_trainer_check.json"),
@@ -56,25 +59,21 @@ STEPS: dict[str, tuple[int, str]] = {
     # the same in two device calls (each arm ~5 min with the model build and engine starts): native, then strict + report
     "loop_qwen3_native": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native --out {out} "
                                  "trainer.profile_update=10"),
-    "loop_qwen3_strict": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
-                               "--reuse native --out {out} trainer.profile_update=10"),
+    "loop_qwen3_strict": (560, f"{_STRICT_VS_NATIVE} --out {{out}} trainer.profile_update=10"),
     # the cold first strict step with compile-ahead (after loop_qwen3_native + loop_qwen3_strict on this machine: the
     # strict run wrote its trainer's and engine's kernel manifests): the manifests kept aside, Triton's cache emptied,
     # the strict arm again with trainer.kernel_manifest pointing at them (the engine reads <stem>_vllm-0.json beside it);
     # first_step_compile_seconds and compile_ahead (trainer provenance, rlkernel_info) against the cold run's
     "loop_qwen3_strict_ahead": (560, "rm -rf /tmp/km && mkdir -p /tmp/km && cp /tmp/vime_gpu_runs/grpo_qwen3_gpu_strict/"
                                      "triton_kernels*.json /tmp/km/ && ls -la /tmp/km && TRITON_CACHE_DIR=$(mktemp -d) "
-                                     "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
-                                     "--reuse native --tag h200_loop_grpo_qwen3_gpu_ahead --out {out} "
+                                     f"{_STRICT_VS_NATIVE} --tag h200_loop_grpo_qwen3_gpu_ahead --out {{out}} "
                                      "strict:trainer.kernel_manifest=/tmp/km/triton_kernels.json"),
     # the strict arm at rlkernel.row_segments=1 (a TP=1 run's plain row-parallel GEMMs) against the native arm of a
     # previous call on this machine (loop_qwen3_native first)
-    "loop_qwen3_strict_rs1": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
-                                   "--reuse native --tag h200_loop_grpo_qwen3_gpu_rs1 --out {out} strict:rlkernel.row_segments=1 "
-                                   "trainer.profile_update=10"),
+    "loop_qwen3_strict_rs1": (560, f"{_STRICT_VS_NATIVE} --tag h200_loop_grpo_qwen3_gpu_rs1 --out {{out}} "
+                                   "strict:rlkernel.row_segments=1 trainer.profile_update=10"),
     # the same with FA3 as the strict arm's attention (the opt-in contract): benchmarks/h200_loop_grpo_qwen3_gpu.json
-    "loop_qwen3_strict_fa3": (560, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --arms native,strict "
-                                   "--reuse native --out {out} strict:rlkernel.ops.attention=fa3"),
+    "loop_qwen3_strict_fa3": (560, f"{_STRICT_VS_NATIVE} --out {{out}} strict:rlkernel.ops.attention=fa3"),
     # both arms at once on two GPUs (x2), one arm per GPU: production native vs strict, and vs strict with FA3 attention
     "loop_qwen3_parallel": (580, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --parallel --out {out}"),
     "loop_qwen3_fa3_parallel": (580, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --parallel "
