@@ -219,8 +219,6 @@ STEPS: dict[str, tuple[int, str]] = {
     "gemm_dual": (420, "python3 scripts/gpu_gemm_sweep.py --ms 128,256,512,1024 --shapes qkv,q06_gate_up,gate_up "
                        "--candidates contract,64x128x128_s4_w4,128x128x64_s4_w8,dual --name h200_gemm_sweep_dual.json "
                        "--out {out}"),
-    # the GEMM + SwiGLU epilogue (gemm.matmul_swiglu; off in the engine since session 12, contracts.gpu.SWIGLU_EPILOGUE) vs
-    # the strict two launches and stock cuBLAS + silu_and_mul
     # the GEMM against the number of 128 x 128 tiles at M = 256 / 512 (K = 4,096; N from 2,048 to 16,896; qkv is 6,144):
     # is qkv's M = 256 gap its idle SMs or a shared bandwidth? (session 24)
     "gemm_waves": (400, "python3 scripts/gpu_gemm_sweep.py --ms 256,512 --shapes k4096_n2048,k4096_n4096,qkv,k4096_n8192,"
@@ -232,13 +230,16 @@ STEPS: dict[str, tuple[int, str]] = {
     # the production attention at candidate contract tiles (block_n, seg_keys): prefill, decode at batch 1-256, bits
     "attn_contracts": (420, "python3 scripts/gpu_attn_sweep.py --contracts --out {out}"),
     # compile-ahead (rlkernel/backends/triton/precompile.py) on cold caches: record a strict workload's kernels, then
-    # preload them in 16 threads (and in 1) before the same workload in fresh processes; bits hashed in each
+    # compile them ahead (16 worker processes; and threads only, session 25's first version) before the same workload
+    # in fresh processes; bits hashed in each
     "precompile_check": (560, "python3 scripts/gpu_precompile_check.py --out {out}"),
     # after a change that keeps the bits (session 25: the packed prefill's K / V through TMA): the committed golden bits
     # checked, then issue 10's timing and train ratios, then the 1,000,000-token parity (hash 8f3204762ef5c300 so far),
     # merged into the harness JSON
     "strict_recheck": (590, "python3 -m rlkernel.golden --check-gpu && python3 scripts/gpu_strict_parity.py --only "
                             "timing,train,parity --merge benchmarks/h200_strict_parity.json --out {out}"),
+    # the GEMM + SwiGLU epilogue (gemm.matmul_swiglu; off in the engine since session 12, contracts.gpu.SWIGLU_EPILOGUE) vs
+    # the strict two launches and stock cuBLAS + silu_and_mul
     "gemm_swiglu": (300, "python3 scripts/gpu_gemm_sweep.py --swiglu --ms 1,16,64,256,512,1024,4096 --out {out}"),
     # FA3 with num_splits=1 (inside vLLM) vs rlkernel's Triton attention: speed and the bit properties a contract needs
     "fa3_compare": (300, "python3 scripts/gpu_fa3_compare.py --out {out}"),
