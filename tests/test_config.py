@@ -25,7 +25,8 @@ def test_documented_overrides():
                                           ("rlkernel.row_segments=3", "rlkernel.row_segments"),
                                           ("rlkernel.row_segments=0", "rlkernel.row_segments"),
                                           ("trainer.profile_update=-1", "trainer.profile_update"),
-                                          ("trainer.compile_workers=0", "trainer.compile_workers")])
+                                          ("trainer.compile_workers=0", "trainer.compile_workers"),
+                                          ("run.start_timeout_s=0", "run.start_timeout_s")])
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(Exception, match=key.replace(".", r"\.")):
         load_config("grpo_tiny", [override])

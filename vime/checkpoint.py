@@ -35,7 +35,7 @@ FORMAT = 1
 STATE_TENSORS, STATE_JSON, WEIGHTS, META = "trainer_state.safetensors", "trainer_state.json", "model.safetensors", "meta.json"
 # config keys a resume may change without changing what is computed
 RESUMABLE_KEYS = ("trainer.total_steps", "run.resume", "run.save_every", "run.output_dir", "run.name", "run.executor", "run.call_timeout_s",
-                  "run.max_restarts", "logging.")
+                  "run.start_timeout_s", "run.max_restarts", "logging.")
 
 
 class CheckpointError(RuntimeError):

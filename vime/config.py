@@ -54,11 +54,13 @@ class RunSection:
     save_weights: bool = False  # keep every weight version under weights/ (what `vime replay` re-scores with); opt-in: a copy per step
     executor: str = "ray"  # "ray" (roles are actors) or "inprocess" (debugging)
     call_timeout_s: float = 1800.0  # the longest the driver waits for one remote call (a step's rollout, score, update, sync)
+    start_timeout_s: float = 1800.0  # the longest the driver waits for a role to start (its process and model load; counted apart from calls)
     max_restarts: int = 2  # a role that dies: every role restarts and the run resumes from its last checkpoint, this many times
 
     def __post_init__(self):
         _choice("run.executor", self.executor, ("ray", "inprocess"))
         _positive("run.call_timeout_s", self.call_timeout_s, example="1800 (seconds; raise it for big models or slow machines)")
+        _positive("run.start_timeout_s", self.start_timeout_s, example="1800 (seconds; raise it for big models or slow machines)")
         _positive("run.max_restarts", self.max_restarts, zero_ok=True, example="2 (0: stop at the first role that dies)")
         _require(bool(self.output_dir), "run.output_dir", "is empty", "set run.output_dir=runs/<name>")
         _positive("run.save_every", self.save_every, zero_ok=True, example=10)

@@ -232,7 +232,8 @@ def _roles(cfg: VimeConfig, model_path: Path, resume: checkpoint.ResumePoint | N
     # the object store carries each step's weights from the trainer to the engines (GPU models: a few GiB)
     stored = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))  # one copy of the weights, as stored
     store = max((8 if cfg.resources.gpus else 0.5) * 1024 ** 3, 3 * stored)  # a float32 export of a bf16 file: 2x; headroom
-    executor = (RayExecutor(num_roles=roles, colocate=cfg.resources.colocate, call_timeout_s=cfg.run.call_timeout_s, object_store_bytes=int(store))
+    executor = (RayExecutor(num_roles=roles, colocate=cfg.resources.colocate, call_timeout_s=cfg.run.call_timeout_s, object_store_bytes=int(store),
+                             start_timeout_s=cfg.run.start_timeout_s)
                 if cfg.run.executor == "ray" else InProcessExecutor())
     weights = None if resume is None else str(resume.weights)
     trainer = TrainerGroup(executor, cfg, str(model_path), weights)

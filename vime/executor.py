@@ -119,8 +119,9 @@ class InProcessExecutor:
 
 
 class _Actor:
-    def __init__(self, actor, name: str, timeout_s: float | None, respawn=None):
+    def __init__(self, actor, name: str, timeout_s: float | None, respawn=None, start_timeout_s: float | None = None):
         self.actor, self.name, self.timeout_s, self._respawn = actor, name, timeout_s, respawn
+        self.start_timeout_s, self._started = start_timeout_s, False
 
     def restart(self) -> None:
         """Kill this actor (if it still lives) and start a fresh one with the same arguments in the same bundle."""
@@ -130,34 +131,53 @@ class _Actor:
             ray.kill(self.actor, no_restart=True)
         except Exception:  # already dead
             pass
-        self.actor = self._respawn()
+        self.actor, self._started = self._respawn(), False
 
     def call(self, method: str, *args, **kwargs) -> Any:
         return self.wait(self.async_call(method, *args, **kwargs), method)
 
     def async_call(self, method: str, *args, **kwargs):
+        self.started()
         return getattr(self.actor, method).remote(*args, **kwargs)
+
+    def started(self) -> None:
+        """Wait (once per actor process) until its constructor has returned, at most start_timeout_s
+        (run.start_timeout_s): a call's limit counts the call, never the process start and model load before it
+        (a loaded machine can take longer to start a role than to serve a call). A constructor that raised or a
+        process that died while starting raises RoleDiedError."""
+        if self._started:
+            return
+        self._get(self.actor.__ray_ready__.remote(), self.start_timeout_s, "start-up", lambda:
+                  f"{self.name} did not start within {self.start_timeout_s:g} s (run.start_timeout_s); the role is hung while starting "
+                  "or the limit is too short for this model — raise run.start_timeout_s")
+        self._started = True
 
     def wait(self, ref, method: str = "") -> Any:
         """The result of `ref` (from async_call), waiting at most timeout_s."""
+        return self._get(ref, self.timeout_s, method, lambda:
+                         f"{self.name}.{method} did not return within {self.timeout_s:g} s (run.call_timeout_s); the role is hung or the "
+                         "limit is too short for this model — raise run.call_timeout_s, or resume from the last checkpoint (run.resume=true)")
+
+    def _get(self, ref, limit: float | None, what: str, late) -> Any:
+        """ray.get(ref) within `limit`; `late()`: the RoleTimeoutError's message."""
         import ray
         from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
         try:
-            return ray.get(ref, timeout=self.timeout_s)
+            return ray.get(ref, timeout=limit)
         except GetTimeoutError:
-            raise RoleTimeoutError(f"{self.name}.{method} did not return within {self.timeout_s:g} s (run.call_timeout_s); the role is "
-                                   "hung or the limit is too short for this model — raise run.call_timeout_s, or resume from the last "
-                                   "checkpoint (run.resume=true)") from None
+            raise RoleTimeoutError(late()) from None
         except (ActorDiedError, RayActorError) as e:
-            raise RoleDiedError(f"{self.name} died during {method}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+            raise RoleDiedError(f"{self.name} died during {what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
 
 
 class RayExecutor:
     name = "ray"
 
     def __init__(self, num_roles: int = 2, cpus_per_role: float = 1.0, colocate: bool = True, call_timeout_s: float | None = None,
-                 object_store_bytes: int = 512 * 1024 * 1024):
+                 object_store_bytes: int = 512 * 1024 * 1024, start_timeout_s: float | None = 1800.0):
+        """call_timeout_s: the limit of one remote call; start_timeout_s: of placing the roles and of each role's start
+        (process, imports, its constructor: a model load), counted apart from its first call."""
         started = "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
         # RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0: Ray leaves CUDA_VISIBLE_DEVICES to vime's placement for actors that ask it for
         # no GPUs (2.60's default, stated so another Ray version cannot hide every GPU from the roles)
@@ -184,12 +204,12 @@ class RayExecutor:
         from ray.exceptions import GetTimeoutError
 
         try:
-            ray.get(self.pg.ready(), timeout=call_timeout_s)
+            ray.get(self.pg.ready(), timeout=start_timeout_s)
         except GetTimeoutError:
-            raise RoleTimeoutError(f"Ray could not place {num_roles} roles of {cpus_per_role:g} CPU each within {call_timeout_s:g} s "
-                                   f"(run.call_timeout_s): {ray.available_resources()} available — free CPUs or lower the layout") from None
+            raise RoleTimeoutError(f"Ray could not place {num_roles} roles of {cpus_per_role:g} CPU each within {start_timeout_s:g} s "
+                                   f"(run.start_timeout_s): {ray.available_resources()} available — free CPUs or lower the layout") from None
         self._next, self._stores = 0, []
-        self.cpus, self.num_roles, self.call_timeout_s = cpus_per_role, num_roles, call_timeout_s
+        self.cpus, self.num_roles, self.call_timeout_s, self.start_timeout_s = cpus_per_role, num_roles, call_timeout_s, start_timeout_s
 
     def spawn(self, cls, *args, name: str | None = None, env: dict | None = None, **kwargs) -> _Actor:
         """`env`: variables of this actor's process only (its GPUs: CUDA_VISIBLE_DEVICES, set by vime's placement —
@@ -205,7 +225,8 @@ class RayExecutor:
         if env:
             options["runtime_env"] = {"env_vars": {**self.job_env, **env}}
         remote = ray.remote(num_cpus=self.cpus)(cls).options(**options)
-        return _Actor(remote.remote(*args, **kwargs), name or cls.__name__, self.call_timeout_s, respawn=lambda: remote.remote(*args, **kwargs))
+        return _Actor(remote.remote(*args, **kwargs), name or cls.__name__, self.call_timeout_s, respawn=lambda: remote.remote(*args, **kwargs),
+                      start_timeout_s=self.start_timeout_s)
 
     def group_store(self) -> str:
         """A fresh file:// rendezvous for one process group, in a directory only this user can read (removed at shutdown)."""
