@@ -249,3 +249,53 @@ def test_start_never_raises_when_compile_ahead_cannot_run(tmp_path):
         rec.uninstall()
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = old
+
+
+_GROUP = """
+import json, sys, time
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rlkernel.backends.triton import precompile as P
+
+def rank_main(rank, path, store, out):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    calls = []
+    def barrier():
+        calls.append(time.monotonic())
+        dist.barrier()
+    logged = []
+    rec, st = P.start_group(path, rank, 2, barrier, workers=2, log=logged.append)
+    rec.uninstall()
+    json.dump({"barriers": len(calls), "autosave": rec.autosave is not None, "stats": st, "logged": logged},
+              open(f"{out}.{rank}", "w"))
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(rank_main, args=tuple(sys.argv[1:]), nprocs=2)
+"""
+
+
+@pytest.mark.skipif(_has_cuda(), reason="the case is a machine without a GPU driver")
+def test_a_group_compiles_once_on_rank_0_and_every_rank_passes_the_barrier(tmp_path):
+    """start_group (a TP / CP trainer, a TP engine), two real gloo ranks: each calls the barrier exactly once, also when
+    rank 0's compile-ahead fails (here: no GPU driver to name the target) — a rank left waiting would hang the run;
+    rank 0 alone records into the manifest and logs; both report the failure in their stats instead of raising."""
+    path = tmp_path / "m.json"
+    P.save_entries(path, {("rlkernel.backends.triton.norm._rmsnorm_kernel", "k"): "{}",
+                          ("rlkernel.backends.triton.norm._rmsnorm_kernel", "k2"): "{}"})
+    script = tmp_path / "group.py"
+    script.write_text(_GROUP)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, str(script), str(path), str(tmp_path / "store"), str(tmp_path / "out")], env=env,
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1))
+    assert r0["barriers"] == r1["barriers"] == 1
+    assert r0["autosave"] and not r1["autosave"]
+    assert r0["logged"] and not r1["logged"]
+    for r in (r0, r1):
+        assert r["stats"]["preloaded"] == 0 and any("driver" in k for k in r["stats"]["skipped"]), r["stats"]
+    # rank 0's stats add its worker fill's failure to its preload's (one per entry); rank 1 has the preload's only
+    fill = {k: v for k, v in r0["stats"]["skipped"].items() if k not in r1["stats"]["skipped"]}
+    assert list(fill.values()) == [1] and "driver" in next(iter(fill)), r0["stats"]
+    assert sum(r1["stats"]["skipped"].values()) == 2, r1["stats"]

@@ -70,7 +70,7 @@ class RolloutConfig:
     row_segments: int | None = None  # the strict model's canonical K segments (rlkernel.row_segments: the trainer's); None: the model's default
     enforce_eager: bool = True  # False, on a GPU: CUDA graphs (stock: vLLM's compile + graphs; strict: decode graphs, no compile)
     # the strict engine on a GPU: the kernel manifest its model records into and compiles ahead from at start
-    # (rlkernel/backends/triton/precompile.py; a one-rank engine compiles ahead, TP rank 0 records); None: neither
+    # (rlkernel/backends/triton/precompile.py; TP rank 0 records; at TP > 1 rank 0's workers compile, every rank preloads); None: neither
     kernel_manifest: str | None = None
     compile_workers: int | None = None
     # further vllm.LLM keyword arguments, applied last (they override ours; recorded in provenance): for experiments such

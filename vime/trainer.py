@@ -232,15 +232,8 @@ class MegatronTrainer:
             return
         from rlkernel.backends.triton import precompile
 
-        rank0 = dist.get_rank() == 0
-        workers = self.config.compile_workers
-        if dist.get_world_size() > 1 and Path(path).exists():
-            if rank0:
-                precompile.compile_ahead(path, workers=workers, preload=False)
-            dist.barrier()
-            workers = 1
-        rec, st = precompile.start(path, workers=workers, log=(lambda m: print(m, flush=True)) if rank0 else (lambda m: None),
-                                   autosave=rank0)
+        rec, st = precompile.start_group(path, dist.get_rank(), dist.get_world_size(), dist.barrier, workers=self.config.compile_workers,
+                                         log=lambda m: print(m, flush=True))
         self._kernel_recorder = rec
         if st is not None:
             self.compile_ahead_stats = {k: v for k, v in st.items() if k != "worker_reports"}

@@ -56,14 +56,13 @@ class StrictForCausalLM(StrictDecoder):
         manifest = settings.get("kernel_manifest")
         if manifest and torch.device(vllm_config.device_config.device).type == "cuda":
             # compile-ahead (rlkernel/backends/triton/precompile.py), before weights and graph capture launch anything:
-            # TP rank 0 records into the manifest; a one-rank engine compiles ahead from it (a TP engine's ranks would
-            # each spawn their own compile processes: they record only)
+            # TP rank 0 records into the manifest; at TP > 1 rank 0's worker processes compile it once into the shared
+            # disk cache while the other ranks wait on vLLM's TP group (its CPU group), then every rank preloads
             from ..backends.triton import precompile
 
             world, rank = (1, 0) if self.tp is None else (self.tp.world, self.tp.rank)
-            self._kernel_recorder, self.compile_ahead_stats = precompile.start(
-                manifest, workers=settings.get("compile_workers"), ahead=world == 1, autosave=rank == 0,
-                log=lambda m: print(m, flush=True))
+            self._kernel_recorder, self.compile_ahead_stats = precompile.start_group(
+                manifest, rank, world, _tp_barrier, workers=settings.get("compile_workers"), log=lambda m: print(m, flush=True))
         # the engine layout: q/k/v and gate/up one GEMM each over views of one weight, gate/up + SwiGLU, head norm +
         # RoPE and each residual add + norm one op each (one launch on CUDA): the same bits
         self.fuse_projections()
@@ -134,6 +133,13 @@ def _vllm_tp():
         return None
     group = get_tp_group()
     return TensorParallel(rank=group.rank_in_group, world=world, group=group.device_group)
+
+
+def _tp_barrier() -> None:
+    """Wait for every rank of vLLM's tensor-parallel group (its gloo CPU group: no device work)."""
+    from vllm.distributed import get_tp_group
+
+    torch.distributed.barrier(group=get_tp_group().cpu_group)
 
 
 class StrictQwen3ForCausalLM(StrictForCausalLM):

@@ -375,6 +375,31 @@ def start(path: str | os.PathLike, workers: int | None = None, ahead: bool = Tru
     return rec, stats
 
 
+def start_group(path: str | os.PathLike, rank: int, world: int, barrier, workers: int | None = None, log=print):
+    """start() for one of `world` processes sharing a disk cache (a TP / CP trainer group, a TP engine's ranks): rank 0's
+    worker processes compile the manifest once (compile_ahead with preload=False), every rank waits at `barrier()`,
+    then every rank preloads from the disk cache (workers=1), so no other rank spawns compile processes of its own.
+    Rank 0 alone records into the manifest and logs. world == 1: start(path, workers). Every rank calls `barrier()`
+    exactly once whatever happens on rank 0 (never fatal, like start)."""
+    if world == 1:
+        return start(path, workers=workers, log=log)
+    filled = None
+    if rank == 0 and Path(path).exists():
+        try:
+            filled = compile_ahead(path, workers=workers, preload=False)
+        except Exception as ex:  # noqa: BLE001 -- the other ranks wait at the barrier: never leave them there
+            filled = {"seconds": 0.0, "workers": 0, "worker_seconds": None, "skipped": {f"{type(ex).__name__}: {str(ex)[:200]}": 1}}
+    barrier()
+    rec, stats = start(path, workers=1, log=log if rank == 0 else (lambda m: None), autosave=rank == 0)
+    if stats is not None and filled is not None:  # rank 0's figures include its workers' compile
+        stats["seconds"] = round(stats["seconds"] + filled["seconds"], 3)
+        stats["workers"], stats["worker_seconds"] = filled["workers"], filled["worker_seconds"]
+        for reason, n in filled["skipped"].items():
+            stats["skipped"][reason] = stats["skipped"].get(reason, 0) + n
+        log(f"[rlkernel] compile-ahead of rank 0's {filled['workers']} worker processes: {filled['seconds']:.1f} s")
+    return rec, stats
+
+
 def main(argv=None) -> int:
     import argparse
 
