@@ -30,12 +30,14 @@ def test_a_live_descendants_cpu_time_is_counted():
         child = subprocess.Popen([sys.executable, "-c", _BURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         own = float(child.stdout.readline())
     try:
-        rep = probe.report(tokens=1000)
+        rep = probe.report(tokens=2000)
     finally:
         child.communicate("\n", timeout=60)
     assert own > 0
     assert rep["cpu_seconds"] >= own - 0.02, (rep, own)  # psutil and os.times read the same kernel counters (10 ms ticks)
-    assert rep["cpu_ms_per_1k_tokens"] == round(1e6 * probe.cpu / 1000, 2)
+    # per 1,000 tokens of the 2,000 the round made: at least half the child's own CPU milliseconds (checked against the
+    # child's os.times, not against the probe's own formula)
+    assert rep["cpu_ms_per_1k_tokens"] >= 1000 * (own - 0.02) / 2, (rep, own)
     assert 0.0 <= rep["host_busy"] <= 1.0
     assert "gpu" not in rep  # gpu=False: not sampled, not claimed
 
