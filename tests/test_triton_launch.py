@@ -48,6 +48,14 @@ _INTERPRETED = textwrap.dedent('''
     k[(launch.cdiv(37, 16),)](x, y, 37, BLOCK=16)
     assert torch.equal(y, x + 1.0)
     assert isinstance(R._tree_rows_kernel_fast, launch.FastKernel) and R._tree_rows_kernel_fast.fn is R._tree_rows_kernel
+    try:  # a benchmark cannot force the fast path where it cannot serve
+        with launch.fast_path(True):
+            raise AssertionError("fast_path(True) entered under the interpreter")
+    except RuntimeError as e:
+        assert "cannot serve" in str(e)
+    with launch.fast_path(False):
+        k[(launch.cdiv(37, 16),)](x, y, 37, BLOCK=16)
+    assert launch._STATE["ok"] is False and torch.equal(y, x + 1.0)  # the process's own choice, restored
     print("ok")
 ''')
 

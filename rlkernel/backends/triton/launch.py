@@ -23,6 +23,7 @@ that they pick the same compiled kernel (tests/test_triton_launch.py on a GPU, `
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -68,6 +69,24 @@ def _fast_ok() -> bool:
             ok = False
         _STATE["ok"] = ok
     return ok
+
+
+@contextlib.contextmanager
+def fast_path(enabled: bool):
+    """Within the block, rlkernel's kernels launch through the fast path (enabled) or through Triton's own launch
+    (benchmarks compare the two in one process); the process's choice is restored after. Enabling where the fast path
+    cannot serve (the interpreter, another Triton, RLKERNEL_TRITON_FAST_LAUNCH=0) raises."""
+    if enabled and not _fast_ok():
+        raise RuntimeError("the fast launch path cannot serve in this process (interpreter, another Triton, or turned off)")
+    before = _STATE.get("ok")
+    _STATE["ok"] = enabled
+    try:
+        yield
+    finally:
+        if before is None:
+            _STATE.pop("ok", None)
+        else:
+            _STATE["ok"] = before
 
 
 # kernels this process launched for the first time through the fast path (Triton compiled them, or loaded them from its
