@@ -157,7 +157,7 @@ def test_a_hung_engine_is_restarted_and_its_call_repeated(tmp_path):
 
 _RANK_DIES = """
     import json, os, sys, time
-    from vime.executor import RayExecutor, RoleDiedError
+    from vime.executor import RayExecutor, RoleDiedError, RoleTimeoutError
     from vime.roles import TrainerGroup
 
     class Rank:  # stands in for a TrainerRole: rank 0 waits in a "collective" for rank 1, which dies
@@ -170,7 +170,15 @@ _RANK_DIES = """
             time.sleep(120)
             return {"loss": 0.0}
 
-    ex = RayExecutor(num_roles=2, call_timeout_s=100)
+    class Starting:  # rank 0's constructor waits in a rendezvous for rank 1, whose constructor dies
+        def __init__(self, rank):
+            time.sleep(1 if rank == 1 else 120)
+            if rank == 1:
+                os._exit(1)
+        def update(self, batch):
+            return {"loss": 0.0}
+
+    ex = RayExecutor(num_roles=4, call_timeout_s=100, start_timeout_s=100)
     group = TrainerGroup.__new__(TrainerGroup)  # the group's wait policy, on real Ray actors
     group.world = 2
     group.ranks = [ex.spawn(Rank, r, name=f"trainer[rank {r}]") for r in range(2)]
@@ -181,6 +189,12 @@ _RANK_DIES = """
     except RoleDiedError as e:
         out = {"raised": str(e)}
     out["seconds"] = time.time() - t
+    group.ranks = [ex.spawn(Starting, r, name=f"trainer[rank {r}]") for r in range(2)]
+    try:
+        group.call("update", None)
+        out["raised_starting"] = None
+    except (RoleDiedError, RoleTimeoutError) as e:
+        out["raised_starting"] = str(e)
     print(json.dumps(out))
     ex.shutdown()
 """
@@ -188,7 +202,8 @@ _RANK_DIES = """
 
 def test_a_dead_trainer_rank_is_named_at_once():
     """A TP/CP trainer group whose rank 1 dies while rank 0 waits for it in a collective: the group raises RoleDiedError
-    naming rank 1 within seconds (then the run resumes from its checkpoint), not after rank 0's call limit."""
+    naming rank 1 within seconds (then the run resumes from its checkpoint), not after rank 0's call limit; and the same
+    when rank 1 dies while the ranks start."""
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_RANK_DIES)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
@@ -197,6 +212,9 @@ def test_a_dead_trainer_rank_is_named_at_once():
     # no wall-clock bound: had the group waited for rank 0 it would have raised rank 0's RoleTimeoutError at its 100 s
     # call limit ("did not return within"), not rank 1's death
     assert got["raised"] and got["raised"].startswith("trainer[rank 1] died during update"), got
+    # the same while the ranks start (rank 0's constructor in a rendezvous for rank 1, whose constructor dies): rank 1
+    # is named, not rank 0's start limit ("did not start within", 100 s)
+    assert got["raised_starting"] and got["raised_starting"].startswith("trainer[rank 1] died during start-up"), got
 
 
 def test_last_json_reads_a_result_line_that_a_ray_log_line_interrupted():

@@ -30,6 +30,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from typing import Any
 
 RAY_LOCAL_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -121,7 +122,13 @@ class InProcessExecutor:
 class _Actor:
     def __init__(self, actor, name: str, timeout_s: float | None, respawn=None, start_timeout_s: float | None = None):
         self.actor, self.name, self.timeout_s, self._respawn = actor, name, timeout_s, respawn
-        self.start_timeout_s, self._started = start_timeout_s, False
+        self.start_timeout_s = start_timeout_s
+        self._begin()
+
+    def _begin(self) -> None:
+        # the start signal is asked for first, so it runs right after the constructor, ahead of any call (an actor runs
+        # its calls in order: asked later, it would wait behind a hung one)
+        self._ready, self._started = self.actor.__ray_ready__.remote(), False
 
     def restart(self) -> None:
         """Kill this actor (if it still lives) and start a fresh one with the same arguments in the same bundle."""
@@ -131,14 +138,14 @@ class _Actor:
             ray.kill(self.actor, no_restart=True)
         except Exception:  # already dead
             pass
-        self.actor, self._started = self._respawn(), False
+        self.actor = self._respawn()
+        self._begin()
 
     def call(self, method: str, *args, **kwargs) -> Any:
         return self.wait(self.async_call(method, *args, **kwargs), method)
 
     def async_call(self, method: str, *args, **kwargs):
-        self.started()
-        return getattr(self.actor, method).remote(*args, **kwargs)
+        return getattr(self.actor, method).remote(*args, **kwargs)  # queued behind the constructor; wait() times it
 
     def started(self) -> None:
         """Wait (once per actor process) until its constructor has returned, at most start_timeout_s
@@ -147,13 +154,14 @@ class _Actor:
         process that died while starting raises RoleDiedError."""
         if self._started:
             return
-        self._get(self.actor.__ray_ready__.remote(), self.start_timeout_s, "start-up", lambda:
+        self._get(self._ready, self.start_timeout_s, "start-up", lambda:
                   f"{self.name} did not start within {self.start_timeout_s:g} s (run.start_timeout_s); the role is hung while starting "
                   "or the limit is too short for this model — raise run.start_timeout_s")
         self._started = True
 
     def wait(self, ref, method: str = "") -> Any:
-        """The result of `ref` (from async_call), waiting at most timeout_s."""
+        """The result of `ref` (from async_call), waiting at most timeout_s once the actor has started (started())."""
+        self.started()
         return self._get(ref, self.timeout_s, method, lambda:
                          f"{self.name}.{method} did not return within {self.timeout_s:g} s (run.call_timeout_s); the role is hung or the "
                          "limit is too short for this model — raise run.call_timeout_s, or resume from the last checkpoint (run.resume=true)")
@@ -169,6 +177,30 @@ class _Actor:
             raise RoleTimeoutError(late()) from None
         except (ActorDiedError, RayActorError) as e:
             raise RoleDiedError(f"{self.name} died during {what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+
+
+def wait_started(handles) -> None:
+    """Wait for the start of several roles at once (each at most its start_timeout_s): the first that dies or raises
+    while starting is named at once (RoleDiedError) — a group's other ranks may wait for it in their constructors' own
+    rendezvous, and waiting for them first would hold the run until the start limit. In-process roles are started."""
+    import ray
+
+    left = {h._ready: h for h in handles if isinstance(h, _Actor) and not h._started}
+    if not left:
+        return
+    limits = [h.start_timeout_s for h in left.values()]
+    limit = None if None in limits else max(limits)
+    deadline = None if limit is None else time.monotonic() + limit
+    while left:
+        ready, _ = ray.wait(list(left), num_returns=1, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if not ready:
+            names = ", ".join(h.name for h in left.values())
+            raise RoleTimeoutError(f"{names} did not start within {limit:g} s (run.start_timeout_s); hung while starting or the "
+                                   "limit is too short for this model — raise run.start_timeout_s")
+        for ref in ready:
+            h = left.pop(ref)
+            h._get(ref, None, "start-up", lambda: "")  # ready: its value, or the RoleDiedError of a start that failed
+            h._started = True
 
 
 class RayExecutor:

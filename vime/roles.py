@@ -18,6 +18,7 @@ from .checkpoint import sample_seed
 from .config import VimeConfig
 from .data.prompts import Prompt, encode_prompt
 from .data.reward_worker import RewardWorker
+from .executor import wait_started
 from .records import SamplingSpec, Status, TokenRecord
 
 
@@ -324,6 +325,7 @@ class TrainerGroup:
                       for rank in range(self.world)]
 
     def _all(self, method: str, *args) -> list:
+        wait_started(self.ranks)  # a rank that dies while starting is named at once, not after the others' start limit
         pending = [h.async_call(method, *args) for h in self.ranks]
         if len(self.ranks) > 1 and all(getattr(h, "actor", None) is not None for h in self.ranks):
             self._first_failure(pending, method)
