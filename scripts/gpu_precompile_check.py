@@ -11,7 +11,10 @@ Triton caches, one strict workload.
             workload: compile-ahead's wall time, the first launches' seconds left, and how many kernels the JIT still
             had to compile or load (the recorder's new entries during the workload; 0 when the manifest covered it);
   threads   empty cache C: the same with no worker processes, the preload's 16 threads alone (session 25's first
-            version: 70 s for 114 s of serial compiles).
+            version: 70 s for 114 s of serial compiles);
+  group     empty cache D, two processes on the one GPU as a TP group would run (precompile.start_group, gloo
+            barrier): rank 0's worker processes fill the cache, both preload, then both run the workload: each
+            rank's compile-ahead seconds and compiles left (0 when the group path works), the same bits.
 Every process hashes the workload's logprobs and gradients: preloaded kernels must give the bits the recording process
 got (they are the kernels Triton's own JIT compiles for those specializations). Writes DIR/h200_precompile.json
 (DIR: $OUT, else benchmarks/); without CUDA {"skipped": ...}.
@@ -70,9 +73,21 @@ def child(args) -> dict:
     import torch  # noqa: F401
     from rlkernel.backends.triton import precompile
     from rlkernel.backends.triton.launch import first_launch_stats
-    rec = precompile.Recorder().install()
     out = {"phase": args.child, "cache": os.environ.get("TRITON_CACHE_DIR")}
-    if args.child != "record":
+    if args.child == "group":  # one rank of two (a TP engine's or trainer group's start)
+        import torch.distributed as dist
+        rank = int(os.environ["GROUP_RANK"])
+        dist.init_process_group("gloo", init_method=f"file://{os.environ['GROUP_STORE']}", rank=rank, world_size=2)
+        out["rank"] = rank
+        t0 = time.perf_counter()
+        rec, out["ahead"] = precompile.start_group(args.manifest, rank, 2, dist.barrier, workers=args.workers,
+                                                   log=lambda m: print(m, file=sys.stderr, flush=True))
+        out["start_group_seconds"] = round(time.perf_counter() - t0, 2)
+        if out["ahead"]:
+            out["ahead"].pop("worker_reports", None)
+    else:
+        rec = precompile.Recorder().install()
+    if args.child in ("ahead", "threads"):
         workers = 1 if args.child == "threads" else args.workers
         out["ahead"] = precompile.compile_ahead(args.manifest, 16, workers)
     before = len(rec.entries)
@@ -93,9 +108,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--workers", type=int, default=16)
-    ap.add_argument("--child", choices=("record", "ahead", "threads"))
+    ap.add_argument("--child", choices=("record", "ahead", "threads", "group"))
     ap.add_argument("--manifest")
-    ap.add_argument("--phases", default="record,ahead,threads", help="which of record, ahead, threads to run")
+    ap.add_argument("--phases", default="record,ahead,threads,group", help="which of record, ahead, threads, group to run")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args)))
@@ -110,19 +125,32 @@ def main():
     res = {"device": torch.cuda.get_device_name(), "cpus": os.cpu_count(), "layers": args.layers, "phases": {}}
     tmp = Path(tempfile.mkdtemp(prefix="precompile_"))
     manifest = tmp / "triton_kernels.json"
-    for phase in ("record", "ahead", "threads"):
+    def finished(p, t0) -> dict:
+        out, err = p.communicate(timeout=900)
+        rec = {"rc": p.returncode, "process_seconds": round(time.perf_counter() - t0, 1)}
+        try:
+            rec.update(json.loads(out.strip().splitlines()[-1]))
+        except Exception:  # noqa: BLE001
+            rec["stderr_tail"] = err[-2500:]
+        return rec
+
+    for phase in ("record", "ahead", "threads", "group"):
         if phase not in args.phases.split(","):
             continue
         env = {**os.environ, "TRITON_CACHE_DIR": str(tmp / f"cache_{phase}")}
-        cmd = [sys.executable, __file__, "--child", phase, "--manifest", str(manifest), "--workers", str(args.workers),
+        path = manifest
+        if phase == "group":  # its rank 0 records into its manifest: a copy, so the phases stay independent
+            path = tmp / "triton_kernels_group.json"
+            path.write_bytes(manifest.read_bytes())
+        cmd = [sys.executable, __file__, "--child", phase, "--manifest", str(path), "--workers", str(args.workers),
                "--layers", str(args.layers)]
         t0 = time.perf_counter()
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        rec = {"rc": p.returncode, "process_seconds": round(time.perf_counter() - t0, 1)}
-        try:
-            rec.update(json.loads(p.stdout.strip().splitlines()[-1]))
-        except Exception:  # noqa: BLE001
-            rec["stderr_tail"] = p.stderr[-2500:]
+        if phase == "group":
+            procs = [subprocess.Popen(cmd, env={**env, "GROUP_RANK": str(r), "GROUP_STORE": str(tmp / "group_store")},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+            rec = {"ranks": [finished(p, t0) for p in procs]}
+        else:
+            rec = finished(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), t0)
         res["phases"][phase] = rec
         print(phase, json.dumps(rec)[:1500], flush=True)
     ph = res["phases"]
@@ -138,7 +166,7 @@ def main():
             "cold_to_ahead": round(cold / max(ph["ahead"]["ahead"]["seconds"]
                                               + ph["ahead"]["first_launches"]["seconds"], 1e-9), 2),
             "jit_compiles_left_after_ahead": ph["ahead"]["jit_compiles_or_loads_in_workload"],
-            "bits_equal": len({ph[k]["hash"] for k in ph}) == 1,
+            "bits_equal": len({ph[k]["hash"] for k in ph if k != "group"}) == 1,
             "skipped": ph["ahead"]["ahead"]["skipped"]}
         if "threads" in ph:
             res["summary"]["threads_only_ahead_seconds"] = ph["threads"]["ahead"]["seconds"]
@@ -146,8 +174,20 @@ def main():
                                                            / max(ph["ahead"]["ahead"]["seconds"], 1e-9), 2)
     except Exception as e:  # noqa: BLE001
         res["summary_error"] = f"{type(e).__name__}: {e}"
+    if "group" in ph:
+        try:  # apart: a failed group phase keeps the summary above
+            g = ph["group"]["ranks"]
+            res["group_summary"] = {
+                "start_group_seconds": [r["start_group_seconds"] for r in g],
+                "rank0_worker_seconds": g[0]["ahead"]["worker_seconds"],
+                "jit_compiles_left": [r["jit_compiles_or_loads_in_workload"] for r in g],
+                "first_launch_seconds": [round(r["first_launches"]["seconds"], 2) for r in g],
+                "bits_equal_to_record": all(r["hash"] == ph["record"]["hash"] for r in g)}
+        except Exception as e:  # noqa: BLE001
+            res["group_summary_error"] = f"{type(e).__name__}: {e}"
     out_path.write_text(json.dumps(res, indent=1) + "\n")
-    print(json.dumps({"precompile": res.get("summary", res.get("summary_error"))}))
+    print(json.dumps({"precompile": res.get("summary", res.get("summary_error")),
+                      "group": res.get("group_summary", res.get("group_summary_error"))}))
     return 0
 
 

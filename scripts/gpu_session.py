@@ -231,8 +231,9 @@ STEPS: dict[str, tuple[int, str]] = {
     "attn_contracts": (420, "python3 scripts/gpu_attn_sweep.py --contracts --out {out}"),
     # compile-ahead (rlkernel/backends/triton/precompile.py) on cold caches: record a strict workload's kernels, then
     # compile them ahead (16 worker processes; and threads only, session 25's first version) before the same workload
-    # in fresh processes; bits hashed in each
-    "precompile_check": (560, "python3 scripts/gpu_precompile_check.py --out {out}"),
+    # in fresh processes; then two processes as a TP group (precompile.start_group: rank 0 compiles, both preload); bits
+    # hashed in each
+    "precompile_check": (580, "python3 scripts/gpu_precompile_check.py --out {out}"),
     # after a change that keeps the bits (session 25: the packed prefill's K / V through TMA): the committed golden bits
     # checked, then issue 10's timing and train ratios, then the 1,000,000-token parity (hash 8f3204762ef5c300 so far),
     # merged into the harness JSON
