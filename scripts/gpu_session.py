@@ -229,6 +229,9 @@ STEPS: dict[str, tuple[int, str]] = {
     "attn_sweep": (420, "python3 scripts/gpu_attn_sweep.py --out {out}"),
     # the production attention at candidate contract tiles (block_n, seg_keys): prefill, decode at batch 1-256, bits
     "attn_contracts": (420, "python3 scripts/gpu_attn_sweep.py --contracts --out {out}"),
+    # session 26's experiment: a warp-specialised Gluon GEMM (producer warp of TMA loads, wgmma consumer; what Triton's
+    # automatic pass does not emit on sm_90) against the strict GEMM's bits and cuBLAS's time at the 8B shapes
+    "gluon_ws": (300, "python3 scripts/gpu_gluon_ws.py --out {out}"),
     # compile-ahead (rlkernel/backends/triton/precompile.py) on cold caches: record a strict workload's kernels, then
     # compile them ahead (16 worker processes; and threads only, session 25's first version) before the same workload
     # in fresh processes; then two processes as a TP group (precompile.start_group: rank 0 compiles, both preload); bits

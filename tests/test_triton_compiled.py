@@ -143,3 +143,25 @@ def test_attention_compiles_for_sm90_with_wgmma_and_tma_where_packed(path):
     assert shapes == {"64", "128"}, shapes  # q.k^T: 64 keys wide; p.v: D = 128 wide
     assert "mma.sync.aligned" not in ptx.replace("wgmma.mma_async.sync.aligned", "")
     assert ("cp.async.bulk.tensor" in ptx) == tma
+
+
+def test_gluon_warp_specialisation_compiles_for_sm90():
+    """scripts/gpu_gluon_ws.py's experiment (a producer warp of TMA loads, a wgmma consumer warpgroup) compiles for the
+    H200 with this Triton: register reallocation between the partitions (setmaxnreg), TMA loads, wgmma — the Hopper
+    warp specialisation that Triton's automatic pass does not emit (sessions 19-25). Its bits and speed are the GPU's
+    to tell (`gpu_session.py gluon_ws`)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    pytest.importorskip("triton.experimental.gluon")
+    import gpu_gluon_ws as G
+
+    try:
+        facts = G.ptx_facts(G.compile_sm90(*G.TILES[0]))
+    except Exception as e:  # noqa: BLE001 -- as _compile: a Triton build that cannot target sm_90 here is a skip
+        if "ptxas" in str(e) or "CUDA" in str(e):
+            pytest.skip(f"this Triton cannot compile for sm_90 here: {str(e)[:200]}")
+        raise
+    assert facts["setmaxnreg"] and facts["tma_loads"] >= 2 and facts["wgmma"] > 0, facts
+    assert facts["warps"] == G.TILES[0][4] + 4  # the consumer's warps + the producer's warp, rounded to a warpgroup
