@@ -37,8 +37,10 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402
 
-# (BM, BN, BK, STAGES, num_warps of the default partition)
-TILES = [(128, 128, 64, 4, 4), (64, 128, 64, 6, 4), (128, 256, 64, 3, 8), (64, 256, 64, 4, 4)]
+# (BM, BN, BK, STAGES, num_warps of the default partition, OVERLAP: keep one wgmma in flight while the next stage's
+# operands are waited for — the stage is released one step later; 0: wait for each wgmma before going on)
+TILES = [(128, 128, 64, 4, 4, 0), (128, 128, 64, 4, 4, 1), (64, 128, 64, 6, 4, 1), (128, 256, 64, 3, 8, 1),
+         (64, 256, 64, 4, 4, 1)]
 PRODUCER_WARPS = gl.constexpr(1)  # the producer partition: one warp, few registers (setmaxnreg gives the rest to the consumer)
 PRODUCER_REGS = gl.constexpr(40)
 
@@ -57,7 +59,7 @@ def _producer(a_desc, w_desc, bufs_a, bufs_w, ready, empty, off_m, off_n, k_step
 
 @gluon.jit
 def _consumer(bufs_a, bufs_w, ready, empty, k_steps, c_ptr, M, N, stride_cm, off_m, off_n, BM: gl.constexpr,
-              BN: gl.constexpr, layout: gl.constexpr):
+              BN: gl.constexpr, OVERLAP: gl.constexpr, layout: gl.constexpr):
     """The default warpgroup(s): acc += A_k @ W_k^T for k in order (one wgmma chain, fp32), then the bf16 store."""
     S: gl.constexpr = bufs_a.type.shape[0]
     acc = gl.zeros((BM, BN), gl.float32, layout)
@@ -65,8 +67,13 @@ def _consumer(bufs_a, bufs_w, ready, empty, k_steps, c_ptr, M, N, stride_cm, off
         s = i % S
         mbarrier.wait(ready.index(s), (i // S) & 1)
         acc = warpgroup_mma(bufs_a.index(s), bufs_w.index(s).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(s), count=1)
+        if OVERLAP:  # step i - 1's wgmma is done: its stage goes back to the producer
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(s), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     cols = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
     gl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(gl.bfloat16),
@@ -75,7 +82,7 @@ def _consumer(bufs_a, bufs_w, ready, empty, k_steps, c_ptr, M, N, stride_cm, off
 
 @gluon.jit
 def ws_gemm_kernel(a_desc, w_desc, c_ptr, M, N, K, stride_cm, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                   STAGES: gl.constexpr, num_warps: gl.constexpr):
+                   STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
     """C[BM, BN] tile (program ids: M tile, N tile) of A [M, K] @ W [N, K]^T."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
     bufs_a = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -89,7 +96,7 @@ def ws_gemm_kernel(a_desc, w_desc, c_ptr, M, N, K, stride_cm, BM: gl.constexpr, 
     off_n = gl.program_id(1) * BN
     k_steps = gl.cdiv(K, BK)
     gl.warp_specialize([
-        (_consumer, (bufs_a, bufs_w, ready, empty, k_steps, c_ptr, M, N, stride_cm, off_m, off_n, BM, BN, layout)),
+        (_consumer, (bufs_a, bufs_w, ready, empty, k_steps, c_ptr, M, N, stride_cm, off_m, off_n, BM, BN, OVERLAP, layout)),
         (_producer, (a_desc, w_desc, bufs_a, bufs_w, ready, empty, off_m, off_n, k_steps, BK)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
@@ -99,7 +106,7 @@ def _layouts(BM, BN, BK):
             gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16))
 
 
-def compile_sm90(BM, BN, BK, STAGES, warps):
+def compile_sm90(BM, BN, BK, STAGES, warps, OVERLAP):
     """Compile the kernel for sm_90 here (no GPU needed; Triton ships ptxas): the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -107,8 +114,9 @@ def compile_sm90(BM, BN, BK, STAGES, warps):
     la, lw = _layouts(BM, BN, BK)
     sig = {"a_desc": f"tensordesc<bf16[{BM}, {BK}],{la!r}>", "w_desc": f"tensordesc<bf16[{BN}, {BK}],{lw!r}>",
            "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
-           **{k: "constexpr" for k in ("BM", "BN", "BK", "STAGES", "num_warps")}}
-    src = GluonASTSource(ws_gemm_kernel, sig, constexprs={"BM": BM, "BN": BN, "BK": BK, "STAGES": STAGES, "num_warps": warps})
+           **{k: "constexpr" for k in ("BM", "BN", "BK", "STAGES", "OVERLAP", "num_warps")}}
+    src = GluonASTSource(ws_gemm_kernel, sig, constexprs={"BM": BM, "BN": BN, "BK": BK, "STAGES": STAGES, "OVERLAP": OVERLAP,
+                                                          "num_warps": warps})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
@@ -124,7 +132,7 @@ def ws_gemm(a, w, tile):
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    BM, BN, BK, STAGES, warps = tile
+    BM, BN, BK, STAGES, warps, OVERLAP = tile
     M, K = a.shape
     N = w.shape[0]
     la, lw = _layouts(BM, BN, BK)
@@ -132,12 +140,12 @@ def ws_gemm(a, w, tile):
     a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [BM, BK], la)
     w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [BN, BK], lw)
     ws_gemm_kernel[(triton.cdiv(M, BM), triton.cdiv(N, BN))](a_desc, w_desc, c, M, N, K, c.stride(0), BM, BN, BK, STAGES,
-                                                              num_warps=warps)
+                                                              OVERLAP, num_warps=warps)
     return c
 
 
 def tile_name(t) -> str:
-    return f"{t[0]}x{t[1]}x{t[2]}_s{t[3]}_w{t[4]}"
+    return f"{t[0]}x{t[1]}x{t[2]}_s{t[3]}_w{t[4]}" + ("_overlap" if t[5] else "")
 
 
 def main(argv=None) -> int:
