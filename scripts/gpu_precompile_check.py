@@ -83,8 +83,6 @@ def child(args) -> dict:
         rec, out["ahead"] = precompile.start_group(args.manifest, rank, 2, dist.barrier, workers=args.workers,
                                                    log=lambda m: print(m, file=sys.stderr, flush=True))
         out["start_group_seconds"] = round(time.perf_counter() - t0, 2)
-        if out["ahead"]:
-            out["ahead"].pop("worker_reports", None)
     else:
         rec = precompile.Recorder().install()
     if args.child in ("ahead", "threads"):

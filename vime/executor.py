@@ -152,12 +152,7 @@ class _Actor:
         (run.start_timeout_s): a call's limit counts the call, never the process start and model load before it
         (a loaded machine can take longer to start a role than to serve a call). A constructor that raised or a
         process that died while starting raises RoleDiedError."""
-        if self._started:
-            return
-        self._get(self._ready, self.start_timeout_s, "start-up", lambda:
-                  f"{self.name} did not start within {self.start_timeout_s:g} s (run.start_timeout_s); the role is hung while starting "
-                  "or the limit is too short for this model — raise run.start_timeout_s")
-        self._started = True
+        wait_started([self])
 
     def wait(self, ref, method: str = "") -> Any:
         """The result of `ref` (from async_call), waiting at most timeout_s once the actor has started (started())."""

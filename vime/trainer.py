@@ -234,9 +234,7 @@ class MegatronTrainer:
 
         rec, st = precompile.start_group(path, dist.get_rank(), dist.get_world_size(), dist.barrier, workers=self.config.compile_workers,
                                          log=lambda m: print(m, flush=True))
-        self._kernel_recorder = rec
-        if st is not None:
-            self.compile_ahead_stats = {k: v for k, v in st.items() if k != "worker_reports"}
+        self._kernel_recorder, self.compile_ahead_stats = rec, st
 
     def close(self) -> None:
         """Destroy parallel_state (and the process group if the engine created it); restore torch settings."""

@@ -358,18 +358,25 @@ def compile_ahead(path: str | os.PathLike, threads: int | None = None, workers: 
     return stats
 
 
+def _failure(ex: Exception) -> str:
+    """An exception as a `skipped` reason."""
+    return f"{type(ex).__name__}: {str(ex)[:200]}"
+
+
 def start(path: str | os.PathLike, workers: int | None = None, ahead: bool = True, log=print, autosave: bool = True):
     """A process's compile-ahead in one call: install a Recorder (merging into `path` after every new compile when
     `autosave`), and, if `path` exists and `ahead`, compile_ahead from it first. Returns (recorder, compile_ahead's
-    stats or None). Never raises for the manifest's sake (a damaged or stale one is reported in the stats)."""
+    stats or None, without the workers' own reports: what provenance keeps). Never raises for the manifest's sake (a
+    damaged or stale one is reported in the stats)."""
     rec = Recorder(autosave=path if autosave else None).install()
     stats = None
     if ahead and Path(path).exists():
         log(f"[rlkernel] compiling Triton kernels ahead from {path} ...")
         try:
             stats = compile_ahead(path, workers=workers)
+            stats.pop("worker_reports", None)
         except Exception as ex:  # noqa: BLE001 -- an optimisation never stops a run: first launches compile as before
-            stats = {"entries": "?", "preloaded": 0, "seconds": 0.0, "skipped": {f"{type(ex).__name__}: {str(ex)[:200]}": 1}}
+            stats = {"entries": "?", "preloaded": 0, "seconds": 0.0, "skipped": {_failure(ex): 1}}
         log(f"[rlkernel] compile-ahead: {stats['preloaded']}/{stats['entries']} kernels in {stats['seconds']:.1f} s"
             + (f"; skipped: {stats['skipped']}" if stats["skipped"] else ""))
     return rec, stats
@@ -388,7 +395,7 @@ def start_group(path: str | os.PathLike, rank: int, world: int, barrier, workers
         try:
             filled = compile_ahead(path, workers=workers, preload=False)
         except Exception as ex:  # noqa: BLE001 -- the other ranks wait at the barrier: never leave them there
-            filled = {"seconds": 0.0, "workers": 0, "worker_seconds": None, "skipped": {f"{type(ex).__name__}: {str(ex)[:200]}": 1}}
+            filled = {"seconds": 0.0, "workers": 0, "worker_seconds": None, "skipped": {_failure(ex): 1}}
     barrier()
     rec, stats = start(path, workers=1, log=log if rank == 0 else (lambda m: None), autosave=rank == 0)
     if stats is not None and filled is not None:  # rank 0's figures include its workers' compile
