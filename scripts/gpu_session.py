@@ -232,6 +232,10 @@ STEPS: dict[str, tuple[int, str]] = {
     # session 26's experiment: a warp-specialised Gluon GEMM (producer warp of TMA loads, wgmma consumer; what Triton's
     # automatic pass does not emit on sm_90) against the strict GEMM's bits and cuBLAS's time at the 8B shapes
     "gluon_ws": (300, "python3 scripts/gpu_gluon_ws.py --out {out}"),
+    # session 27's experiment: the strict attention prefill in Gluon (a producer warp of TMA loads, one or two consumer
+    # warpgroups each running the contract's 64-row tile op for op), bit-checked against production, timed against it
+    # and SDPA; a mbarrier deadlock would spin until this limit, so it is short
+    "gluon_attn": (240, "python3 scripts/gpu_gluon_attn.py --out {out}"),
     # compile-ahead (rlkernel/backends/triton/precompile.py) on cold caches: record a strict workload's kernels, then
     # compile them ahead (16 worker processes; and threads only, session 25's first version) before the same workload
     # in fresh processes; then two processes as a TP group (precompile.start_group: rank 0 compiles, both preload); bits
