@@ -165,3 +165,88 @@ def test_gluon_warp_specialisation_compiles_for_sm90():
         raise
     assert facts["setmaxnreg"] and facts["tma_loads"] >= 2 and facts["wgmma"] > 0, facts
     assert facts["warps"] == G.TILES[0][4] + 4  # the consumer's warps + the producer's warp, rounded to a warpgroup
+
+
+def _reduce_layouts(ttgir: str) -> set:
+    """The layout definitions (not their aliases) of every tt.reduce's input in a TTGIR module, with the reduce's
+    combine op: what decides a row reduction's order on the GPU."""
+    defs = dict(re.findall(r"^(#\w+) = (.+)$", ttgir, flags=re.M))
+    out = set()
+    for m in re.finditer(r'"tt\.reduce"\(.*?\{axis = (\d+).*?\n\s+%\S+ = (arith\.\w+).*?\}\) : \(tensor<([^>]*?), (#\w+)>',
+                         ttgir, flags=re.S):
+        out.add((m.group(2), m.group(3), defs.get(m.group(4), m.group(4))))
+    return out
+
+
+def _float_ops(ttgir: str) -> set:
+    return set(re.findall(r"= (math\.\w+|arith\.(?:maxnumf|minnumf|maximumf|minimumf|addf|subf|mulf|divf|truncf|cmpf))",
+                          ttgir))
+
+
+def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90():
+    """attention_gluon's prefill (Gluon, warp-specialised) claims the bits of attention._attn_fwd: equal on the H200
+    (session 27, `gpu_gluon_attn.py`), and here for any later edit — both kernels compiled for sm_90, their row
+    reductions (max, sum) run on the same layout (NVMMA v3, 4 warps, instr 16 x 64 x 16, which fixes the order), they
+    use the same kinds of float ops (maxnumf, never NaN-propagating maximumf; no contracted fma) and the same wgmma
+    shapes; the Gluon kernel has its producer warp's register hand-over and TMA loads, and no spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    import sys
+    from pathlib import Path
+
+    from rlkernel.backends.triton import attention as A
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_gluon_attn as GA
+
+    const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=8, PAGED=False, SPLIT=False, PAGE=16, IEEE=False,
+                 STORE_LSE=True, NESTED=False, TMA=True)
+    sig = {a: _ATTN_TYPES.get(a, "i32") for a in _ATTN_ARGS}
+    triton_ir = _compile(A._attn_fwd, sig, const, asm="ttgir", enable_fp_fusion=False)
+    try:
+        k = GA.compile_sm90("production")
+    except Exception as e:  # noqa: BLE001 -- as _compile
+        if "ptxas" in str(e) or "CUDA" in str(e):
+            pytest.skip(f"this Triton cannot compile for sm_90 here: {str(e)[:200]}")
+        raise
+    gluon_ir = k.asm["ttgir"]
+    mma64 = "#ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [16, 64, 16]}>"
+    want = {("arith.maxnumf", "64x64xf32", mma64), ("arith.addf", "64x64xf32", mma64)}
+    assert _reduce_layouts(triton_ir) == want, _reduce_layouts(triton_ir)
+    assert _reduce_layouts(gluon_ir) == want, _reduce_layouts(gluon_ir)
+    assert _float_ops(gluon_ir) == _float_ops(triton_ir), _float_ops(gluon_ir) ^ _float_ops(triton_ir)
+    assert "arith.maximumf" not in _float_ops(gluon_ir)
+    facts = GA.ptx_facts(k)
+    assert facts["wgmma_shapes"] == ["m64n128k16", "m64n64k16"], facts
+    assert facts["setmaxnreg"] and facts["tma_loads"] >= 2, facts
+    assert "0 bytes spill stores" in facts["ptxas"] and "C7514" not in facts["ptxas"], facts["ptxas"]
+
+
+def test_gluon_prefill_is_chosen_only_where_it_was_measured():
+    """attention_gluon.unsupported_reason: the Triton kernel serves everything but the measured case (the same bits
+    either way); each refusal names its reason, before any device query."""
+    import torch
+
+    from rlkernel.backends.triton import attention_gluon as AG
+    from rlkernel.backends.triton import contracts as C
+
+    q, k = torch.zeros(8, 32, 128, dtype=torch.bfloat16), torch.zeros(8, 8, 128, dtype=torch.bfloat16)
+    ok = dict(paged=False, split=False, tma=True, walk="flat")
+
+    def why(q=q, k=k, cfg=C.ATTENTION, G=4, d=128, **kw):
+        return AG.unsupported_reason(q, k, cfg, G, d, **{**ok, **kw})
+
+    if AG._IMPORT_ERROR is not None:
+        assert why().startswith("Gluon unavailable")
+        return
+    assert why(paged=True) == why(split=True) == why(walk="nested") == "paged, split or nested walk"
+    assert why(tma=False) == "K / V not loadable through TMA"
+    assert why(q=q.float(), k=k.float()) == "not bf16"
+    assert why(d=64).startswith("not the measured shape") and why(G=3).startswith("not the measured shape")
+    from dataclasses import replace
+    assert why(cfg=replace(C.ATTENTION, block_n=128)).startswith("not the measured shape")
+    AG._ENABLED = False
+    try:
+        assert why() == f"{AG.ENV}=0" and AG.describe() == f"off ({AG.ENV}=0)"
+    finally:
+        AG._ENABLED = True
+    assert AG.describe().startswith("on where supported")

@@ -181,6 +181,21 @@ def _entries_for_sm90() -> dict:
     gcx = {(gnames.index(n),): v for n, v in gconst.items()}
     out[("rlkernel.backends.triton.gemm._gemm_kernel", "g")] = serialize_specialization_data(
         gemm._gemm_kernel._fn_name, gsig, gcx, {}, backend.parse_options({"num_warps": 4, "num_stages": 4}), "g")
+    from rlkernel.backends.triton import attention_gluon as AG
+    if AG._IMPORT_ERROR is None:  # the Gluon prefill (its own source class; descriptors carry their shared layout)
+        from triton.experimental.gluon import language as gl
+        lay = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+        gl_const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=8, STAGES=AG.STAGES, STORE_LSE=True, NFULL=1,
+                        DIAG=0, num_warps=4)
+        gl_types = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "qs_ptr": "*i32", "ql_ptr": "*i32",
+                    "kl_ptr": "*i32", "ks_ptr": "*i32", "qk_scale": "fp32",
+                    "k_desc": f"tensordesc<bf16[64, 128],{lay!r}>", "v_desc": f"tensordesc<bf16[64, 128],{lay!r}>"}
+        gl_names = [p.name for p in AG._prefill_kernel.params]
+        gl_sig = {n: "constexpr" if n in gl_const else gl_types.get(n, "i32") for n in gl_names}
+        gl_cx = {(gl_names.index(n),): v for n, v in gl_const.items()}
+        out[("rlkernel.backends.triton.attention_gluon._prefill_kernel", "p")] = serialize_specialization_data(
+            AG._prefill_kernel._fn_name, gl_sig, gl_cx, {}, backend.parse_options({"num_warps": 4,
+                                                                                  "enable_fp_fusion": False}), "p")
     out[("rlkernel.backends.triton.attention._gone", "x")] = json.dumps({"name": "rlkernel.backends.triton.attention._gone"})
     return out
 
@@ -194,7 +209,9 @@ def test_worker_processes_compile_recorded_specializations_for_sm90_into_the_cac
     cache dir they are given, and report a stale entry (a kernel renamed since) instead of failing. A second pass finds
     everything in the cache: the directory does not change."""
     path = tmp_path / "m.json"
-    P.save_entries(path, {k: (d, s) for (k, d), s in zip(_entries_for_sm90().items(), (2.0, 1.0, 0.5))})
+    entries = _entries_for_sm90()
+    n = len(entries) - 1  # the kernels that exist (the Gluon prefill's among them where Gluon imports)
+    P.save_entries(path, {k: (d, s) for (k, d), s in zip(entries.items(), (2.0, 1.0, 0.7, 0.5))})
     cache = tmp_path / "cache"
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
@@ -212,15 +229,15 @@ def test_worker_processes_compile_recorded_specializations_for_sm90_into_the_cac
     reps = run_workers()
     if any("ptxas" in r for rep in reps for r in rep["skipped"]):
         pytest.skip(f"this Triton cannot compile for sm_90 here: {reps}")
-    assert sum(r["compiled"] for r in reps) == 2, reps
+    assert sum(r["compiled"] for r in reps) == n, reps
     skipped = {k: v for r in reps for k, v in r["skipped"].items()}
     assert list(skipped) == ["rlkernel.backends.triton.attention._gone: LookupError: "
                              "rlkernel.backends.triton.attention._gone: no such kernel in this checkout"], skipped
     files = _cache_files(cache)
     assert any(f.endswith(".cubin") for f in files), sorted(files)[:10]
-    assert sum(f.endswith(".cubin") for f in files) == 2
+    assert sum(f.endswith(".cubin") for f in files) == n
     reps2 = run_workers()
-    assert sum(r["compiled"] for r in reps2) == 2 and _cache_files(cache) == files
+    assert sum(r["compiled"] for r in reps2) == n and _cache_files(cache) == files
 
 
 def _has_cuda() -> bool:

@@ -130,7 +130,16 @@ def status() -> dict:
     """What the Triton implementation did in this process (for run provenance): the golden check's outcome, its
     duration and its setting; None where it has not run."""
     return {"golden": _GOLDEN["result"], "golden_seconds": _GOLDEN["seconds"], GOLDEN_ENV: os.environ.get(GOLDEN_ENV, "check"),
-            "unavailable": unavailable_reason()}
+            "unavailable": unavailable_reason(), "attention_prefill_gluon": _gluon_prefill()}
+
+
+def _gluon_prefill() -> str | None:
+    """Whether the packed prefill may run attention_gluon's kernel in this process (None without triton)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from . import attention_gluon
+
+    return attention_gluon.describe()
 
 
 def __getattr__(name):

@@ -20,6 +20,9 @@ One formulation serves packed varlen prefill, paged-KV decode and chunked prefil
   (`_tma_ok`), the paged cache through pointer loads: the same values reach the same dots, so the same bits
   (checked: the golden bits, the 1,123,092-token parity's hash, session 25); a tile whose keys all lie in segment 0
   runs that segment's chunk loop alone (the flat walk never folds there before its last merge);
+* on an H200 (sm_90) the packed unsplit bf16 prefill runs `attention_gluon`'s kernel instead: the same arithmetic op for
+  op in Gluon, warp-specialised and ping-ponged as FlashAttention 3 (1.04-1.12x this kernel's throughput, equal bits:
+  benchmarks/h200_session27); `RLKERNEL_ATTENTION_GLUON=0` keeps this one;
 * on request (varlen prefill, for training) the kernel that finishes a row also stores its
   log-sum-exp, lse = (M + log2 L) * ln 2 in natural log, from the final (M, L) of either path,
   so split and unsplit give the same lse bits too; the output path does not change.
@@ -36,6 +39,7 @@ from . import contracts as C
 from .tile import _dot
 from .launch import fast, cdiv, interpreting, next_pow2
 from .gemm import _ensure_allocator
+from . import attention_gluon
 
 # packed prefill's K / V through the bulk tensor copy engine (TMA; 1.17-1.26x the pointer loads on the H200, same bits:
 # benchmarks/h200_session25/call1); RLKERNEL_ATTENTION_TMA=0 keeps the pointer loads (a check or a bisection)
@@ -294,6 +298,10 @@ def _launch(q, k, v, out, bt, q_start, q_len, kv_len, kv_start, n_tiles, max_kv,
     store_lse = lse is not None
     lse = lse if store_lse else out  # unused
     tma = not paged and _tma_ok(k, v, skh, d)
+    if tma and q.is_cuda and attention_gluon.unsupported_reason(q, k, cfg, G, d, paged=paged, split=split, tma=tma,
+                                                                 walk=walk) is None:
+        return attention_gluon.launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt,
+                                      lse if store_lse else None)
     if tma:
         _ensure_allocator()
     _attn_fwd_fast[(n_tiles * (nseg if split else 1), B, hkv)](

@@ -216,6 +216,9 @@ def _source(fn, data: str, backend):
     attrs = dict(zip(map(tuple, obj["attrs_keys"]), obj["attrs_vals"]))
     signature = {k: convert_to_tuple_if_list(v) for k, v in obj["signature"].items()}
     options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in obj["options"].items()})
+    if fn.is_gluon():  # a Gluon kernel (attention_gluon): its own source class, as JITFunction.preload takes for it
+        from triton.experimental.gluon._runtime import GluonASTSource
+        return GluonASTSource(fn, signature, constexprs, attrs), options
     return ASTSource(fn, signature, constexprs, attrs), options
 
 

@@ -1,0 +1,288 @@
+"""The packed varlen causal prefill of `AttentionContract` on Hopper (sm_90), written in Gluon with warp
+specialisation: the same bits as `attention._attn_fwd`, scheduled as FlashAttention 3 schedules its forward.
+
+Same arithmetic, op for op (checked against the Triton kernel's TTGIR on a CPU machine, and bit for bit on the H200:
+benchmarks/h200_session27, `scripts/gpu_gluon_attn.py`): a 64-row query tile = (64 // G) tokens x the G query heads
+of one kv head; keys in 64-key chunks at absolute positions; s = q.k^T one wgmma m64n64 k16 chain from zero, in the
+Triton kernel's score layout (NVMMA v3, 4 warps, instr 16 x 64 x 16: it fixes the row reductions' order); m, alpha,
+p and l as `attention._chunk` (exp2, fma, no fp contraction); p cast to bf16 and p.v one wgmma m64n128 chain onto
+acc * alpha; 512-key segments folded into (M, L, O) by `attention._merge` at each segment's first chunk; out =
+div_rn(O, L); lse = (M + log2 L) ln 2 on request.
+
+The schedule (what the Triton kernel cannot express in Triton 3.6):
+* a CTA runs two adjacent query tiles, one consumer warpgroup each, and one producer warp that loads K / V chunks
+  through TMA into a ring of `STAGES` shared-memory stages, once for both tiles (a stage is reused when both
+  consumers released it); `setmaxnreg` gives the producer's registers to the consumers;
+* ping-pong (FA3): in its turn a consumer issues chunk c - 1's p.v and chunk c's q.k^T together (async), hands the
+  turn to the other consumer, waits for both and runs chunk c's softmax while the other's tensor-core work runs;
+* both consumers walk the CTA's chunks: a chunk past every row of a tile is an exact identity under the causal mask
+  (p == 0, alpha == 1, a segment of such chunks merges as (-inf, 0, 0)) — the contract's own property (the decode
+  tile holds later rows too) — so the turns stay paired without a branch; the mask is applied only to chunks some
+  row of the tile does not see in full, as the Triton kernel's unmasked loop.
+
+Measured on the H200 (8 x 4,096 tokens, 32 / 8 heads, D 128; session 27 call 4): 453 TFLOP/s against the Triton
+kernel's 434 (1.045x; 0.6B heads 1.08x; 4 x 1,024 1.12x), equal bits on every row of a 12-request mixed-length
+batch. Its ceiling with this contract's 64-key chunks: the same kernel without the softmax ran 620 TFLOP/s, without
+q.k^T 516 — the per-chunk softmax (two row reductions, 32 exp2 and 64 acc rescales a thread) is what is left.
+
+Used by `attention.attention_varlen` where `supported` says so (sm_90, bf16, head dim 128, the contract's 64 x 64
+tiles, K / V through TMA, the unsplit flat walk); `RLKERNEL_ATTENTION_GLUON=0` keeps the Triton kernel everywhere.
+Gluon is Triton 3.6's experimental dialect: where it does not import, `supported` says why and the Triton kernel
+runs (the same bits either way).
+"""
+from __future__ import annotations
+
+import os
+
+ENV = "RLKERNEL_ATTENTION_GLUON"
+_ENABLED = os.environ.get(ENV, "1") != "0"
+STAGES = 4  # K / V chunks in flight (call 3: 4 stages 1.01-1.15x 3 stages' time; 2 stages 0.6x)
+PRODUCER_REGS = 24
+CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
+_LOG2E = 1.4426950408889634
+
+try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API is young, so any failure is a reason
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    _IMPORT_ERROR = None
+except Exception as e:  # noqa: BLE001
+    _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+if _IMPORT_ERROR is None:
+    _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
+    _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
+
+    @gluon.jit
+    def _merge(M, L, O, m, l, o, row_o: gl.constexpr):
+        """attention._merge: (M, L, O) <- (M, L, O) (+) (m, l, o), the same ops in the same order."""
+        M_new = gl.maximum(M, m)
+        Ms = gl.where(M_new == float("-inf"), 0.0, M_new)
+        a = gl.where(M_new == M, 1.0, gl.exp2(M - Ms))
+        b = gl.where(M_new == m, 1.0, gl.exp2(m - Ms))
+        L = gl.fma(L, a, l * b)
+        O = gl.fma(O, gl.convert_layout(a, row_o)[:, None], o * gl.convert_layout(b, row_o)[:, None])
+        return M_new, L, O
+
+    @gluon.jit
+    def _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt, sqh,
+                  sot, soh, hq, qk_scale, pair, nc_cta, WHICH: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STORE_LSE: gl.constexpr,
+                  NFULL: gl.constexpr, DIAG: gl.constexpr):
+        """One query tile (consumer WHICH of the CTA's two), ping-ponged with the other (module docstring).
+        NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
+        DIAG (measurement only, other bits; never set by the library): 1 skips the softmax, 2 skips q.k^T."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        TOK: gl.constexpr = BLOCK_M // G
+        S: gl.constexpr = bufs_k.type.shape[0]
+        req = gl.program_id(1)
+        kvh = gl.program_id(2)
+        tok0 = (pair * 2 + WHICH) * TOK
+        q_len = gl.load(ql_ptr + req)
+        q_start = gl.load(qs_ptr + req)
+        kv_len = gl.load(kl_ptr + req)
+        first = kv_len - q_len
+        n_full = (first + tok0 + 1) // BLOCK_N  # chunks every row of the tile sees in full
+        if nc_cta > 0:
+            r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
+            d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+            tok = tok0 + r // G
+            row_ok = (tok < q_len) & (r < TOK * G)
+            qrow = (q_start + gl.minimum(tok, q_len - 1)).to(gl.int64)
+            head = kvh * G + r % G
+            q = gl.load(q_ptr + qrow[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=row_ok[:, None], other=0.0)
+            q_smem.store(q)
+            fence_async_shared()
+            rs = gl.arange(0, BLOCK_M, layout=row_s)
+            qpos = first + gl.minimum(tok0 + rs // G, q_len - 1)
+            kcol = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+            M = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+            L = gl.zeros([BLOCK_M], gl.float32, row_s)
+            O = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+            m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+            l = gl.zeros([BLOCK_M], gl.float32, row_s)
+            acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+            # chunk 0: q.k^T in the first turn (consumer 0 first: a fresh barrier passes parity 1)
+            mbarrier.wait(ready.index(0), 0)
+            mbarrier.wait(turn.index(WHICH), 1 - WHICH)
+            s_tok = warpgroup_mma(q_smem, bufs_k.index(0).permute((1, 0)), zero_s, is_async=True)
+            mbarrier.arrive(turn.index(1 - WHICH), count=1)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+            s = gl.where(kcol[None, :] <= qpos[:, None], s, float("-inf"))
+            m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.where(m_new == m, 1.0, gl.exp2(m - m_safe))
+            p32 = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
+            l = l * alpha + gl.sum(p32, 1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p = gl.convert_layout(p32.to(gl.bfloat16), p_layout)
+            m = m_new
+            for c in range(1, nc_cta):
+                st = c % S
+                sp = (c - 1) % S
+                mbarrier.wait(ready.index(st), (c // S) & 1)
+                mbarrier.wait(turn.index(WHICH), (c & 1) ^ (1 - WHICH))
+                acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
+                if DIAG == 2:
+                    mbarrier.arrive(turn.index(1 - WHICH), count=1)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+                    s = zero_s + c
+                else:
+                    s_tok = warpgroup_mma(q_smem, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
+                    mbarrier.arrive(turn.index(1 - WHICH), count=1)
+                    acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
+                mbarrier.arrive(empty.index(sp), count=1)
+                if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: fold the finished one (its last p.v is in acc)
+                    M, L, O = _merge(M, L, O, m, l, acc, row_o)
+                    m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+                    l = gl.zeros([BLOCK_M], gl.float32, row_s)
+                    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+                if DIAG == 1:
+                    p = gl.convert_layout(s.to(gl.bfloat16), p_layout)
+                else:
+                    if NFULL:
+                        if c >= n_full:
+                            s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
+                    else:
+                        s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
+                    m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
+                    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = gl.where(m_new == m, 1.0, gl.exp2(m - m_safe))
+                    p32 = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
+                    l = l * alpha + gl.sum(p32, 1)
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    p = gl.convert_layout(p32.to(gl.bfloat16), p_layout)
+                    m = m_new
+            sl = (nc_cta - 1) % S
+            acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
+            mbarrier.arrive(empty.index(sl), count=1)
+            M, L, O = _merge(M, L, O, m, l, acc, row_o)
+            out = gl.div_rn(O, gl.convert_layout(L, row_o)[:, None])
+            ro = gl.arange(0, BLOCK_M, layout=row_o)
+            do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+            tok_o = tok0 + ro // G
+            ok_o = (tok_o < q_len) & (ro < TOK * G)
+            qrow_o = (q_start + gl.minimum(tok_o, q_len - 1)).to(gl.int64)
+            head_o = kvh * G + ro % G
+            gl.store(o_ptr + qrow_o[:, None] * sot + head_o[:, None] * soh + do[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=ok_o[:, None])
+            if STORE_LSE:  # attention._store_lse, from the final (M, L), in the score layout's rows
+                tok_s = tok0 + rs // G
+                ok_s = (tok_s < q_len) & (rs < TOK * G)
+                qrow_s = (q_start + gl.minimum(tok_s, q_len - 1)).to(gl.int64)
+                gl.store(lse_ptr + qrow_s * hq + (kvh * G + rs % G), (M + gl.log2(L)) * 0.6931471805599453, mask=ok_s)
+
+    @gluon.jit
+    def _producer(k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N: gl.constexpr,
+                  D: gl.constexpr):
+        """One warp: chunk c's K and V tiles into stage c % S once both consumers released its previous use."""
+        S: gl.constexpr = bufs_k.type.shape[0]
+        for c in range(0, nc_cta):
+            st = c % S
+            mbarrier.wait(empty.index(st), ((c // S) & 1) ^ 1)  # a fresh barrier counts as released once
+            mbarrier.expect(ready.index(st), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_start + c * BLOCK_N, kvh * D], ready.index(st), bufs_k.index(st))
+            tma.async_copy_global_to_shared(v_desc, [kv_start + c * BLOCK_N, kvh * D], ready.index(st), bufs_v.index(st))
+
+    @gluon.jit
+    def _prefill_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, sqt, sqh, sot, soh, qk_scale,
+                        n_pairs, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                        SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, NFULL: gl.constexpr,
+                        DIAG: gl.constexpr, num_warps: gl.constexpr):
+        """Grid (pairs of query tiles, the pair holding the latest tokens first; requests; kv heads)."""
+        TOK: gl.constexpr = BLOCK_M // G
+        pair = n_pairs - 1 - gl.program_id(0)
+        req = gl.program_id(1)
+        kvh = gl.program_id(2)
+        q_len = gl.load(ql_ptr + req)
+        kv_len = gl.load(kl_ptr + req)
+        kv_start = gl.load(ks_ptr + req)
+        nc_cta = 0
+        if pair * 2 * TOK < q_len:  # the CTA's last live tile sees the most chunks
+            t_last = gl.minimum(pair * 2 + 1, (q_len - 1) // TOK)
+            nc_cta = (kv_len - q_len + gl.minimum(t_last * TOK + TOK, q_len) - 1) // BLOCK_N + 1
+        hq = gl.num_programs(2) * G
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
+        bufs_k = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        bufs_v = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_all = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, D], q_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        gl.warp_specialize([
+            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,
+                         sqt, sqh, sot, soh, hq, qk_scale, pair, nc_cta, 0, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
+                         STORE_LSE, NFULL, DIAG)),
+            (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty, turn,
+                         sqt, sqh, sot, soh, hq, qk_scale, pair, nc_cta, 1, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
+                         STORE_LSE, NFULL, DIAG)),
+        ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
+
+
+_CAPABILITY: dict = {}
+
+
+def unsupported_reason(q, k, cfg, G: int, d: int, *, paged: bool, split: bool, tma: bool, walk: str) -> str | None:
+    """None where this kernel serves the call, else why the Triton kernel does (the same bits either way)."""
+    if not _ENABLED:
+        return f"{ENV}=0"
+    if _IMPORT_ERROR is not None:
+        return f"Gluon unavailable ({_IMPORT_ERROR})"
+    if paged or split or walk != "flat":
+        return "paged, split or nested walk"
+    if not tma:
+        return "K / V not loadable through TMA"
+    if q.dtype != k.dtype or str(q.dtype) != "torch.bfloat16":
+        return "not bf16"
+    if d != 128 or (cfg.block_m, cfg.block_n) != (64, 64) or cfg.seg_keys % 64 or G > 64 or 64 % G:
+        return "not the measured shape (head dim 128, 64 x 64 tiles, a group dividing 64)"
+    dev = q.device.index if q.device.index is not None else -1
+    cap = _CAPABILITY.get(dev)
+    if cap is None:
+        import torch
+
+        cap = _CAPABILITY[dev] = torch.cuda.get_device_capability(q.device)
+    if tuple(cap) != (9, 0):
+        return f"sm_{cap[0]}{cap[1]}, not sm_90"
+    return None
+
+
+def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
+           nfull=1, diag=0):
+    """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows, hkv, d = k.shape
+    G = q.shape[1] // hkv
+    lay = gl.NVMMASharedLayout.get_default_for([cfg.block_n, d], gl.bfloat16)
+    descs = [TensorDescriptor(x, [rows, hkv * d], [skt, 1], [cfg.block_n, d], lay) for x in (k, v)]
+    n_pairs = -(-n_tiles // 2)
+    _prefill_kernel[(n_pairs, q_len.shape[0], hkv)](
+        q, out, lse if lse is not None else out, *descs, q_start, q_len, kv_len, kv_start, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs, G=G, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        D=d, SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull, DIAG=diag,
+        num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def describe() -> str:
+    """For provenance: whether packed prefill may take this kernel in this process."""
+    if not _ENABLED:
+        return f"off ({ENV}=0)"
+    return "on where supported (sm_90, bf16, head dim 128)" if _IMPORT_ERROR is None else \
+        f"unavailable ({_IMPORT_ERROR})"
