@@ -107,12 +107,80 @@ def log(*a):
     print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
 
 
+def _smi() -> dict:
+    import subprocess
+    q = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+    r = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True, text=True)
+    return {"t": round(time.time() - T0, 1), "smi": r.stdout.strip()}
+
+
+def ab_run(n: int, out: Path) -> int:
+    """Is the Gluon kernel's gain larger than the spread of timing one kernel twice? Both kernels and SDPA in turn,
+    n rounds, twice: on a rested card and after ~10 s of cuBLAS GEMMs (the strict harness times attention after its
+    GEMM sweep: session 27 call 5 read 2.83 ms there against 2.43 in this script)."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+    from rlkernel.backends.triton import attention as A
+
+    torch.manual_seed(0)
+    B, L, hq, hkv, d = 8, 4096, 32, 8, 128
+    q = torch.randn(B * L, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B * L, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.arange(0, B * L + 1, L, dtype=torch.int32, device="cuda")
+    qb, kb, vb = (x.view(B, L, -1, d).transpose(1, 2) for x in (q, k, v))
+
+    def triton_kernel():
+        AG._ENABLED = False
+        try:
+            return A.attention_varlen(q, k, v, cu, max_seqlen=L)
+        finally:
+            AG._ENABLED = True
+
+    fns = {"triton": triton_kernel, "library_gluon": lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L),
+           "sdpa": lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)}
+    res = {"device": torch.cuda.get_device_name(), "rounds": n, "phases": {}}
+    for phase in ("rested", "after_gemm_load"):
+        if phase == "after_gemm_load":
+            a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+            t1 = time.time()
+            while time.time() - t1 < 10:
+                for _ in range(20):
+                    a @ a
+                torch.cuda.synchronize()
+            del a
+        times = {name: [] for name in fns}
+        clocks = [_smi()]
+        for _ in range(n):
+            for name, fn in fns.items():
+                times[name].append(round(do_bench(fn, warmup=10, rep=60), 4))
+            clocks.append(_smi())
+        med = {name: statistics.median(t) for name, t in times.items()}
+        res["phases"][phase] = {"ms": times, "median_ms": med, "clocks": clocks,
+                                "spread_ms": {name: round(max(t) - min(t), 4) for name, t in times.items()},
+                                "library_vs_triton": round(med["triton"] / med["library_gluon"], 3),
+                                "library_vs_sdpa": round(med["sdpa"] / med["library_gluon"], 3),
+                                "triton_vs_sdpa": round(med["sdpa"] / med["triton"], 3)}
+        log(phase, {kk: vv for kk, vv in res["phases"][phase].items() if kk != "clocks"})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "h200_gluon_attn_ab.json").write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--ab", type=int, default=0, help="only the A/B run: the Triton kernel, the library's (Gluon) and "
+                                                       "SDPA timed in turn N times at 8 x 4,096, before and after a "
+                                                       "heavy GEMM load, with the card's clocks read between")
     args = ap.parse_args(argv)
+    if args.ab:
+        return ab_run(args.ab, Path(args.out))
     names = [n for n in args.variants.split(",") if n]
     res = {"triton": triton.__version__, "compiled_sm90": {}}
     for name in names:
