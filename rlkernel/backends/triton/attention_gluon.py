@@ -67,6 +67,18 @@ if _IMPORT_ERROR is None:
         return M_new, L, O
 
     @gluon.jit
+    def _softmax(s, m, l, acc, qk_scale, row_o: gl.constexpr, p_layout: gl.constexpr):
+        """attention._chunk between its two dots (s already masked): the new row max, alpha, p, l, acc * alpha, and p
+        as the bf16 A operand of the p.v wgmma."""
+        m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.where(m_new == m, 1.0, gl.exp2(m - m_safe))
+        p32 = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
+        l = l * alpha + gl.sum(p32, 1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        return m_new, l, acc, gl.convert_layout(p32.to(gl.bfloat16), p_layout)
+
+    @gluon.jit
     def _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt, sqh,
                   sot, soh, hq, qk_scale, pair, nc_cta, WHICH: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STORE_LSE: gl.constexpr,
@@ -118,14 +130,7 @@ if _IMPORT_ERROR is None:
             mbarrier.arrive(turn.index(1 - WHICH), count=1)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             s = gl.where(kcol[None, :] <= qpos[:, None], s, float("-inf"))
-            m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.where(m_new == m, 1.0, gl.exp2(m - m_safe))
-            p32 = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
-            l = l * alpha + gl.sum(p32, 1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            p = gl.convert_layout(p32.to(gl.bfloat16), p_layout)
-            m = m_new
+            m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout)
             for c in range(1, nc_cta):
                 st = c % S
                 sp = (c - 1) % S
@@ -154,14 +159,7 @@ if _IMPORT_ERROR is None:
                             s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
                     else:
                         s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
-                    m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
-                    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = gl.where(m_new == m, 1.0, gl.exp2(m - m_safe))
-                    p32 = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
-                    l = l * alpha + gl.sum(p32, 1)
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                    p = gl.convert_layout(p32.to(gl.bfloat16), p_layout)
-                    m = m_new
+                    m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout)
             sl = (nc_cta - 1) % S
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(empty.index(sl), count=1)
