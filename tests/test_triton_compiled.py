@@ -244,9 +244,29 @@ def test_gluon_prefill_is_chosen_only_where_it_was_measured():
     assert why(d=64).startswith("not the measured shape") and why(G=3).startswith("not the measured shape")
     from dataclasses import replace
     assert why(cfg=replace(C.ATTENTION, block_n=128)).startswith("not the measured shape")
+    AG._CHECKING.append(True)  # while the first-use check runs its reference: every call takes the Triton kernel
+    try:
+        assert why() == "first-use check running (its Triton side)"
+    finally:
+        AG._CHECKING.clear()
     AG._ENABLED = False
     try:
         assert why() == f"{AG.ENV}=0" and AG.describe() == f"off ({AG.ENV}=0)"
     finally:
         AG._ENABLED = True
     assert AG.describe().startswith("on where supported")
+    saved = dict(AG._CHECKED)
+    AG._CHECKED.update({(0, 4): None, (0, 2): "first-use check: 3 values differ from the Triton kernel's"})
+    try:  # provenance names each check's outcome
+        assert AG.describe().endswith("first-use checks: cuda:0 G=2: first-use check: 3 values differ from the Triton "
+                                      "kernel's; cuda:0 G=4: bit-equal to Triton")
+    finally:
+        AG._CHECKED.clear()
+        AG._CHECKED.update(saved)
+    import triton
+    real = triton.__version__
+    triton.__version__ = "9.9.0"
+    try:
+        assert why() == "Triton 9.9.0, checked with 3.6"
+    finally:
+        triton.__version__ = real

@@ -25,10 +25,11 @@ kernel's 434 (1.045x; 0.6B heads 1.08x; 4 x 1,024 1.12x), equal bits on every ro
 batch. Its ceiling with this contract's 64-key chunks: the same kernel without the softmax ran 620 TFLOP/s, without
 q.k^T 516 — the per-chunk softmax (two row reductions, 32 exp2 and 64 acc rescales a thread) is what is left.
 
-Used by `attention.attention_varlen` where `supported` says so (sm_90, bf16, head dim 128, the contract's 64 x 64
-tiles, K / V through TMA, the unsplit flat walk); `RLKERNEL_ATTENTION_GLUON=0` keeps the Triton kernel everywhere.
-Gluon is Triton 3.6's experimental dialect: where it does not import, `supported` says why and the Triton kernel
-runs (the same bits either way).
+Used by `attention.attention_varlen` where `unsupported_reason` is None (sm_90, bf16, head dim 128, the contract's
+64 x 64 tiles, K / V through TMA, the unsplit flat walk, Triton 3.6, and a first-use check per device and head group
+that this kernel and the Triton kernel give equal bits and lse on a small mixed batch); `RLKERNEL_ATTENTION_GLUON=0`
+keeps the Triton kernel everywhere. Gluon is Triton 3.6's experimental dialect: where it does not import, the reason
+says so and the Triton kernel runs (the same bits either way).
 """
 from __future__ import annotations
 
@@ -233,14 +234,23 @@ if _IMPORT_ERROR is None:
 
 
 _CAPABILITY: dict = {}
+_CHECKED: dict = {}  # (device index, G) -> None (bit-equal to the Triton kernel) or why this kernel is off there
+_CHECKING: list = []  # non-empty while the first-use check runs its Triton side
+_LAUNCHES = [0]  # this kernel's launches in this process
+TESTED_TRITON = ("3.6",)  # Gluon is experimental: the Triton minor versions this kernel was bit-checked with
 
 
 def unsupported_reason(q, k, cfg, G: int, d: int, *, paged: bool, split: bool, tma: bool, walk: str) -> str | None:
-    """None where this kernel serves the call, else why the Triton kernel does (the same bits either way)."""
+    """None where this kernel serves the call, else why the Triton kernel does (the same bits either way). The first
+    call per device and query-head group runs `self_check` first: a bit that differs turns this kernel off there."""
     if not _ENABLED:
         return f"{ENV}=0"
     if _IMPORT_ERROR is not None:
         return f"Gluon unavailable ({_IMPORT_ERROR})"
+    if not triton.__version__.startswith(TESTED_TRITON):
+        return f"Triton {triton.__version__}, checked with {', '.join(TESTED_TRITON)}"
+    if _CHECKING:
+        return "first-use check running (its Triton side)"
     if paged or split or walk != "flat":
         return "paged, split or nested walk"
     if not tma:
@@ -257,7 +267,52 @@ def unsupported_reason(q, k, cfg, G: int, d: int, *, paged: bool, split: bool, t
         cap = _CAPABILITY[dev] = torch.cuda.get_device_capability(q.device)
     if tuple(cap) != (9, 0):
         return f"sm_{cap[0]}{cap[1]}, not sm_90"
-    return None
+    if (dev, G) not in _CHECKED:
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():  # no sync inside a capture: the check waits for an eager call
+            return "first-use check pending (a CUDA graph capture)"
+        _CHECKED[(dev, G)] = None  # while the check runs, its own first call takes this kernel
+        _CHECKED[(dev, G)] = self_check(q.device, G, cfg)
+    return _CHECKED[(dev, G)]
+
+
+def self_check(device, G: int, cfg) -> str | None:
+    """At first use on a device for a query-head group G: a packed batch (lengths 600, 77, 1: a segment fold, a partial
+    chunk, a one-token request; 2 kv heads, head dim 128, bf16, fixed seed) through this kernel and through the Triton
+    kernel; None when the outputs and lse are bit-equal, else the reason this kernel stays off (logged once; the Triton
+    kernel's bits are the contract's). Costs the two kernels' compiles at that shape class and ~1 ms."""
+    import logging
+
+    import torch
+
+    from . import attention as A
+
+    gen = torch.Generator(device="cpu").manual_seed(27)
+    lens, hkv = [600, 77, 1], 2
+    q, k, v = (torch.randn(sum(lens), h, 128, generator=gen).to(device=device, dtype=torch.bfloat16)
+               for h in (hkv * G, hkv, hkv))
+    cu = torch.tensor([0, 600, 677, 678], dtype=torch.int32, device=device)
+    try:
+        launches = _LAUNCHES[0]
+        y, lse = A.attention_varlen(q, k, v, cu, max_seqlen=600, split=False, return_lse=True, config=cfg)
+        if _LAUNCHES[0] == launches:
+            raise RuntimeError("the check's first call did not reach this kernel")
+        _CHECKING.append(True)
+        try:
+            ref, ref_lse = A.attention_varlen(q, k, v, cu, max_seqlen=600, split=False, return_lse=True, config=cfg)
+        finally:
+            _CHECKING.clear()
+    except Exception as e:  # noqa: BLE001 -- a kernel that cannot run here is a reason, never a crash
+        why = f"first-use check failed to run: {type(e).__name__}: {str(e)[:200]}"
+    else:
+        n = int((y.view(torch.int16) != ref.view(torch.int16)).any(dim=-1).sum()) + \
+            int((lse.view(torch.int32) != ref_lse.view(torch.int32)).sum())  # bit patterns (a NaN equals itself)
+        why = None if n == 0 else f"first-use check: {n} values differ from the Triton kernel's"
+    if why is not None:
+        logging.getLogger(__name__).warning("rlkernel: the Gluon attention prefill is off on %s (G=%d): %s", device, G,
+                                            why)
+    return why
 
 
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
@@ -270,6 +325,7 @@ def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, 
     lay = gl.NVMMASharedLayout.get_default_for([cfg.block_n, d], gl.bfloat16)
     descs = [TensorDescriptor(x, [rows, hkv * d], [skt, 1], [cfg.block_n, d], lay) for x in (k, v)]
     n_pairs = -(-n_tiles // 2)
+    _LAUNCHES[0] += 1
     _prefill_kernel[(n_pairs, q_len.shape[0], hkv)](
         q, out, lse if lse is not None else out, *descs, q_start, q_len, kv_len, kv_start, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs, G=G, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -279,8 +335,10 @@ def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, 
 
 
 def describe() -> str:
-    """For provenance: whether packed prefill may take this kernel in this process."""
+    """For provenance: whether packed prefill may take this kernel in this process, and its first-use checks so far."""
     if not _ENABLED:
         return f"off ({ENV}=0)"
-    return "on where supported (sm_90, bf16, head dim 128)" if _IMPORT_ERROR is None else \
-        f"unavailable ({_IMPORT_ERROR})"
+    if _IMPORT_ERROR is not None:
+        return f"unavailable ({_IMPORT_ERROR})"
+    checks = "; ".join(f"cuda:{d} G={g}: {why or 'bit-equal to Triton'}" for (d, g), why in sorted(_CHECKED.items()))
+    return "on where supported (sm_90, bf16, head dim 128)" + (f"; first-use checks: {checks}" if checks else "")
