@@ -37,7 +37,7 @@ import os
 
 ENV = "RLKERNEL_ATTENTION_GLUON"
 _ENABLED = os.environ.get(ENV, "1") != "0"
-STAGES = 4  # K / V chunks in flight (call 3: 4 stages 1.01-1.15x 3 stages' time; 2 stages 0.6x)
+STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's spread of each other; 2 stages 0.6x)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
 _LOG2E = 1.4426950408889634
