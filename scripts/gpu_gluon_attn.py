@@ -38,6 +38,7 @@ VARIANTS = {
     "production": {},
     "stages3": dict(stages=3),
     "mask_every_chunk": dict(nfull=0),
+    "skip_rescale": dict(skip=1),
     "diag_no_softmax": dict(diag=1),
     "diag_no_qk": dict(diag=2),
 }
@@ -49,9 +50,9 @@ def compile_sm90(variant, G=4, d=128):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kw = {**dict(stages=AG.STAGES, nfull=1, diag=0), **VARIANTS[variant]}
+    kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0), **VARIANTS[variant]}
     const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
-                 NFULL=kw["nfull"], DIAG=kw["diag"], num_warps=4)
+                 NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], num_warps=4)
     lay = gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16)
     desc = f"tensordesc<bf16[64, {d}],{lay!r}>"
     sig = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
@@ -211,7 +212,10 @@ def main(argv=None) -> int:
     def bench(fn):
         return do_bench(fn, warmup=10, rep=60)
 
+    # "sink": every query's largest logit is its sequence's first key (q and k share a direction there), as trained
+    # models' attention sinks make it: no row's max moves after chunk 0, the case skip_rescale is for
     cases = {"q8b_8x4096": ([4096] * 8, 32, 8, 128),
+             "q8b_8x4096_sink": ([4096] * 8, 32, 8, 128),
              "q8b_varlen_bits": ([4096, 77, 1000, 2049, 513, 511, 3333, 1, 16, 17, 64, 65], 32, 8, 128),
              "q8b_4x1024": ([1024] * 4, 32, 8, 128),
              "q06_8x4096": ([4096] * 8, 16, 8, 128)}
@@ -228,6 +232,11 @@ def main(argv=None) -> int:
         k = torch.randn(T, hkv, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+        if cname.endswith("_sink"):
+            u = torch.randn(d, device="cuda")
+            u = (u / u.norm()).to(torch.bfloat16)
+            q += 8 * u
+            k[cu[:-1].long()] += 16 * u  # each sequence's first key: q.k ~ 128 +- 16, the others' ~ N(0, 14^2)
         flops = sum(4 * hq * n * n * d / 2 for n in lens)
         timed = cname != "q8b_varlen_bits"
         row = res["cases"][cname] = {"lengths": lens, "hq": hq, "hkv": hkv, "d": d, "variants": {}}

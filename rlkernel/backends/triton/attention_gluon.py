@@ -68,24 +68,30 @@ if _IMPORT_ERROR is None:
         return M_new, L, O
 
     @gluon.jit
-    def _softmax(s, m, l, acc, qk_scale, row_o: gl.constexpr, p_layout: gl.constexpr):
+    def _softmax(s, m, l, acc, qk_scale, row_o: gl.constexpr, p_layout: gl.constexpr, SKIP: gl.constexpr):
         """attention._chunk between its two dots (s already masked): the new row max, alpha, p, l, acc * alpha, and p
-        as the bf16 A operand of the p.v wgmma."""
+        as the bf16 A operand of the p.v wgmma. SKIP: leave acc alone when no row's max moved (every alpha is then
+        1.0 exactly, and acc * 1.0 == acc bit for bit), at the cost of a tile-wide test (a cross-warp reduction)."""
         m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.where(m_new == m, 1.0, gl.exp2(m - m_safe))
         p32 = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
         l = l * alpha + gl.sum(p32, 1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        if SKIP:
+            if gl.max((m_new != m).to(gl.int32), 0) != 0:
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        else:
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         return m_new, l, acc, gl.convert_layout(p32.to(gl.bfloat16), p_layout)
 
     @gluon.jit
     def _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt, sqh,
                   sot, soh, hq, qk_scale, pair, nc_cta, WHICH: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STORE_LSE: gl.constexpr,
-                  NFULL: gl.constexpr, DIAG: gl.constexpr):
+                  NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr):
         """One query tile (consumer WHICH of the CTA's two), ping-ponged with the other (module docstring).
         NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
+        SKIP: `_softmax`'s rescale skip where no row's max moved (0 in production until timed; the same bits).
         DIAG (measurement only, other bits; never set by the library): 1 skips the softmax, 2 skips q.k^T."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -131,7 +137,7 @@ if _IMPORT_ERROR is None:
             mbarrier.arrive(turn.index(1 - WHICH), count=1)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             s = gl.where(kcol[None, :] <= qpos[:, None], s, float("-inf"))
-            m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout)
+            m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
             for c in range(1, nc_cta):
                 st = c % S
                 sp = (c - 1) % S
@@ -160,7 +166,7 @@ if _IMPORT_ERROR is None:
                             s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
                     else:
                         s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
-                    m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout)
+                    m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
             sl = (nc_cta - 1) % S
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(empty.index(sl), count=1)
@@ -196,7 +202,7 @@ if _IMPORT_ERROR is None:
     def _prefill_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, sqt, sqh, sot, soh, qk_scale,
                         n_pairs, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, NFULL: gl.constexpr,
-                        DIAG: gl.constexpr, num_warps: gl.constexpr):
+                        DIAG: gl.constexpr, SKIP: gl.constexpr, num_warps: gl.constexpr):
         """Grid (pairs of query tiles, the pair holding the latest tokens first; requests; kv heads)."""
         TOK: gl.constexpr = BLOCK_M // G
         pair = n_pairs - 1 - gl.program_id(0)
@@ -225,11 +231,11 @@ if _IMPORT_ERROR is None:
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,
                          sqt, sqh, sot, soh, hq, qk_scale, pair, nc_cta, 0, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
-                         STORE_LSE, NFULL, DIAG)),
+                         STORE_LSE, NFULL, DIAG, SKIP)),
             (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty, turn,
                          sqt, sqh, sot, soh, hq, qk_scale, pair, nc_cta, 1, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
-                         STORE_LSE, NFULL, DIAG)),
+                         STORE_LSE, NFULL, DIAG, SKIP)),
         ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
 
 
@@ -316,7 +322,7 @@ def self_check(device, G: int, cfg) -> str | None:
 
 
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0):
+           nfull=1, diag=0, skip=0):
     """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -330,7 +336,7 @@ def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, 
         q, out, lse if lse is not None else out, *descs, q_start, q_len, kv_len, kv_start, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs, G=G, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         D=d, SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull, DIAG=diag,
-        num_warps=4, enable_fp_fusion=False)
+        SKIP=skip, num_warps=4, enable_fp_fusion=False)
     return out
 
 
