@@ -108,6 +108,15 @@ def log(*a):
     print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
 
 
+def _triton_kernel(fn):
+    """fn() with attention_varlen on the Triton kernel (RLKERNEL_ATTENTION_GLUON=0 within the call): the reference."""
+    AG._ENABLED = False
+    try:
+        return fn()
+    finally:
+        AG._ENABLED = True
+
+
 def _smi() -> dict:
     import subprocess
     q = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
@@ -134,14 +143,8 @@ def ab_run(n: int, out: Path) -> int:
     cu = torch.arange(0, B * L + 1, L, dtype=torch.int32, device="cuda")
     qb, kb, vb = (x.view(B, L, -1, d).transpose(1, 2) for x in (q, k, v))
 
-    def triton_kernel():
-        AG._ENABLED = False
-        try:
-            return A.attention_varlen(q, k, v, cu, max_seqlen=L)
-        finally:
-            AG._ENABLED = True
-
-    fns = {"triton": triton_kernel, "library_gluon": lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L),
+    fns = {"triton": lambda: _triton_kernel(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L)),
+           "library_gluon": lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L),
            "sdpa": lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)}
     res = {"device": torch.cuda.get_device_name(), "rounds": n, "phases": {}}
     for phase in ("rested", "after_gemm_load"):
@@ -219,13 +222,6 @@ def main(argv=None) -> int:
              "q8b_varlen_bits": ([4096, 77, 1000, 2049, 513, 511, 3333, 1, 16, 17, 64, 65], 32, 8, 128),
              "q8b_4x1024": ([1024] * 4, 32, 8, 128),
              "q06_8x4096": ([4096] * 8, 16, 8, 128)}
-    def triton_kernel(fn):  # the Triton kernel, the reference: RLKERNEL_ATTENTION_GLUON=0 within the call
-        AG._ENABLED = False
-        try:
-            return fn()
-        finally:
-            AG._ENABLED = True
-
     for cname, (lens, hq, hkv, d) in cases.items():
         T, L = sum(lens), max(lens)
         q = torch.randn(T, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -240,16 +236,16 @@ def main(argv=None) -> int:
         flops = sum(4 * hq * n * n * d / 2 for n in lens)
         timed = cname != "q8b_varlen_bits"
         row = res["cases"][cname] = {"lengths": lens, "hq": hq, "hkv": hkv, "d": d, "variants": {}}
-        ref, ref_lse = triton_kernel(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L, split=False, return_lse=True))
+        ref, ref_lse = _triton_kernel(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L, split=False, return_lse=True))
         lib, lib_lse = A.attention_varlen(q, k, v, cu, max_seqlen=L, return_lse=True)  # what the library runs
         row["library_gluon"] = AG.unsupported_reason(q, k, C.ATTENTION, hq // hkv, d, paged=False, split=False,
                                                      tma=True, walk="flat") or "yes"
         row["library_equal_triton"] = bool(torch.equal(lib, ref))
         row["library_lse_equal_triton"] = bool(torch.equal(lib_lse, ref_lse))
-        row["triton_split_equal"] = bool(torch.equal(triton_kernel(
+        row["triton_split_equal"] = bool(torch.equal(_triton_kernel(
             lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L, split=True)), ref))
         if timed:
-            t = bench(lambda: triton_kernel(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L)))
+            t = bench(lambda: _triton_kernel(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L)))
             row["triton_ms"], row["triton_tflops"] = round(t, 4), round(flops / t / 1e9, 1)
             t = bench(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L))
             row["library_ms"], row["library_tflops"] = round(t, 4), round(flops / t / 1e9, 1)

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,10 +160,7 @@ def main():
         # as the recording process timed them, and the manifest itself beside this JSON
         res["slowest_compiles"] = [(e["kernel"], e.get("seconds")) for e in
                                    sorted(entries, key=lambda e: -(e.get("seconds") or 0))[:8]]
-        res["kernels_by_module"] = {}
-        for e in entries:
-            mod = e["kernel"].rsplit(".", 1)[0]
-            res["kernels_by_module"][mod] = res["kernels_by_module"].get(mod, 0) + 1
+        res["kernels_by_module"] = dict(Counter(e["kernel"].rsplit(".", 1)[0] for e in entries))
         (Path(args.out) / "precompile_manifest.json").write_text(manifest.read_text())
         cold = ph["record"]["first_launches"]["seconds"]
         res["summary"] = {

@@ -239,7 +239,7 @@ if _IMPORT_ERROR is None:
         ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
 
 
-_CAPABILITY: dict = {}
+_ARCH: dict = {}  # device index -> its architecture (golden.gpu_arch), asked once
 _CHECKED: dict = {}  # (device index, G) -> None (bit-equal to the Triton kernel) or why this kernel is off there
 _CHECKING: list = []  # non-empty while the first-use check runs its Triton side
 _LAUNCHES = [0]  # this kernel's launches in this process
@@ -266,13 +266,13 @@ def unsupported_reason(q, k, cfg, G: int, d: int, *, paged: bool, split: bool, t
     if d != 128 or (cfg.block_m, cfg.block_n) != (64, 64) or cfg.seg_keys % 64 or G > 64 or 64 % G:
         return "not the measured shape (head dim 128, 64 x 64 tiles, a group dividing 64)"
     dev = q.device.index if q.device.index is not None else -1
-    cap = _CAPABILITY.get(dev)
-    if cap is None:
-        import torch
+    arch = _ARCH.get(dev)
+    if arch is None:
+        from ...golden import gpu_arch
 
-        cap = _CAPABILITY[dev] = torch.cuda.get_device_capability(q.device)
-    if tuple(cap) != (9, 0):
-        return f"sm_{cap[0]}{cap[1]}, not sm_90"
+        arch = _ARCH[dev] = gpu_arch(q.device)
+    if arch != "sm_90":
+        return f"{arch}, not sm_90"
     if (dev, G) not in _CHECKED:
         import torch
 
@@ -288,6 +288,7 @@ def self_check(device, G: int, cfg) -> str | None:
     chunk, a one-token request; 2 kv heads, head dim 128, bf16, fixed seed) through this kernel and through the Triton
     kernel; None when the outputs and lse are bit-equal, else the reason this kernel stays off (logged once; the Triton
     kernel's bits are the contract's). Costs the two kernels' compiles at that shape class and ~1 ms."""
+    import itertools
     import logging
 
     import torch
@@ -298,15 +299,15 @@ def self_check(device, G: int, cfg) -> str | None:
     lens, hkv = [600, 77, 1], 2
     q, k, v = (torch.randn(sum(lens), h, 128, generator=gen).to(device=device, dtype=torch.bfloat16)
                for h in (hkv * G, hkv, hkv))
-    cu = torch.tensor([0, 600, 677, 678], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
     try:
         launches = _LAUNCHES[0]
-        y, lse = A.attention_varlen(q, k, v, cu, max_seqlen=600, split=False, return_lse=True, config=cfg)
+        y, lse = A.attention_varlen(q, k, v, cu, max_seqlen=max(lens), split=False, return_lse=True, config=cfg)
         if _LAUNCHES[0] == launches:
             raise RuntimeError("the check's first call did not reach this kernel")
         _CHECKING.append(True)
         try:
-            ref, ref_lse = A.attention_varlen(q, k, v, cu, max_seqlen=600, split=False, return_lse=True, config=cfg)
+            ref, ref_lse = A.attention_varlen(q, k, v, cu, max_seqlen=max(lens), split=False, return_lse=True, config=cfg)
         finally:
             _CHECKING.clear()
     except Exception as e:  # noqa: BLE001 -- a kernel that cannot run here is a reason, never a crash
