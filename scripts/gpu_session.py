@@ -235,6 +235,9 @@ STEPS: dict[str, tuple[int, str]] = {
     # session 27's experiment: the strict attention prefill in Gluon (a producer warp of TMA loads, one or two consumer
     # warpgroups each running the contract's 64-row tile op for op), bit-checked against production, timed against it
     # and SDPA; a mbarrier deadlock would spin until this limit, so it is short
+    # which kernel cuBLAS runs at each Qwen3-8B GEMM shape (tile, cluster, split-K or not) and each kernel's device time,
+    # beside the strict GEMM's and the 4-segment row-parallel GEMM's (session 28)
+    "cublas_probe": (180, "python3 scripts/gpu_cublas_probe.py --out {out}"),
     "gluon_attn": (240, "python3 scripts/gpu_gluon_attn.py --out {out}"),
     # compile-ahead (rlkernel/backends/triton/precompile.py) on cold caches: record a strict workload's kernels, then
     # compile them ahead (16 worker processes; and threads only, session 25's first version) before the same workload
