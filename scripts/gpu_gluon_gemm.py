@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
-    ap.add_argument("--ms", default="256,1024,4096")
+    ap.add_argument("--ms", default="256,512,1024,4096")
     args = ap.parse_args(argv)
     res = {"triton": triton.__version__, "compiled_sm90": {}}
     for name in TILES:
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
         else:
             from gpu_gemm_sweep import chain_ms
             from gpu_strict_parity import GEMMS
-            from rlkernel.backends.triton import gemm, ops
+            from rlkernel.backends.triton import gemm, gemm_gluon, ops
 
             res["device"] = torch.cuda.get_device_name()
             res["timer"] = "chain: a CUDA graph of 8 calls on 8 weights, ms per call (scripts/gpu_gemm_sweep.chain_ms)"
@@ -261,17 +261,33 @@ def main(argv=None) -> int:
                 ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5 for _ in range(8)]
                 for M in (int(m) for m in args.ms.split(",")):
                     a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                    sched = ops.segment_schedule(M, N, K, segs) if segs > 1 else None
+                    sched = "scratch" if segs > 1 else None  # the Triton kernel's schedule before session 28
+                    lib_sched = ops.segment_schedule(M, N, K, segs) if segs > 1 else None
 
                     def strict(i, a=a, sched=sched, segs=segs):
                         return gemm.matmul(a, ws[i], k_segments=segs, schedule=sched)
 
-                    ref = strict(0)
-                    row = {"gemm": gname, "M": M, "K": K, "N": N, "k_segments": segs, "strict_schedule": sched,
-                           "cublas_ms": round(chain_ms(lambda i: torch.nn.functional.linear(a, ws[i])), 4),
-                           "strict_ms": round(chain_ms(strict), 4), "tiles": {}}
-                    if segs > 1:  # the unsegmented strict GEMM: what the segments cost
-                        row["strict_plain_ms"] = round(chain_ms(lambda i: gemm.matmul(a, ws[i])), 4)
+                    def library(i, a=a, segs=segs, lib_sched=lib_sched):
+                        return gemm.matmul(a, ws[i], k_segments=segs, schedule=lib_sched)
+
+                    gemm_gluon._ENABLED = False  # the Triton kernel: the reference bits and the old time
+                    try:
+                        ref = strict(0)
+                        row = {"gemm": gname, "M": M, "K": K, "N": N, "k_segments": segs, "strict_schedule": sched,
+                               "cublas_ms": round(chain_ms(lambda i: torch.nn.functional.linear(a, ws[i])), 4),
+                               "strict_ms": round(chain_ms(strict), 4), "tiles": {}}
+                        if segs > 1:  # the unsegmented strict GEMM: what the segments cost
+                            row["strict_plain_ms"] = round(chain_ms(lambda i: gemm.matmul(a, ws[i])), 4)
+                    finally:
+                        gemm_gluon._ENABLED = True
+                    # the library as shipped: gemm.matmul with ops.segment_schedule's pick (a Gluon tile where
+                    # gemm_gluon.pick names one, after its first-use check)
+                    tile = gemm_gluon.choose(a, ws[0], segs, None, None)
+                    y = library(0)
+                    row["library"] = {"schedule": lib_sched, "gluon_tile": tile and tile.name,
+                                      "equal_to_strict": bool(torch.equal(y, ref)), "ms": round(chain_ms(library), 4)}
+                    row["library"]["vs_cublas"] = round(row["cublas_ms"] / row["library"]["ms"], 3)
+                    row["library"]["vs_strict"] = round(row["strict_ms"] / row["library"]["ms"], 3)
                     for name in tiles:
                         try:
                             y = run(a, ws[0], name)
@@ -289,6 +305,11 @@ def main(argv=None) -> int:
                     print(f"[{time.time() - t0:6.1f}s]", json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        from rlkernel.backends.triton import gemm_gluon
+        res["gemm_gluon"] = gemm_gluon.describe()  # the first-use checks' outcomes
+    except Exception as e:  # noqa: BLE001
+        res["gemm_gluon"] = f"{type(e).__name__}: {e}"
     (out / "h200_gluon_gemm.json").write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps({"tiles": len(res["compiled_sm90"]), "rows": len(res.get("rows", [])),
                       "errors": [k for k, v in res["compiled_sm90"].items() if "error" in v]}))

@@ -130,7 +130,7 @@ def status() -> dict:
     """What the Triton implementation did in this process (for run provenance): the golden check's outcome, its
     duration and its setting; None where it has not run."""
     return {"golden": _GOLDEN["result"], "golden_seconds": _GOLDEN["seconds"], GOLDEN_ENV: os.environ.get(GOLDEN_ENV, "check"),
-            "unavailable": unavailable_reason(), "attention_prefill_gluon": _gluon_prefill()}
+            "unavailable": unavailable_reason(), "attention_prefill_gluon": _gluon_prefill(), "gemm_gluon": _gluon_gemm()}
 
 
 def _gluon_prefill() -> str | None:
@@ -140,6 +140,15 @@ def _gluon_prefill() -> str | None:
     from . import attention_gluon
 
     return attention_gluon.describe()
+
+
+def _gluon_gemm() -> str | None:
+    """Whether the strict GEMM may run gemm_gluon's tiles in this process (None without triton)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from . import gemm_gluon
+
+    return gemm_gluon.describe()
 
 
 def __getattr__(name):

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from . import contracts as C
+from . import gemm_gluon
 from .ksegments import _fixup_merge, _k_scratch, _k_segments, _k_stream, _kept  # noqa: F401  (_kept: tests read it)
 from .tile import _k_loop2, _k_span, _tile_coords
 from .launch import fast, cdiv
@@ -248,7 +249,7 @@ def _tma_ok(cfg, *tensors) -> bool:
 _LAST_KERNEL: list = [None]
 
 # how k segments run (matmul's docstring): the same bits under every one
-SCHEDULES = ("launches", "split", "registers", "stream", "fixup", "scratch")
+SCHEDULES = ("launches", "split", "registers", "stream", "fixup", "scratch", "warpspec")
 
 # "scratch" merges by 32-row slices from memory above this many tile elements: a loaded subtree beside a 128 x 256
 # accumulator spills on sm_90 (ptxas -v, 4 segments: 220 bytes whole, none sliced); 128 x 128 and below merge in
@@ -307,7 +308,10 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     subtree awaiting its sibling waits in the program's fp32 slots, log2(S) tiles a program of
     a buffer allocated per call, so the tile keeps the table's width) or "stream" (registers'
     result from one K loop that folds each segment into the tree as it ends; 2 or 4 segments,
-    K a multiple of segments x block_k).
+    K a multiple of segments x block_k) or "warpspec" (sm_90: the Gluon kernel's warp-specialised consumer folds
+    each segment into the tree as it ends, gemm_gluon; where its rule picks no tile or it does not serve, "scratch").
+    With the contract's tiles (config None), one segment and a weight, sm_90 may run a Gluon tile of 96 / 192
+    columns where gemm_gluon.pick names one (same bits: checked at first use per device and tile).
     out: write here ([M, N], out_dtype) instead. num_ctas (tuning only, sm_90: a
     program as a cluster of CTAs splitting its tile by rows or columns, never by K): the
     sweep's question whether clusters help small M.
@@ -343,6 +347,14 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
                          f"(k_segments={k_segments})")
     if schedule in ("fixup", "scratch") and num_ctas != 1:  # a cluster's CTAs share a program id (counter, slots)
         raise ValueError(f"matmul: schedule {schedule!r} keeps per-program state: num_ctas must be 1")
+    if config is None and weight is not None and num_ctas == 1 and num_progs is None and M > 0 and \
+            schedule in (None, "warpspec"):  # the contract's tiles: a Gluon tile where one is measured faster
+        tile = gemm_gluon.choose(a, weight, k_segments, out_dtype, out)
+        if tile is not None:
+            _LAST_KERNEL[0] = None
+            return gemm_gluon.launch(a, weight, tile, out)
+    if schedule == "warpspec":  # where no Gluon tile serves: the schedule it replaced (the same bits)
+        schedule = "scratch"
     if out is None:
         out = torch.empty((M, N), device=a.device, dtype=out_dtype or a.dtype)
     if M == 0:

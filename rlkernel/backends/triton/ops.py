@@ -114,7 +114,10 @@ def segment_schedule(m: int, n: int, k: int, segments: int, dtype_name: str = "b
     - narrower outputs (the 0.6B's n = 1,024): "registers" up to REGISTERS_MAX_M rows (0.56-0.65x against scratch
       0.35-0.58x), "scratch" above (M = 1,024 0.46 / 0.54x, 2,048 0.45 / 0.51x, 4,096 0.42 / 0.49x; registers
       0.46 / 0.48, 0.43 / 0.42, 0.40 / 0.39x; launches 0.16-0.28x).
-    Timed up to M = 4,096; larger M keeps scratch (its cost per tile does not grow with M)."""
+    Timed up to M = 4,096; larger M keeps scratch (its cost per tile does not grow with M).
+    Session 28 (benchmarks/h200_session28/call2, scripts/gpu_gluon_gemm.py): where scratch ran, "warpspec" (the Gluon
+    kernel's warp-specialised consumer, gemm_gluon) beat it at every row timed: 8B o / down M = 256 0.99 / 0.89x,
+    1,024 0.78 / 0.84x, 4,096 0.77 / 0.87x cuBLAS, equal bits; gemm.matmul runs scratch where it does not serve."""
     if segments <= 1:
         return None
     if m <= 64:
@@ -122,7 +125,7 @@ def segment_schedule(m: int, n: int, k: int, segments: int, dtype_name: str = "b
     if m <= 128:
         return "registers"
     if n >= SCRATCH_MIN_N or m > REGISTERS_MAX_M:
-        return "scratch"
+        return "warpspec"  # scratch where the Gluon consumer does not serve (gemm_gluon.pick; not sm_90)
     return "registers"
 
 

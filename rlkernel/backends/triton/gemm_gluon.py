@@ -1,0 +1,334 @@
+"""The strict GEMM's warp-specialised tiles on Hopper (sm_90), written in Gluon: the same bits as `gemm.matmul`,
+scheduled as cuBLAS schedules the shapes where the Triton kernel falls short.
+
+Same arithmetic: a tile's outputs accumulate in fp32 over K in order, 64 columns of K a step, each step one wgmma
+k16 chain in order (A and W from shared memory, loaded through TMA), so every output element sees the products in the
+contract's order whatever the tile's shape (the contract's tile-invariance: 24 Triton tiles gave equal bits on the
+H200, sessions 10-12); bf16 out by one rounding. With K segments (the row-parallel layers' canonical segments) each
+segment's chain starts from zero and the partials fold into the balanced tree ((s0 + s1) + (s2 + s3)) in fp32 as
+they end: `ksegments`' order. A producer warp streams every step's loads into a ring of shared-memory stages; the
+consumer warpgroups run the wgmma chains (one in flight) and the epilogue.
+
+What the Triton kernel cannot express (Triton 3.6):
+* **Tiles of 96 or 192 columns** (two accumulators, 64 + 32 or 128 + 64 columns, each its own wgmma chain over the
+  same A stage): wave balance at small M. cuBLAS's kernels there are `nvjet_sm90_tst_96x128` / `192x128` (session 28,
+  `scripts/gpu_cublas_probe.py`); N = 6,144 at M = 256 makes 2 x 64 = 128 tiles of 128 x 96 on 132 SMs, where the
+  Triton table's 128 x 128 makes 96.
+* **The segment tree in a warp-specialised consumer**: the loads never stop at a segment boundary (the Triton
+  schedules restart their pipelined K loop per segment or keep partials in memory).
+
+Measured on the H200 (session 28 call 2, `scripts/gpu_gluon_gemm.py`, chain timer; bits equal to `gemm.matmul` on
+every row): qkv M = 256 128 x 96 0.82x cuBLAS (Triton 0.71x); qkv M = 1,024 128 x 192 0.89x (0.83x); gate_up
+M = 256 128 x 192 0.87x (0.82x); 4 segments: o M = 256 64 x 128 0.99x (scratch 0.67x), down 0.89x (0.72x); o / down
+M = 1,024 128 x 128 0.78 / 0.84x (0.52 / 0.72x), M = 4,096 0.77 / 0.87x (0.60 / 0.75x). Where the rule below does not
+pick a tile (M <= 128, other widths, more tiles than about a wave, K below 4,096) the Triton kernel runs: nothing
+else was measured.
+
+Used by `gemm.matmul` (a weight [N, K], the contract's tiles: config None, bf16 in and out, TMA-loadable operands)
+where `pick` names a tile and `unsupported_reason` is None: sm_90, Triton 3.6, and a first-use check per device and
+tile that this kernel and the Triton kernel give bit-equal outputs on a small GEMM (a difference keeps the Triton
+kernel there, logged). `RLKERNEL_GEMM_GLUON=0` keeps the Triton kernel everywhere.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+ENV = "RLKERNEL_GEMM_GLUON"
+_ENABLED = os.environ.get(ENV, "1") != "0"
+BK = 64
+TESTED_TRITON = ("3.6",)  # Gluon is experimental: the Triton minor versions this kernel was bit-checked with
+MIN_K = 4096  # the shortest K measured (the 8B widths); shorter K keeps the Triton kernel
+SEGMENTS = (4,)  # the segment counts measured (the canonical 4)
+PRODUCER_REGS = 40
+
+try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API is young, so any failure is a reason
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    _IMPORT_ERROR = None
+except Exception as e:  # noqa: BLE001
+    _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+
+@dataclass(frozen=True)
+class Tile:
+    name: str
+    bm: int
+    bn1: int
+    bn2: int  # a second accumulator's columns (0: none)
+    stages: int
+    segs: int
+    warps: int  # the consumer warpgroups' warps (the default partition)
+
+    @property
+    def bn(self) -> int:
+        return self.bn1 + self.bn2
+
+
+COL96 = Tile("128x96", 128, 64, 32, 5, 1, 8)
+COL192 = Tile("128x192", 128, 128, 64, 4, 1, 8)
+SEG_64x128 = Tile("seg4_64x128", 64, 128, 0, 6, 4, 4)
+SEG_128x128 = Tile("seg4_128x128", 128, 128, 0, 4, 4, 8)
+TILES = (COL96, COL192, SEG_64x128, SEG_128x128)
+
+
+def pick(m: int, n: int, k: int, segments: int, sms: int) -> Tile | None:
+    """The tile for an [m, k] x [n, k]^T GEMM with `segments` canonical K segments on a GPU of `sms` SMs, or None
+    (the Triton kernel). Session 28's measurements (module docstring) and nothing beyond them:
+    - no segments: 128 x 96 where its tiles fit one wave (qkv at M = 256: 128 tiles on 132 SMs), else 128 x 192 where
+      its tiles fit two waves (qkv M = 1,024: 256; gate_up M = 256: 256); above that (M = 4,096, gate_up M = 1,024) the
+      Triton table's tiles were as fast or faster;
+    - 4 segments from m = 129: 64 x 128 up to 512 rows, 128 x 128 above (M <= 128 keeps fixup / registers, which
+      beat the scratch schedule there and were not raced against this kernel)."""
+    if m <= 128 or k < MIN_K:
+        return None
+    if segments == 1:
+        mt = -(-m // 128)
+        if n % COL96.bn == 0 and mt * (n // COL96.bn) <= sms:
+            return COL96
+        if n % COL192.bn == 0 and mt * (n // COL192.bn) <= 2 * sms:
+            return COL192
+        return None
+    if segments not in SEGMENTS or k % (BK * segments) or n % 128:
+        return None
+    return SEG_64x128 if m <= 512 else SEG_128x128
+
+
+if _IMPORT_ERROR is None:
+    _PRODUCER_WARPS = gl.constexpr(1)
+    _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
+
+    @gluon.jit
+    def _producer(a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, off_m, off_n, k_steps,
+                  BK: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr):
+        """One warp: step i's A box and W boxes (BN1 rows, then BN2) into stage i % S once the consumer freed it."""
+        S: gl.constexpr = bufs_a.type.shape[0]
+        for i in range(k_steps):
+            s = i % S
+            mbarrier.wait(empty.index(s), ((i // S) & 1) ^ 1)  # a fresh barrier counts as released once
+            if BN2 > 0:
+                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w1_desc.block_type.nbytes +
+                                w2_desc.block_type.nbytes)
+            else:
+                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w1_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, i * BK], ready.index(s), bufs_a.index(s))
+            tma.async_copy_global_to_shared(w1_desc, [off_n, i * BK], ready.index(s), bufs_w1.index(s))
+            if BN2 > 0:
+                tma.async_copy_global_to_shared(w2_desc, [off_n + BN1, i * BK], ready.index(s), bufs_w2.index(s))
+
+    @gluon.jit
+    def _store(c_ptr, acc, off_m, col0, M, N, stride_cm, BM: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
+        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+        gl.store(c_ptr + rows[:, None].to(gl.int64) * stride_cm + cols[None, :], acc.to(gl.bfloat16),
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+    @gluon.jit
+    def _consumer(bufs_a, bufs_w1, bufs_w2, ready, empty, k_steps, c_ptr, M, N, stride_cm, off_m, off_n,
+                  BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, SEGS: gl.constexpr, l1: gl.constexpr,
+                  l2: gl.constexpr):
+        """acc (+ acc2) += A_k @ W_k^T, one wgmma chain per accumulator, K in order, one step in flight; SEGS > 1:
+        each of SEGS equal K segments from zero, folded into the balanced tree as it ends (s0; s0 + s1; s2;
+        (s0 + s1) + (s2 + s3): ksegments._k_stream's order)."""
+        S: gl.constexpr = bufs_a.type.shape[0]
+        seg_steps = k_steps // SEGS
+        lo = gl.zeros((BM, BN1), gl.float32, l1)
+        hi = gl.zeros((BM, BN1), gl.float32, l1)
+        acc2 = gl.zeros((BM, BN2 if BN2 > 0 else 8), gl.float32, l2)
+        acc = gl.zeros((BM, BN1), gl.float32, l1)
+        for sg in gl.static_range(SEGS):
+            acc = gl.zeros((BM, BN1), gl.float32, l1)
+            for j in range(seg_steps):
+                i = sg * seg_steps + j
+                s = i % S
+                mbarrier.wait(ready.index(s), (i // S) & 1)
+                acc = warpgroup_mma(bufs_a.index(s), bufs_w1.index(s).permute((1, 0)), acc, is_async=True)
+                if BN2 > 0:
+                    acc2 = warpgroup_mma(bufs_a.index(s), bufs_w2.index(s).permute((1, 0)), acc2, is_async=True)
+                    acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)  # step i - 1's stage is free
+            if SEGS > 1:  # segment sg ended: its partial joins the tree
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                if sg == 0:
+                    lo = acc
+                elif sg == 1:
+                    lo = lo + acc
+                elif sg == 2:
+                    hi = acc
+                else:
+                    lo = lo + (hi + acc)
+        if SEGS > 1:
+            _store(c_ptr, lo, off_m, off_n, M, N, stride_cm, BM, BN1, l1)
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _store(c_ptr, acc, off_m, off_n, M, N, stride_cm, BM, BN1, l1)
+            if BN2 > 0:
+                acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2,))
+                _store(c_ptr, acc2, off_m, off_n + BN1, M, N, stride_cm, BM, BN2, l2)
+
+    @gluon.jit
+    def _gemm_kernel(a_desc, w1_desc, w2_desc, c_ptr, M, N, K, stride_cm, BM: gl.constexpr, BN1: gl.constexpr,
+                     BN2: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, SEGS: gl.constexpr,
+                     num_warps: gl.constexpr):
+        """C[BM, BN1 + BN2] tile (program ids: M tile, N tile) of A [M, K] @ W [N, K]^T."""
+        l1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BN1, 16])
+        l2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, BN2 if BN2 > 0 else 8, 16])
+        bufs_a = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        bufs_w1 = gl.allocate_shared_memory(w1_desc.dtype, [STAGES] + w1_desc.block_type.shape, w1_desc.layout)
+        if BN2 > 0:
+            bufs_w2 = gl.allocate_shared_memory(w2_desc.dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout)
+        else:
+            bufs_w2 = bufs_w1
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        off_m = gl.program_id(0) * BM
+        off_n = gl.program_id(1) * (BN1 + BN2)
+        k_steps = gl.cdiv(K, BK)
+        gl.warp_specialize([
+            (_consumer, (bufs_a, bufs_w1, bufs_w2, ready, empty, k_steps, c_ptr, M, N, stride_cm, off_m, off_n, BM,
+                         BN1, BN2, SEGS, l1, l2)),
+            (_producer, (a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, off_m, off_n, k_steps, BK,
+                         BN1, BN2)),
+        ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
+
+
+_LAYOUTS: dict = {}  # rows -> the NVMMA shared layout of a [rows, BK] bf16 box
+_ARCH: dict = {}  # device index -> its architecture (golden.gpu_arch), asked once
+_SMS: dict = {}  # device index -> SM count
+_CHECKED: dict = {}  # (device index, tile name) -> None (bit-equal to the Triton kernel) or why this tile is off there
+_CHECKING: list = []  # non-empty while a first-use check runs its Triton side
+_LAUNCHES = [0]  # this kernel's launches in this process
+
+
+def _layout(rows: int):
+    lay = _LAYOUTS.get(rows)
+    if lay is None:
+        lay = _LAYOUTS[rows] = gl.NVMMASharedLayout.get_default_for([rows, BK], gl.bfloat16)
+    return lay
+
+
+def _aligned(t) -> bool:
+    """TMA's rules for a 2-D bf16 operand: last dim contiguous, 16-byte aligned base and row stride."""
+    return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def choose(a, w, segments: int, out_dtype, out) -> Tile | None:
+    """The tile gemm.matmul runs here for a [M, K] @ w [N, K]^T, or None (the Triton kernel runs; `reason` says why
+    when asked). Cheap tests first: this runs on every strict linear."""
+    if not _ENABLED or _IMPORT_ERROR is not None or _CHECKING or not a.is_cuda:
+        return None
+    dev = a.device.index if a.device.index is not None else -1
+    sms = _SMS.get(dev)
+    if sms is None:
+        import torch
+
+        sms = _SMS[dev] = torch.cuda.get_device_properties(a.device).multi_processor_count
+    M, K = a.shape
+    tile = pick(M, w.shape[0], K, segments, sms)
+    if tile is None or unsupported_reason(a, w, tile, out_dtype, out) is not None:
+        return None
+    return tile
+
+
+def unsupported_reason(a, w, tile: Tile, out_dtype=None, out=None) -> str | None:
+    """None where this kernel serves the call with `tile`, else why the Triton kernel does (the same bits either
+    way). The first call per device and tile runs `self_check` first: a bit that differs turns the tile off there."""
+    if not _ENABLED:
+        return f"{ENV}=0"
+    if _IMPORT_ERROR is not None:
+        return f"Gluon unavailable ({_IMPORT_ERROR})"
+    if not triton.__version__.startswith(TESTED_TRITON):
+        return f"Triton {triton.__version__}, checked with {', '.join(TESTED_TRITON)}"
+    if _CHECKING:
+        return "first-use check running (its Triton side)"
+    if str(a.dtype) != "torch.bfloat16" or w.dtype != a.dtype or (out_dtype is not None and out_dtype != a.dtype):
+        return "not bf16 in and out"
+    if not (_aligned(a) and _aligned(w)) or (out is not None and (out.stride(-1) != 1 or out.dtype != a.dtype)):
+        return "operands not loadable through TMA"
+    dev = a.device.index if a.device.index is not None else -1
+    arch = _ARCH.get(dev)
+    if arch is None:
+        from ...golden import gpu_arch
+
+        arch = _ARCH[dev] = gpu_arch(a.device)
+    if arch != "sm_90":
+        return f"{arch}, not sm_90"
+    key = (dev, tile.name)
+    if key not in _CHECKED:
+        import torch
+
+        if torch.cuda.is_current_stream_capturing():  # no sync inside a capture: the check waits for an eager call
+            return "first-use check pending (a CUDA graph capture)"
+        _CHECKED[key] = self_check(a.device, tile)
+    return _CHECKED[key]
+
+
+def self_check(device, tile: Tile) -> str | None:
+    """At first use of `tile` on a device: a GEMM of 300 rows (a partial M tile), K = 4,096, three tiles' columns
+    (bf16, fixed seed) through this kernel and through the Triton kernel (gemm.matmul with the same segments); None
+    when the outputs are bit-equal, else the reason this tile stays off (logged once). ~1 ms after the compiles."""
+    import logging
+
+    import torch
+
+    from . import gemm
+
+    gen = torch.Generator(device="cpu").manual_seed(28)
+    M, K, N = 300, MIN_K, 3 * tile.bn
+    a = torch.randn(M, K, generator=gen).to(device=device, dtype=torch.bfloat16)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(device=device, dtype=torch.bfloat16)
+    try:
+        y = launch(a, w, tile)
+        _CHECKING.append(True)
+        try:
+            ref = gemm.matmul(a, w, k_segments=tile.segs, schedule="scratch" if tile.segs > 1 else None)
+        finally:
+            _CHECKING.clear()
+    except Exception as e:  # noqa: BLE001 -- a kernel that cannot run here is a reason, never a crash
+        why = f"first-use check failed to run: {type(e).__name__}: {str(e)[:200]}"
+    else:
+        n = int((y.view(torch.int16) != ref.view(torch.int16)).sum())  # bit patterns
+        why = None if n == 0 else f"first-use check: {n} of {y.numel()} values differ from the Triton kernel's"
+    if why is not None:
+        logging.getLogger(__name__).warning("rlkernel: the Gluon GEMM tile %s is off on %s: %s", tile.name, device, why)
+    return why
+
+
+def launch(a, w, tile: Tile, out=None):
+    """a [M, K] @ w [N, K]^T -> out [M, N] bf16 through `tile` (call it where `choose` returned the tile)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    M, K = a.shape
+    N = w.shape[0]
+    if out is None:
+        out = torch.empty((M, N), device=a.device, dtype=a.dtype)
+    n2 = tile.bn2 or tile.bn1
+    a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [tile.bm, BK], _layout(tile.bm))
+    w1 = TensorDescriptor(w, [N, K], [w.stride(0), 1], [tile.bn1, BK], _layout(tile.bn1))
+    w2 = w1 if n2 == tile.bn1 else TensorDescriptor(w, [N, K], [w.stride(0), 1], [n2, BK], _layout(n2))
+    _LAUNCHES[0] += 1
+    _gemm_kernel[(-(-M // tile.bm), N // tile.bn)](
+        a_desc, w1, w2, out, M, N, K, out.stride(0), BM=tile.bm, BN1=tile.bn1, BN2=tile.bn2, BK=BK,
+        STAGES=tile.stages, SEGS=tile.segs, num_warps=tile.warps)
+    return out
+
+
+def describe() -> str:
+    """For provenance: whether the strict GEMM may take these tiles in this process, and the first-use checks so far."""
+    if not _ENABLED:
+        return f"off ({ENV}=0)"
+    if _IMPORT_ERROR is not None:
+        return f"unavailable ({_IMPORT_ERROR})"
+    checks = "; ".join(f"cuda:{d} {t}: {why or 'bit-equal to Triton'}" for (d, t), why in sorted(_CHECKED.items()))
+    return ("on where picked (sm_90, bf16, K >= 4,096; " + ", ".join(t.name for t in TILES) + ")"
+            + (f"; first-use checks: {checks}" if checks else ""))
