@@ -12,6 +12,16 @@ before the softmax (no gain), ping-pong (1.00-1.05x) and, with the mask only on 
 
     python3 scripts/gpu_gluon_attn.py --compile-only       # any machine: compile the variants for sm_90, ptxas usage
     python3 scripts/gpu_gluon_attn.py --out DIR            # an H200: bits vs the Triton kernel, time vs it and SDPA
+    python3 scripts/gpu_gluon_attn.py --out DIR --cases q8b_16x256,q8b_4x1024 --variants production
+                                                           # the small batches, where the host's time shows: host_us
+
+Each timed case's `host_us` is the host's microseconds per call (a CPU clock over back-to-back calls, no sync: the GPU
+runs behind) of the library call on the Gluon kernel through launch.py's fast path, the same through Triton's own
+`JITFunction.run` (launch.fast_path(False)), the library call on the Triton kernel, and `attention_gluon.launch` alone;
+`fast_path` checks that the fast path runs the very compiled kernel Triton's own launch picks (attention_gluon.verify)
+and that both write the same bits (torch.equal, outputs and lse). `library_gluon_as_session28` is the library call as
+session 28 launched it (a fresh layout, Triton's own run, each call). Cases of at most 4,096 tokens add a cProfile of
+one library call on either kernel (`host_profile`: where the host's time goes).
 
 Writes DIR/h200_gluon_attn.json.
 """
@@ -32,6 +42,16 @@ import triton  # noqa: E402
 from rlkernel.backends.triton import attention_gluon as AG  # noqa: E402
 
 T0 = time.time()
+# "sink": every query's largest logit is its sequence's first key (q and k share a direction there), as trained
+# models' attention sinks make it: no row's max moves after chunk 0, the case skip_rescale is for. The small batches
+# (16 x 256, 4 x 1,024) are where the host's time per call shows (session 28 call 1: 4 x 1,024 through the library
+# took 0.328 ms on the Gluon kernel, 0.210 on the Triton kernel, 0.169 for the Gluon kernel's launch alone)
+CASES = {"q8b_8x4096": ([4096] * 8, 32, 8, 128),
+         "q8b_8x4096_sink": ([4096] * 8, 32, 8, 128),
+         "q8b_varlen_bits": ([4096, 77, 1000, 2049, 513, 511, 3333, 1, 16, 17, 64, 65], 32, 8, 128),
+         "q8b_4x1024": ([1024] * 4, 32, 8, 128),
+         "q8b_16x256": ([256] * 16, 32, 8, 128),
+         "q06_8x4096": ([4096] * 8, 16, 8, 128)}
 # name -> attention_gluon.launch knobs; "production" is what attention_varlen runs. diag_* are measurement only
 # (other bits): without the softmax, without q.k^T
 VARIANTS = {
@@ -47,14 +67,12 @@ VARIANTS = {
 def compile_sm90(variant, G=4, d=128):
     """Compile a variant for sm_90 here (no GPU needed): the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0), **VARIANTS[variant]}
     const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
                  NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], num_warps=4)
-    lay = gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16)
-    desc = f"tensordesc<bf16[64, {d}],{lay!r}>"
+    desc = f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>"  # the descriptors' layout, as the library makes it
     sig = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
            "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32", "sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32",
            "qk_scale": "fp32", "n_pairs": "i32", **{k: "constexpr" for k in const}}
@@ -89,8 +107,9 @@ def ptx_facts(kernel) -> dict:
             "warps": kernel.metadata.num_warps}
 
 
-def gluon_varlen(q, k, v, cu, max_seqlen, variant, lse=None):
-    """attention_varlen's Gluon launch with a variant's knobs (packed; bf16; the contract's tiles)."""
+def direct_args(q, k, v, cu, max_seqlen, lse=None) -> tuple:
+    """attention_gluon.launch's positional arguments for attention_varlen's packed call (bf16; the contract's tiles),
+    with a fresh output."""
     import torch
     from rlkernel.backends.triton import contracts as C
 
@@ -98,10 +117,60 @@ def gluon_varlen(q, k, v, cu, max_seqlen, variant, lse=None):
     G = q.shape[1] // k.shape[1]
     q_start = cu[:-1].contiguous()
     q_len = (cu[1:] - cu[:-1]).contiguous()
-    out = torch.empty_like(q)
     n_tiles = -(-max_seqlen // (cfg.block_m // G))
-    return AG.launch(q, k, v, out, q_start, q_len, q_len, q_start, n_tiles, q.shape[-1] ** -0.5, cfg, k.stride(0), lse,
-                     **VARIANTS[variant])
+    return (q, k, v, torch.empty_like(q), q_start, q_len, q_len, q_start, n_tiles, q.shape[-1] ** -0.5, cfg,
+            k.stride(0), lse)
+
+
+def gluon_varlen(q, k, v, cu, max_seqlen, variant, lse=None):
+    """attention_varlen's Gluon launch with a variant's knobs."""
+    return AG.launch(*direct_args(q, k, v, cu, max_seqlen, lse), **VARIANTS[variant])
+
+
+def host_us(fns: dict, n: int = 50, rounds: int = 15) -> dict:
+    """Host microseconds per call of each fn in `fns` (name -> (fn, fast): fast False runs it under
+    launch.fast_path(False), Triton's own launch): n back-to-back calls on a CPU clock with no sync inside (the GPU runs
+    behind: n is small enough that the launch queue never fills and blocks the host), the fns' rounds interleaved (a
+    drift of the host's speed reaches all alike), the median of `rounds` rounds, each started after a sync."""
+    import contextlib
+    import statistics
+
+    import torch
+    from rlkernel.backends.triton import launch as LA
+
+    ts = {name: [] for name in fns}
+    for r in range(rounds + 1):  # round 0 warms up
+        for name, (fn, fast) in fns.items():
+            with contextlib.nullcontext() if fast else LA.fast_path(False):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                if r:
+                    ts[name].append((time.perf_counter() - t0) / n * 1e6)
+    torch.cuda.synchronize()
+    return {name: round(statistics.median(t), 1) for name, t in ts.items()}
+
+
+def host_profile(fn, n: int = 200, top: int = 12) -> list:
+    """cProfile of n calls of fn: the `top` functions by own time, per call (where the host's time goes)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    # stats: (file, line, name) -> (primitive calls, calls, own seconds, cumulative seconds, callers)
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"fn": f"{Path(f).name}:{line}({name})", "calls": round(nc / n, 2), "own_us": round(tt / n * 1e6, 2),
+             "cum_us": round(ct / n * 1e6, 2)} for (f, line, name), (_, nc, tt, ct, _) in rows]
 
 
 def log(*a):
@@ -179,6 +248,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")
     ap.add_argument("--ab", type=int, default=0, help="only the A/B run: the Triton kernel, the library's (Gluon) and "
                                                        "SDPA timed in turn N times at 8 x 4,096, before and after a "
                                                        "heavy GEMM load, with the card's clocks read between")
@@ -206,22 +276,22 @@ def main(argv=None) -> int:
     from triton.testing import do_bench
     from rlkernel.backends.triton import attention as A
     from rlkernel.backends.triton import contracts as C
+    from rlkernel.backends.triton import launch as LA
+    from triton.experimental.gluon import language as gl
 
     torch.manual_seed(0)
     res.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
                timer="triton.testing.do_bench (L2 flushed), median ms; TFLOP/s = causal FLOPs 2*2*B*Hq*L*L*D/2",
-               cases={})
+               host_timer="host_us: a CPU clock over back-to-back calls, no sync, median of rounds (host_us())",
+               fast_launch=LA._fast_ok(), cases={})
+    res["host_layout_us"] = host_us({  # what attention_gluon.kv_layout's cache saves a call, on this host
+        "get_default_for": (lambda: gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16), True),
+        "kv_layout": (lambda: AG.kv_layout(64, 128), True)}, n=1000, rounds=5)
 
     def bench(fn):
         return do_bench(fn, warmup=10, rep=60)
 
-    # "sink": every query's largest logit is its sequence's first key (q and k share a direction there), as trained
-    # models' attention sinks make it: no row's max moves after chunk 0, the case skip_rescale is for
-    cases = {"q8b_8x4096": ([4096] * 8, 32, 8, 128),
-             "q8b_8x4096_sink": ([4096] * 8, 32, 8, 128),
-             "q8b_varlen_bits": ([4096, 77, 1000, 2049, 513, 511, 3333, 1, 16, 17, 64, 65], 32, 8, 128),
-             "q8b_4x1024": ([1024] * 4, 32, 8, 128),
-             "q06_8x4096": ([4096] * 8, 16, 8, 128)}
+    cases = {c: CASES[c] for c in args.cases.split(",") if c}
     for cname, (lens, hq, hkv, d) in cases.items():
         T, L = sum(lens), max(lens)
         q = torch.randn(T, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -244,12 +314,34 @@ def main(argv=None) -> int:
         row["library_lse_equal_triton"] = bool(torch.equal(lib_lse, ref_lse))
         row["triton_split_equal"] = bool(torch.equal(_triton_kernel(
             lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L, split=True)), ref))
+        with LA.fast_path(False):  # the library call again, the Gluon kernel launched by Triton's own JITFunction.run
+            own, own_lse = A.attention_varlen(q, k, v, cu, max_seqlen=L, return_lse=True)
+        fp = row["fast_path"] = {"equal_own_launch": bool(torch.equal(lib, own)),
+                                 "lse_equal_own_launch": bool(torch.equal(lib_lse, own_lse))}
+        if row["library_gluon"] == "yes":  # the fast path's kernel is the object Triton's own launch picks
+            fp.update(AG.verify(*direct_args(q, k, v, cu, L, torch.empty_like(lib_lse))))
         if timed:
             t = bench(lambda: _triton_kernel(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L)))
             row["triton_ms"], row["triton_tflops"] = round(t, 4), round(flops / t / 1e9, 1)
             t = bench(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L))
             row["library_ms"], row["library_tflops"] = round(t, 4), round(flops / t / 1e9, 1)
             row["library_vs_triton"] = round(row["triton_ms"] / row["library_ms"], 3)
+            with LA.fast_path(False):
+                row["library_own_launch_ms"] = round(bench(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L)), 4)
+            direct = direct_args(q, k, v, cu, L)
+
+            def call():
+                return A.attention_varlen(q, k, v, cu, max_seqlen=L)
+
+            row["host_us"] = host_us({
+                "library_gluon": (call, True), "library_triton": (lambda: _triton_kernel(call), True),
+                "direct_launch": (lambda: AG.launch(*direct), True), "library_gluon_own_launch": (call, False),
+                "direct_launch_own_launch": (lambda: AG.launch(*direct), False),
+                # as session 28 ran it: a fresh layout every launch, Triton's own launch
+                "library_gluon_as_session28": (lambda: (AG._LAYOUTS.clear(), call()), False)})
+            if T <= 4096:
+                row["host_profile"] = {"library_gluon": host_profile(call),
+                                       "library_triton": host_profile(lambda: _triton_kernel(call))}
             if len(set(lens)) == 1:
                 B = len(lens)
                 qb, kb, vb = (x.view(B, L, -1, d).transpose(1, 2) for x in (q, k, v))
@@ -257,7 +349,7 @@ def main(argv=None) -> int:
                 row["sdpa_ms"], row["sdpa_tflops"] = round(t, 4), round(flops / t / 1e9, 1)
                 row["triton_vs_sdpa"] = round(row["sdpa_ms"] / row["triton_ms"], 3)
                 row["library_vs_sdpa"] = round(row["sdpa_ms"] / row["library_ms"], 3)
-        log(cname, {kk: vv for kk, vv in row.items() if kk != "variants"})
+        log(cname, {kk: vv for kk, vv in row.items() if kk not in ("variants", "host_profile")})
         for name in names:
             rec = row["variants"][name] = {}
             if "error" in res["compiled_sm90"].get(name, {}):

@@ -221,6 +221,23 @@ def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90():
     assert "0 bytes spill stores" in facts["ptxas"] and "C7514" not in facts["ptxas"], facts["ptxas"]
 
 
+def test_gluon_prefill_layout_is_made_once_and_is_tritons_default():
+    """attention_gluon.kv_layout keeps Triton's default shared layout per (block_n, d) instead of asking for it every
+    launch: equal to a fresh `get_default_for` (so the descriptors' specialization string, and with it the compiled
+    kernel, are the ones an uncached launch gets), one object per key, and keys kept apart."""
+    pytest.importorskip("triton.experimental.gluon")
+    from triton.experimental.gluon import language as gl
+
+    from rlkernel.backends.triton import attention_gluon as AG
+
+    for bn, d in ((64, 128), (128, 128), (64, 32)):
+        lay = AG.kv_layout(bn, d)
+        fresh = gl.NVMMASharedLayout.get_default_for([bn, d], gl.bfloat16)
+        assert lay == fresh and repr(lay) == repr(fresh), (lay, fresh)
+        assert AG.kv_layout(bn, d) is lay
+    assert AG.kv_layout(64, 128) != AG.kv_layout(64, 32)  # 64-byte rows: a 64-byte swizzle
+
+
 def test_gluon_prefill_is_chosen_only_where_it_was_measured():
     """attention_gluon.unsupported_reason: the Triton kernel serves everything but the measured case (the same bits
     either way); each refusal names its reason, before any device query."""

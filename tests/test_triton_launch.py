@@ -147,3 +147,112 @@ def test_launch_hooks_take_tritons_own_path():
     assert len(seen) == 1  # the hook saw the launch: a profiler's view is never bypassed
     R.tree_sum_rows(x)
     assert len(seen) == 1
+
+
+_GLUON_STUB = textwrap.dedent('''
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import compute_cache_key
+
+    class Driver:  # Triton's driver without a GPU: sm_90's target, device 0, stream 0
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    driver.set_active(Driver())
+    from rlkernel.backends.triton import attention_gluon as AG, contracts as C, launch
+
+    if AG._IMPORT_ERROR is not None:
+        print("skip: Gluon unavailable")
+        raise SystemExit(0)
+    calls = []
+
+    class Kernel:  # stands in for the CompiledKernel in Triton's cache; records each launch's arguments
+        function, packed_metadata = "function", "metadata"
+
+        def launch_metadata(self, grid, stream, *args):
+            return "triton's own run"  # JITFunction.run passes this on; the fast path passes None
+
+        def run(self, *args):
+            calls.append(args)
+
+    q = torch.zeros(700, 32, 128, dtype=torch.bfloat16)
+    k, v = torch.zeros(700, 8, 128, dtype=torch.bfloat16), torch.ones(700, 8, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(700, 32)
+    qs, ql = torch.tensor([0, 600, 699], dtype=torch.int32), torch.tensor([600, 99, 1], dtype=torch.int32)
+    call = (q, k, v, out, qs, ql, ql, qs, 38, 128 ** -0.5, C.ATTENTION, k.stride(0), lse)
+    grid, args, kwargs = AG._launch_args(*call, AG.STAGES, 1, 0, 0)
+    cache, keys, _, _, binder = AG._prefill_kernel.device_caches[0]
+    _, spec, options = binder(*args, **kwargs, debug=False, instrumentation_mode="")  # as JITFunction.run binds
+    desc = f"tensordesc<bf16[64, 128],{AG.kv_layout(64, 128)!r}>"  # what precompile and compile_sm90 record
+    assert spec[3][0] == spec[4][0] == desc, spec[3:5]
+    cache[compute_cache_key(keys, spec, options)] = Kernel()  # "compiled" for these arguments
+    assert launch._fast_ok() and isinstance(AG._prefill_fast, launch.FastKernel) and AG._prefill_fast._jit
+    assert AG._prefill_fast.fn is AG._prefill_kernel
+    for _ in range(3):
+        AG.launch(*call)
+    with launch.fast_path(False):
+        AG.launch(*call)
+
+    def plain(a):  # a descriptor as the launcher reads it (dataclass equality would compare tensors elementwise)
+        if isinstance(a, AG.TensorDescriptor):
+            return (id(a.base), tuple(a.shape), tuple(a.strides), tuple(a.block_shape), a.layout, a.padding)
+        return id(a) if isinstance(a, torch.Tensor) else a
+
+    via = [c[6] for c in calls]
+    assert via == ["triton's own run", None, None, "triton's own run"], via
+    assert all(c[:3] == (19, 3, 8) and c[3:6] == (0, "function", "metadata") for c in calls), [c[:6] for c in calls]
+    assert all(c[7] is None and c[8] is None for c in calls[1:3])  # the fast path launches without hooks
+    assert all([plain(a) for a in c[9:]] == [plain(a) for a in calls[0][9:]] for c in calls)
+    assert len(AG._prefill_fast._kernels) == 1 and launch.first_launch_stats()["launches"] == 1
+    assert AG.kv_layout(64, 128) is AG.kv_layout(64, 128) and len(AG._LAYOUTS) == 1
+    print("ok")
+''')
+
+
+def test_gluon_prefill_launches_through_the_fast_path():
+    """attention_gluon.launch goes through launch.py's fast path: its first launch per specialization reaches the
+    kernel Triton's own `JITFunction.run` holds for the arguments (found by Triton's own binder and cache key), later
+    ones that same kernel directly, with the same launcher arguments (the two K / V tensor descriptors included), and
+    `fast_path(False)` goes back to Triton's own run. Checked without a GPU: Triton's driver is a stub for sm_90 and
+    its kernel cache holds a stand-in that records its launches (the GPU's check: scripts/gpu_gluon_attn.py,
+    `fast_path` per case, and test_gluon_prefill_fast_path_runs_tritons_kernel)."""
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RLKERNEL_TRITON_FAST_LAUNCH")}
+    proc = subprocess.run([sys.executable, "-c", _GLUON_STUB], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.stdout[-1000:], proc.stderr[-3000:])
+
+
+@cuda
+def test_gluon_prefill_fast_path_runs_tritons_kernel():
+    """On an H200, where the library takes the Gluon prefill: its fast-path launch runs the compiled kernel Triton's own
+    launch picks (attention_gluon.verify), and the library call writes the same output and lse bits through either."""
+    from rlkernel.backends.triton import attention as A, attention_gluon as AG, contracts as C, launch
+
+    lens, hq, hkv, d = [600, 77, 1], 32, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(sum(lens), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(sum(lens), hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    cu = torch.tensor([0, 600, 677, 678], dtype=torch.int32, device="cuda")
+    why = AG.unsupported_reason(q, k, C.ATTENTION, hq // hkv, d, paged=False, split=False, tma=True, walk="flat")
+    if why is not None:
+        pytest.skip(f"the library does not take the Gluon prefill here: {why}")
+    y, lse = A.attention_varlen(q, k, v, cu, max_seqlen=600, return_lse=True)
+    with launch.fast_path(False):
+        own, own_lse = A.attention_varlen(q, k, v, cu, max_seqlen=600, return_lse=True)
+    assert torch.equal(y.view(torch.int16), own.view(torch.int16))
+    assert torch.equal(lse.view(torch.int32), own_lse.view(torch.int32))
+    out, out_lse = torch.empty_like(q), torch.empty_like(lse)
+    qs, ql = cu[:-1].contiguous(), (cu[1:] - cu[:-1]).contiguous()
+    check = AG.verify(q, k, v, out, qs, ql, ql, qs, launch.cdiv(600, 64 // (hq // hkv)), d ** -0.5, C.ATTENTION,
+                      k.stride(0), out_lse)
+    assert check == {"fast_path": True, "cached": True, "same_kernel": True}, check
+    assert torch.equal(out.view(torch.int16), y.view(torch.int16))
+    assert torch.equal(out_lse.view(torch.int32), lse.view(torch.int32))

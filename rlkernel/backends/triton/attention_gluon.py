@@ -30,10 +30,21 @@ Used by `attention.attention_varlen` where `unsupported_reason` is None (sm_90, 
 that this kernel and the Triton kernel give equal bits and lse on a small mixed batch); `RLKERNEL_ATTENTION_GLUON=0`
 keeps the Triton kernel everywhere. Gluon is Triton 3.6's experimental dialect: where it does not import, the reason
 says so and the Triton kernel runs (the same bits either way).
+
+Host time (small batches wait for the host): `launch` goes through launch.py's fast path, as the Triton kernels do — a
+key's first call through Triton's own `JITFunction.run` (compiling), later calls the CompiledKernel it returned
+(`verify` checks it is the one Triton's own launch picks; RLKERNEL_TRITON_FAST_LAUNCH=0 or a launch hook takes
+Triton's own path every call) — and the K / V tiles' shared layout is made once (`kv_layout`). Left per call, this
+kernel's own: two TensorDescriptors (Triton's checks) and, in Triton's launcher, their two tensor maps encoded on the
+host (the Triton kernel makes its descriptors on the device). Host time per call on the H200 (16 x 256 tokens, after
+session 28, `gpu_gluon_attn.py` host_us): the library call 113 us (135 as session 28 launched it, a fresh layout and
+Triton's own run every call; 93 on the Triton kernel), `launch` alone 37 us (46 through Triton's own run).
 """
 from __future__ import annotations
 
 import os
+
+from .launch import fast
 
 ENV = "RLKERNEL_ATTENTION_GLUON"
 _ENABLED = os.environ.get(ENV, "1") != "0"
@@ -48,6 +59,7 @@ try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API i
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     _IMPORT_ERROR = None
 except Exception as e:  # noqa: BLE001
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
@@ -238,11 +250,14 @@ if _IMPORT_ERROR is None:
                          STORE_LSE, NFULL, DIAG, SKIP)),
         ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
 
+    _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
+
 
 _ARCH: dict = {}  # device index -> its architecture (golden.gpu_arch), asked once
 _CHECKED: dict = {}  # (device index, G) -> None (bit-equal to the Triton kernel) or why this kernel is off there
 _CHECKING: list = []  # non-empty while the first-use check runs its Triton side
 _LAUNCHES = [0]  # this kernel's launches in this process
+_LAYOUTS: dict = {}  # (block_n, d) -> the K / V tiles' shared layout (`kv_layout`)
 TESTED_TRITON = ("3.6",)  # Gluon is experimental: the Triton minor versions this kernel was bit-checked with
 
 
@@ -322,23 +337,50 @@ def self_check(device, G: int, cfg) -> str | None:
     return why
 
 
+def kv_layout(block_n: int, d: int):
+    """The shared-memory layout of a [block_n, d] bf16 K / V tile (the descriptors' and the kernel's): Triton's default
+    for that shape, made once per (block_n, d) — `get_default_for` is a constexpr function that costs ~8 us a call on
+    the host, and the layout is a frozen value (equal layouts, the same specialization string)."""
+    lay = _LAYOUTS.get((block_n, d))
+    if lay is None:
+        lay = _LAYOUTS[(block_n, d)] = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.bfloat16)
+    return lay
+
+
+def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag,
+                 skip):
+    """(grid, positional args, keyword args) of one `_prefill_kernel` launch: what `launch` runs and `verify` checks."""
+    rows, hkv, d = k.shape
+    lay = kv_layout(cfg.block_n, d)
+    shape, strides, block = [rows, hkv * d], [skt, 1], [cfg.block_n, d]
+    n_pairs = -(-n_tiles // 2)
+    args = (q, out, lse if lse is not None else out, TensorDescriptor(k, shape, strides, block, lay),
+            TensorDescriptor(v, shape, strides, block, lay), q_start, q_len, kv_len, kv_start, q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs)
+    kwargs = dict(G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
+                  SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull,
+                  DIAG=diag, SKIP=skip, num_warps=4, enable_fp_fusion=False)
+    return (n_pairs, q_len.shape[0], hkv), args, kwargs
+
+
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
            nfull=1, diag=0, skip=0):
-    """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    rows, hkv, d = k.shape
-    G = q.shape[1] // hkv
-    lay = gl.NVMMASharedLayout.get_default_for([cfg.block_n, d], gl.bfloat16)
-    descs = [TensorDescriptor(x, [rows, hkv * d], [skt, 1], [cfg.block_n, d], lay) for x in (k, v)]
-    n_pairs = -(-n_tiles // 2)
+    """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None), through
+    launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time)."""
+    grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
+                                      stages, nfull, diag, skip)
     _LAUNCHES[0] += 1
-    _prefill_kernel[(n_pairs, q_len.shape[0], hkv)](
-        q, out, lse if lse is not None else out, *descs, q_start, q_len, kv_len, kv_start, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs, G=G, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        D=d, SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull, DIAG=diag,
-        SKIP=skip, num_warps=4, enable_fp_fusion=False)
+    _prefill_fast[grid](*args, **kwargs)
     return out
+
+
+def verify(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
+           nfull=1, diag=0, skip=0) -> dict:
+    """`launch`'s arguments through launch.py's `FastKernel.verify`: runs the kernel three times (fast path, fast path
+    again, Triton's own `run`) into `out` / `lse` and says whether all three ran one compiled kernel (a GPU's check)."""
+    grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
+                                      stages, nfull, diag, skip)
+    return _prefill_fast.verify(grid, *args, **kwargs)
 
 
 def describe() -> str:

@@ -16,6 +16,9 @@ kernel Triton's own `kernel[grid](...)` would, with less Python on the way:
   launch-metadata dict and its hook calls.
 - Launch hooks (a profiler such as proton registers `knobs.runtime.launch_enter_hook`), another Triton than the
   tested 3.6, the interpreter (`TRITON_INTERPRET=1`), or `RLKERNEL_TRITON_FAST_LAUNCH=0` all take Triton's own path.
+A Gluon kernel (`@gluon.jit`, attention_gluon's prefill) is a JITFunction too and takes the same path: its
+TensorDescriptor arguments reach the compiled kernel's launcher as Triton's own `run` passes them (the launcher encodes
+their tensor maps at each launch either way).
 Which kernel runs, and so every bit, is Triton's choice either way: `verify` launches through both paths and checks
 that they pick the same compiled kernel (tests/test_triton_launch.py on a GPU, `scripts/gpu_session.py gpu_tests`).
 
