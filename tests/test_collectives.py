@@ -355,7 +355,7 @@ def test_grouped_grad_norm_equals_the_per_parameter_definition(monkeypatch, stac
     from rlkernel.parallel import tp_backward as tb
 
     monkeypatch.setattr(tb, "_STACK_ELEMENTS", stack_elements)
-    g = torch.Generator().manual_seed(11)
+    g = torch.Generator().manual_seed(10)
 
     def randn(shape, generator):  # the same values on every CPU (torch.randn's vectorised fill is not: AVX2 and
         # AVX-512 hosts drew other low bits, and this control's outcome is the data's): Irwin-Hall from integers, exact
