@@ -1,8 +1,10 @@
 """rlkernel.tree_sum's Triton kernel (`backends/triton/reduce.py`) under TRITON_INTERPRET=1: the same
 bits as the torch composition for every length (padding, several launches, one row), column count
-and reduced dim, -0.0 included; and through the device hook (`register_tree_sum`) that CUDA uses,
-here registered for the CPU inside the subprocess. The interpreter is numpy: this proves the fold
-order and the masks; the GPU's bits are compared by scripts/gpu_strict_parity.py on an H200.
+and reduced dim, -0.0 included; every (C, R) that `_shape` gives, launched alone, against the tree
+of each padded block (the strided loads' tiles added pairwise, then the split); and through the
+device hook (`register_tree_sum`) that CUDA uses, here registered for the CPU inside the subprocess.
+The interpreter is numpy: this proves the fold order and the masks; the GPU's bits are compared by
+scripts/gpu_strict_parity.py on an H200.
 """
 from __future__ import annotations
 
@@ -37,6 +39,26 @@ _SCRIPT = textwrap.dedent('''
             got, want = R.tree_sum_rows(x), P.tree_sum_composition(x, dim=0)
             assert torch.equal(bits(got), bits(want)), (n, m, (got - want).abs().max())
             cases += 1
+    # every (log2 R, C) that _shape gives (it reads only P and whether m == 1), one launch each on 2.5 blocks of rows
+    # and C + 1 columns (a partial block and a masked column block): each block's sum is the contract's tree over its
+    # R rows with +0.0 past n -- the K strided loads' tiles added pairwise, then the G block sums split in registers
+    from rlkernel.backends.triton.launch import cdiv
+    classes = sorted({R._shape(1 << b, m) for b in range(1, 20) for m in (1, 2)})
+    assert len(classes) == 23, classes
+    for log2r, c in classes:
+        r = 1 << log2r
+        n, m = 2 * r + r // 2 + 1, c + 1
+        x = torch.randn(n, m, generator=g) * torch.exp(torch.randn(n, m, generator=g) * 8)
+        x[torch.rand(n, m, generator=g) < 0.05] = -0.0
+        blocks, col_blocks = cdiv(n, r), cdiv(m, c)
+        y = torch.empty(blocks, m)
+        R._tree_rows_kernel[(blocks * col_blocks,)](x, y, n, m, col_blocks, C=c, R=r, LOG2R=log2r,
+                                                    num_warps=R.NUM_WARPS)
+        padded = torch.zeros(blocks * r, m)
+        padded[:n] = x
+        want = P.tree_sum_composition(padded.view(blocks, r, m), dim=1)
+        assert torch.equal(bits(y), bits(want)), (log2r, c, (y - want).abs().max())
+        cases += 1
     # launches: a length up to 4,096 in one (the RMSNorm weight gradients' trees), longer ones by 64-row blocks first
     launched = []
     kernel = R._tree_rows_kernel_fast
@@ -90,4 +112,4 @@ def test_tree_sum_kernel_matches_the_composition_bit_for_bit():
     env = interpreter_env()
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
-    assert int(proc.stdout.split()[-2]) >= 30
+    assert int(proc.stdout.split()[-2]) >= 30 + 23

@@ -7,13 +7,30 @@ grad norm sums every parameter by the tree, RMSNorm's weight gradient sums over 
 made the update launch-bound on an H200 (`benchmarks/h200_update_profile.json`).
 
 The order is the contract's, unchanged: the length n padded with +0.0 to P = next power of two,
-then a[0::2] + a[1::2] until one is left. A program loads an aligned block of R = 2^b rows
-(R <= P; rows past n read +0.0, exactly the padding) and folds it by the same adjacent pairs in
-registers (a reshape to [.., R/2, 2] and a split), so it writes the block's subtree sum. The
-next launch folds those sums the same way: ceil(n/R) padded to its next power of two is P/R,
-so the two trees are the same tree. Each add is one IEEE float32 add of the same two operands
-as the composition's, hence the same bits (tests under TRITON_INTERPRET=1 compare them with
-torch.equal; `scripts/gpu_strict_parity.py` on the GPU).
+then a[0::2] + a[1::2] until one is left. A program reads an aligned block of R = 2^b rows
+(R <= P; rows past n read +0.0, exactly the padding) and folds it by the same adjacent pairs,
+so it writes the block's subtree sum. The next launch folds those sums the same way: ceil(n/R)
+padded to its next power of two is P/R, so the two trees are the same tree. Each add is one
+IEEE float32 add of the same two operands as the composition's, hence the same bits (tests under
+TRITON_INTERPRET=1 compare them with torch.equal; `scripts/gpu_strict_parity.py` on the GPU).
+
+How a program folds its [C, R] tile, and why so: R = G blocks of K = R*C/128 rows (K = 1 when
+the tile has at most 128 summands, one per thread). Load k of K reads row g*K + k of every block
+g, a [C, G] tile of one summand per thread; `_subtree` adds whole tiles pairwise (rows 0..K/2-1
+against K/2..K-1, recursively), which is for every block exactly the contract's first log2 K
+levels; the G block sums then fold in registers (a reshape to [C, G/2, 2] and a split, G <= 128).
+The first version loaded the [C, R] tile and split it log2 R times: Triton 3.6 lays that out
+with a whole column in every thread (the store's [C] layout carried back through each split),
+i.e. R - 1 adds of straight-line code per thread, and compiling it was LLVM's work on that code.
+Compile seconds for sm_90, Triton 3.6, a cold cache, before -> after: on a 2-core CPU host
+C=1 R=4096 55.6 -> 0.34, C=2 R=2048 27.0 (52 bytes of spills) -> 0.36, C=1 R=2048 13.0 -> 0.19,
+C=4 R=1024 3.3 -> 0.33, C=1 R=1024 3.3 -> 0.14, the 23 (C, R) that `_shape` gives 106 -> 4.3 in
+all; on the H200's host C=1 R=4096 69.6 (first launch) -> 0.55, all 23 -> 7.7 (a one-off check there:
+equal bits to the composition at every class and 73 shapes). The kernel also got faster there
+(one launch, device time: 4,096 x 1 8.4 -> 3.6 us, 3,000 x 1,024 59 -> 20 us, 10^6 x 64 63 -> 62
+us). A thread now does at most K + G - 2 adds (tests/test_triton_reduce_compile.py). The [C, G]
+loads hold 128 summands, which Triton counts as expensive to rematerialise, so the split's
+layout change stays after `_subtree` instead of being carried back to the loads.
 """
 from __future__ import annotations
 
@@ -23,6 +40,8 @@ import triton.language as tl
 from .launch import fast, cdiv
 
 MAX_LOG2_ROWS = 12  # rows folded per program (R <= 4096): a million summands take two launches
+NUM_WARPS = 4
+THREADS = tl.constexpr(32 * NUM_WARPS)  # a program's threads: one summand each per load of a [C, G] tile
 
 
 @triton.jit
@@ -32,41 +51,33 @@ def _fold(x, C: tl.constexpr, HALF: tl.constexpr):
     return a + b
 
 
+@triton.jit
+def _subtree(x_ptr, rows, cols, n, m, K: tl.constexpr):
+    """[C, G]: the tree over rows rows[g] .. rows[g] + K - 1 of column cols[c] (+0.0 past n), as K loads of [C, G] and
+    pairwise adds of whole tiles: the first K/2 rows' tree plus the last K/2 rows' tree."""
+    if K == 1:
+        mask = (cols[:, None] < m) & (rows[None, :] < n)
+        return tl.load(x_ptr + rows[None, :] * m + cols[:, None], mask=mask, other=0.0)
+    else:
+        return _subtree(x_ptr, rows, cols, n, m, K // 2) + _subtree(x_ptr, rows + K // 2, cols, n, m, K // 2)
+
+
 @triton.jit(do_not_specialize=["n", "m", "col_blocks"])  # few compiled variants: the shapes vary every step
 def _tree_rows_kernel(x_ptr, y_ptr, n, m, col_blocks, C: tl.constexpr, R: tl.constexpr, LOG2R: tl.constexpr):
     """x [n, m] row-major float32 -> y [ceil(n/R), m]: y[i, c] = the tree over x[i*R:(i+1)*R, c]. One grid axis (a
-    second one is capped at 65,535 programs: an 8B model's embedding alone has 152k blocks of rows)."""
+    second one is capped at 65,535 programs: an 8B model's embedding alone has 152k blocks of rows). The R rows go as
+    G = R / K blocks of K: the blocks' trees by `_subtree` (K = 1 when the tile has no more summands than threads),
+    then their G sums by `_fold` in registers."""
+    K: tl.constexpr = R * C // THREADS if R * C > THREADS else 1
+    G: tl.constexpr = R // K
     pid = tl.program_id(0).to(tl.int64)
     pid_r = pid // col_blocks
     pid_c = pid % col_blocks
-    rows = pid_r * R + tl.arange(0, R)
     cols = pid_c * C + tl.arange(0, C)
-    mask = (cols[:, None] < m) & (rows[None, :] < n)
-    x = tl.load(x_ptr + rows[None, :] * m + cols[:, None], mask=mask, other=0.0)  # [C, R], padding +0.0
-    if LOG2R > 0:
-        x = _fold(x, C, R >> 1)
-    if LOG2R > 1:
-        x = _fold(x, C, R >> 2)
-    if LOG2R > 2:
-        x = _fold(x, C, R >> 3)
-    if LOG2R > 3:
-        x = _fold(x, C, R >> 4)
-    if LOG2R > 4:
-        x = _fold(x, C, R >> 5)
-    if LOG2R > 5:
-        x = _fold(x, C, R >> 6)
-    if LOG2R > 6:
-        x = _fold(x, C, R >> 7)
-    if LOG2R > 7:
-        x = _fold(x, C, R >> 8)
-    if LOG2R > 8:
-        x = _fold(x, C, R >> 9)
-    if LOG2R > 9:
-        x = _fold(x, C, R >> 10)
-    if LOG2R > 10:
-        x = _fold(x, C, R >> 11)
-    if LOG2R > 11:
-        x = _fold(x, C, R >> 12)
+    x = _subtree(x_ptr, pid_r * R + tl.arange(0, G) * K, cols, n, m, K)  # [C, G]
+    for i in tl.static_range(LOG2R):
+        if (G >> i) > 1:
+            x = _fold(x, C, G >> (i + 1))
     out = tl.reshape(x, (C,))
     tl.store(y_ptr + pid_r * m + cols, out, mask=cols < m)
 
@@ -99,7 +110,8 @@ def tree_sum_rows(x: torch.Tensor) -> torch.Tensor:
         rows_out = cdiv(n, r)
         y = torch.empty((rows_out, m), dtype=x.dtype, device=x.device)
         col_blocks = cdiv(m, c)
-        _tree_rows_kernel_fast[(rows_out * col_blocks,)](x, y, n, m, col_blocks, C=c, R=r, LOG2R=log2r, num_warps=4)
+        _tree_rows_kernel_fast[(rows_out * col_blocks,)](x, y, n, m, col_blocks, C=c, R=r, LOG2R=log2r,
+                                                         num_warps=NUM_WARPS)
         x, n = y, rows_out
     return x[0]
 
