@@ -38,9 +38,9 @@ STEPS: dict[str, tuple[int, str]] = {
     "tp_update": (420, "torchrun --standalone --nproc_per_node=2 scripts/gpu_tp_parity.py --only grads,update --out {out}"),
     "tp_cp": (420, "torchrun --standalone --nproc_per_node=2 scripts/gpu_tp_parity.py --only cp --out {out}"),  # x2
     # the CUDA-only tests CI skips (the native arm's varlen flash attention among them)
-    "gpu_tests": (300, "python3 -m pytest -q -p no:cacheprovider tests/test_gpu_reference.py tests/test_fa3.py tests/test_dispatch.py tests/test_triton_launch.py"),
+    "gpu_tests": (300, "python3 -m pytest -q -p no:cacheprovider tests/test_gpu_reference.py tests/test_fa3.py tests/test_dispatch.py tests/test_triton_launch.py tests/test_gemm_gluon.py"),
     # the fast launch path (backends/triton/launch.py) runs Triton's own compiled kernel for every specialization tried
-    "launch_tests": (240, "python3 -m pytest -q -p no:cacheprovider tests/test_triton_launch.py"),
+    "launch_tests": (240, "python3 -m pytest -q -p no:cacheprovider tests/test_triton_launch.py tests/test_gemm_gluon.py"),
     "launch_bench": (240, "python3 scripts/bench_launch.py --out {out}"),
     "tiny_ckpt": (120, f"python3 scripts/make_tiny_checkpoint.py {TQ} --head-dim 64"),
     "parity_strict": (300, _PARITY),

@@ -146,3 +146,107 @@ def test_warpspec_falls_back_to_scratch_with_its_bits():
         "print('plain', torch.equal(ws, gemm.matmul(a, w)))\n")
     assert "scratch True" in out and "launches True" in out
     assert "plain False" in out  # the negative control: one K loop from zero is another order
+
+
+_STUB = '''
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from triton.runtime.jit import compute_cache_key
+
+class Driver:  # Triton's driver without a GPU: sm_90's target, device 0, stream 0
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+driver.set_active(Driver())
+from rlkernel.backends.triton import gemm_gluon as GG, launch
+
+if GG._IMPORT_ERROR is not None:
+    print("skip: Gluon unavailable")
+    raise SystemExit(0)
+calls = []
+
+class Kernel:  # stands in for the CompiledKernel in Triton's cache; records each launch's arguments
+    function, packed_metadata = "function", "metadata"
+
+    def launch_metadata(self, grid, stream, *args):
+        return "triton's own run"
+
+    def run(self, *args):
+        calls.append(args)
+
+a, w = torch.zeros(300, 4096, dtype=torch.bfloat16), torch.zeros(6144, 4096, dtype=torch.bfloat16)
+out = torch.empty(300, 6144, dtype=torch.bfloat16)
+grid, args, kwargs = GG._launch_args(a, w, GG.COL96, out)
+assert grid == (3, 64), grid
+cache, keys, _, _, binder = GG._gemm_kernel.device_caches[0]
+_, spec, options = binder(*args, **kwargs, debug=False, instrumentation_mode="")
+cache[compute_cache_key(keys, spec, options)] = Kernel()
+assert launch._fast_ok() and isinstance(GG._gemm_fast, launch.FastKernel) and GG._gemm_fast.fn is GG._gemm_kernel
+for _ in range(3):
+    GG.launch(a, w, GG.COL96, out)
+with launch.fast_path(False):
+    GG.launch(a, w, GG.COL96, out)
+
+def plain(x):
+    if isinstance(x, GG.TensorDescriptor) if hasattr(GG, "TensorDescriptor") else type(x).__name__ == "TensorDescriptor":
+        return (id(x.base), tuple(x.shape), tuple(x.strides), tuple(x.block_shape), x.layout)
+    return id(x) if isinstance(x, torch.Tensor) else x
+
+via = [c[6] for c in calls]
+assert via == ["triton's own run", None, None, "triton's own run"], via
+assert all(c[:3] == (3, 64, 1) for c in calls), [c[:3] for c in calls]
+assert all([plain(x) for x in c[9:]] == [plain(x) for x in calls[0][9:]] for c in calls)
+assert len(GG._gemm_fast._kernels) == 1
+print("ok")
+'''
+
+
+def test_gluon_gemm_launches_through_the_fast_path():
+    """gemm_gluon.launch goes through launch.py's fast path as the Gluon prefill does: the first launch per
+    specialization reaches the kernel Triton's own run holds for the arguments, later ones that kernel directly with
+    the same launcher arguments (the tensor descriptors included), `fast_path(False)` goes back. Without a GPU: Triton's
+    driver is a stub for sm_90 and its cache holds a stand-in that records launches (tests/test_triton_launch.py's
+    method; on a GPU, gemm_gluon.verify)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.experimental.gluon")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RLKERNEL_TRITON_FAST_LAUNCH")}
+    proc = subprocess.run([sys.executable, "-c", _STUB], cwd=root, env={**env, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.stdout[-1000:], proc.stderr[-3000:])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gluon_gemm_fast_path_runs_tritons_kernel_and_the_contracts_bits():
+    """On an H200: each tile's fast-path launch runs the compiled kernel Triton's own launch picks (gemm_gluon.verify),
+    and gemm.matmul's Gluon output equals the Triton kernel's bit for bit (RLKERNEL_GEMM_GLUON off for the reference)."""
+    from rlkernel.backends.triton import gemm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for tile, (m, n, segs) in ((GG.COL96, (256, 6144, 1)), (GG.COL192, (1024, 6144, 1)),
+                               (GG.SEG_64x128, (256, 4096, 4)), (GG.SEG_128x128, (1024, 4096, 4))):
+        a = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = torch.randn(n, 4096, device="cuda", dtype=torch.bfloat16, generator=g) / 64
+        if GG.choose(a, w, segs, None, None) != tile:
+            pytest.skip(f"the library does not take {tile.name} here: {GG.unsupported_reason(a, w, tile)}")
+        y = gemm.matmul(a, w, k_segments=segs, schedule="warpspec" if segs > 1 else None)
+        GG._ENABLED = False
+        try:
+            ref = gemm.matmul(a, w, k_segments=segs, schedule="scratch" if segs > 1 else None)
+        finally:
+            GG._ENABLED = True
+        assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), tile.name
+        out = torch.empty_like(y)
+        assert GG.verify(a, w, tile, out) == {"fast_path": True, "cached": True, "same_kernel": True}, tile.name
+        assert torch.equal(out.view(torch.int16), y.view(torch.int16)), tile.name
