@@ -163,3 +163,36 @@ def cpu_fusion(ops: tuple, fn):
         yield
     finally:
         dispatch._FUSIONS.pop(key)
+
+
+# The preamble of a child process that launches a Gluon kernel with no GPU (tests of launch.py's fast path): Triton's
+# driver is a stub for sm_90 (device 0, stream 0), `calls` records each launch a `Kernel` stand-in receives once it is
+# put into Triton's kernel cache for the arguments (then `compute_cache_key(keys, spec, options)` finds it).
+STUB_SM90_DRIVER = """import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from triton.runtime.jit import compute_cache_key
+
+class Driver:  # Triton's driver without a GPU: sm_90's target, device 0, stream 0
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+driver.set_active(Driver())
+calls = []
+
+
+class Kernel:  # stands in for the CompiledKernel in Triton's cache; records each launch's arguments
+    function, packed_metadata = "function", "metadata"
+
+    def launch_metadata(self, grid, stream, *args):
+        return "triton's own run"  # JITFunction.run passes this on; the fast path passes None
+
+    def run(self, *args):
+        calls.append(args)
+"""

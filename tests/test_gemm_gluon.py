@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from rlkernel.backends.triton import gemm_gluon as GG  # noqa: E402
+from helpers import STUB_SM90_DRIVER  # noqa: E402
 
 QKV, O, GATE_UP, DOWN = (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)  # (K, N) at Qwen3-8B
 
@@ -40,22 +41,8 @@ def test_the_rule_picks_the_measured_tiles_only():
 
 
 def _compiled(tile):
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    import triton
-
-    n2 = tile.bn2 or tile.bn1
-    sig = {"a_desc": f"tensordesc<bf16[{tile.bm}, {GG.BK}],{GG._layout(tile.bm)!r}>",
-           "w1_desc": f"tensordesc<bf16[{tile.bn1}, {GG.BK}],{GG._layout(tile.bn1)!r}>",
-           "w2_desc": f"tensordesc<bf16[{n2}, {GG.BK}],{GG._layout(n2)!r}>",
-           "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
-           **{k: "constexpr" for k in ("BM", "BN1", "BN2", "BK", "STAGES", "SEGS", "num_warps")}}
-    const = {"BM": tile.bm, "BN1": tile.bn1, "BN2": tile.bn2, "BK": GG.BK, "STAGES": tile.stages, "SEGS": tile.segs,
-             "num_warps": tile.warps}
     try:
-        return triton.compile(GluonASTSource(GG._gemm_kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": tile.warps})
+        return GG.compile_sm90(tile)
     except Exception as e:  # noqa: BLE001 -- a Triton build that cannot target sm_90 here is a skip, not a finding
         if "ptxas" in str(e) or "CUDA" in str(e):
             pytest.skip(f"this Triton cannot compile for sm_90 here: {str(e)[:200]}")
@@ -148,38 +135,12 @@ def test_warpspec_falls_back_to_scratch_with_its_bits():
     assert "plain False" in out  # the negative control: one K loop from zero is another order
 
 
-_STUB = '''
-import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
-from triton.runtime.jit import compute_cache_key
-
-class Driver:  # Triton's driver without a GPU: sm_90's target, device 0, stream 0
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-driver.set_active(Driver())
+_STUB = STUB_SM90_DRIVER + '''
 from rlkernel.backends.triton import gemm_gluon as GG, launch
 
 if GG._IMPORT_ERROR is not None:
     print("skip: Gluon unavailable")
     raise SystemExit(0)
-calls = []
-
-class Kernel:  # stands in for the CompiledKernel in Triton's cache; records each launch's arguments
-    function, packed_metadata = "function", "metadata"
-
-    def launch_metadata(self, grid, stream, *args):
-        return "triton's own run"
-
-    def run(self, *args):
-        calls.append(args)
 
 a, w = torch.zeros(300, 4096, dtype=torch.bfloat16), torch.zeros(6144, 4096, dtype=torch.bfloat16)
 out = torch.empty(300, 6144, dtype=torch.bfloat16)

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import interpreter_env
+from helpers import STUB_SM90_DRIVER, interpreter_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,38 +149,12 @@ def test_launch_hooks_take_tritons_own_path():
     assert len(seen) == 1
 
 
-_GLUON_STUB = textwrap.dedent('''
-    import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
-    from triton.runtime.jit import compute_cache_key
-
-    class Driver:  # Triton's driver without a GPU: sm_90's target, device 0, stream 0
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-    driver.set_active(Driver())
+_GLUON_STUB = STUB_SM90_DRIVER + textwrap.dedent('''
     from rlkernel.backends.triton import attention_gluon as AG, contracts as C, launch
 
     if AG._IMPORT_ERROR is not None:
         print("skip: Gluon unavailable")
         raise SystemExit(0)
-    calls = []
-
-    class Kernel:  # stands in for the CompiledKernel in Triton's cache; records each launch's arguments
-        function, packed_metadata = "function", "metadata"
-
-        def launch_metadata(self, grid, stream, *args):
-            return "triton's own run"  # JITFunction.run passes this on; the fast path passes None
-
-        def run(self, *args):
-            calls.append(args)
 
     q = torch.zeros(700, 32, 128, dtype=torch.bfloat16)
     k, v = torch.zeros(700, 8, 128, dtype=torch.bfloat16), torch.ones(700, 8, 128, dtype=torch.bfloat16)

@@ -342,6 +342,24 @@ def verify(a, w, tile: Tile, out):
     return _gemm_fast.verify(grid, *args, **kwargs)
 
 
+def compile_sm90(tile: Tile):
+    """`tile`'s kernel compiled for sm_90 here, with no GPU (Triton ships ptxas): the CompiledKernel (tests,
+    scripts/gpu_gluon_gemm.py --compile-only)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    n2 = tile.bn2 or tile.bn1
+    sig = {"a_desc": f"tensordesc<bf16[{tile.bm}, {BK}],{_layout(tile.bm)!r}>",
+           "w1_desc": f"tensordesc<bf16[{tile.bn1}, {BK}],{_layout(tile.bn1)!r}>",
+           "w2_desc": f"tensordesc<bf16[{n2}, {BK}],{_layout(n2)!r}>",
+           "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
+           **{k: "constexpr" for k in ("BM", "BN1", "BN2", "BK", "STAGES", "SEGS", "num_warps")}}
+    const = {"BM": tile.bm, "BN1": tile.bn1, "BN2": tile.bn2, "BK": BK, "STAGES": tile.stages, "SEGS": tile.segs,
+             "num_warps": tile.warps}
+    return triton.compile(GluonASTSource(_gemm_kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": tile.warps})
+
+
 def describe() -> str:
     """For provenance: whether the strict GEMM may take these tiles in this process, and the first-use checks so far."""
     if not _ENABLED:
