@@ -211,3 +211,25 @@ def test_gluon_gemm_fast_path_runs_tritons_kernel_and_the_contracts_bits():
         out = torch.empty_like(y)
         assert GG.verify(a, w, tile, out) == {"fast_path": True, "cached": True, "same_kernel": True}, tile.name
         assert torch.equal(out.view(torch.int16), y.view(torch.int16)), tile.name
+
+
+def test_the_gluon_kernels_first_use_bookkeeping():
+    """gluon_checks (shared by the Gluon prefill and GEMM): the architecture from the per-device cache, the check run
+    once per key (None while it runs) and its outcome kept, the provenance text naming each outcome."""
+    from rlkernel.backends.triton import gluon_checks as GC
+
+    dev = torch.device("cuda", 0)
+    assert GC.arch_reason(dev, {0: "sm_90"}) is None and GC.arch_reason(dev, {0: "sm_80"}) == "sm_80, not sm_90"
+    cache, runs = {}, []
+
+    def check():
+        runs.append(dict(cache))  # what the kernel's own first call sees while its check runs
+        return "first-use check: 2 values differ"
+
+    assert GC.first_use(cache, (0, "t"), check) == "first-use check: 2 values differ"
+    assert GC.first_use(cache, (0, "t"), check) == "first-use check: 2 values differ"
+    assert runs == [{(0, "t"): None}]
+    assert GC.first_use(cache, (0, "u"), lambda: None) is None and len(cache) == 2
+    text = GC.describe_checks(cache, lambda k: k[1])
+    assert text == "; first-use checks: cuda:0 t: first-use check: 2 values differ; cuda:0 u: bit-equal to Triton"
+    assert GC.describe_checks({}, str) == ""

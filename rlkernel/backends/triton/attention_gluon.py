@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 
+from .gluon_checks import arch_reason, describe_checks, first_use
 from .launch import fast
 
 ENV = "RLKERNEL_ATTENTION_GLUON"
@@ -280,22 +281,11 @@ def unsupported_reason(q, k, cfg, G: int, d: int, *, paged: bool, split: bool, t
         return "not bf16"
     if d != 128 or (cfg.block_m, cfg.block_n) != (64, 64) or cfg.seg_keys % 64 or G > 64 or 64 % G:
         return "not the measured shape (head dim 128, 64 x 64 tiles, a group dividing 64)"
+    why = arch_reason(q.device, _ARCH)
+    if why is not None:
+        return why
     dev = q.device.index if q.device.index is not None else -1
-    arch = _ARCH.get(dev)
-    if arch is None:
-        from ...golden import gpu_arch
-
-        arch = _ARCH[dev] = gpu_arch(q.device)
-    if arch != "sm_90":
-        return f"{arch}, not sm_90"
-    if (dev, G) not in _CHECKED:
-        import torch
-
-        if torch.cuda.is_current_stream_capturing():  # no sync inside a capture: the check waits for an eager call
-            return "first-use check pending (a CUDA graph capture)"
-        _CHECKED[(dev, G)] = None  # while the check runs, its own first call takes this kernel
-        _CHECKED[(dev, G)] = self_check(q.device, G, cfg)
-    return _CHECKED[(dev, G)]
+    return first_use(_CHECKED, (dev, G), lambda: self_check(q.device, G, cfg))
 
 
 def self_check(device, G: int, cfg) -> str | None:
@@ -389,5 +379,4 @@ def describe() -> str:
         return f"off ({ENV}=0)"
     if _IMPORT_ERROR is not None:
         return f"unavailable ({_IMPORT_ERROR})"
-    checks = "; ".join(f"cuda:{d} G={g}: {why or 'bit-equal to Triton'}" for (d, g), why in sorted(_CHECKED.items()))
-    return "on where supported (sm_90, bf16, head dim 128)" + (f"; first-use checks: {checks}" if checks else "")
+    return "on where supported (sm_90, bf16, head dim 128)" + describe_checks(_CHECKED, lambda k: f"G={k[1]}")

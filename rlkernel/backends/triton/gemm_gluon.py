@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .gluon_checks import arch_reason, describe_checks, first_use
 from .launch import fast
 
 ENV = "RLKERNEL_GEMM_GLUON"
@@ -258,22 +259,11 @@ def unsupported_reason(a, w, tile: Tile, out_dtype=None, out=None) -> str | None
         return "not bf16 in and out"
     if not (_aligned(a) and _aligned(w)) or (out is not None and (out.stride(-1) != 1 or out.dtype != a.dtype)):
         return "operands not loadable through TMA"
+    why = arch_reason(a.device, _ARCH)
+    if why is not None:
+        return why
     dev = a.device.index if a.device.index is not None else -1
-    arch = _ARCH.get(dev)
-    if arch is None:
-        from ...golden import gpu_arch
-
-        arch = _ARCH[dev] = gpu_arch(a.device)
-    if arch != "sm_90":
-        return f"{arch}, not sm_90"
-    key = (dev, tile.name)
-    if key not in _CHECKED:
-        import torch
-
-        if torch.cuda.is_current_stream_capturing():  # no sync inside a capture: the check waits for an eager call
-            return "first-use check pending (a CUDA graph capture)"
-        _CHECKED[key] = self_check(a.device, tile)
-    return _CHECKED[key]
+    return first_use(_CHECKED, (dev, tile.name), lambda: self_check(a.device, tile))
 
 
 def self_check(device, tile: Tile) -> str | None:
@@ -366,6 +356,5 @@ def describe() -> str:
         return f"off ({ENV}=0)"
     if _IMPORT_ERROR is not None:
         return f"unavailable ({_IMPORT_ERROR})"
-    checks = "; ".join(f"cuda:{d} {t}: {why or 'bit-equal to Triton'}" for (d, t), why in sorted(_CHECKED.items()))
     return ("on where picked (sm_90, bf16, K >= 4,096; " + ", ".join(t.name for t in TILES) + ")"
-            + (f"; first-use checks: {checks}" if checks else ""))
+            + describe_checks(_CHECKED, lambda k: k[1]))
