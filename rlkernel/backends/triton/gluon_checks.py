@@ -23,7 +23,7 @@ def first_use(cache: dict, key, check) -> str | None:
     if key not in cache:
         import torch
 
-        if torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return "first-use check pending (a CUDA graph capture)"
         cache[key] = None
         cache[key] = check()
