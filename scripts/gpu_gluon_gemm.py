@@ -44,11 +44,12 @@ from rlkernel.backends.triton import gemm_gluon as GG  # noqa: E402
 # also timed a variant loading A into registers once for both accumulators (`_areg`): other bits, no faster — dropped
 # (its records: benchmarks/h200_session28/call2); call 2 ran this script's own copy of the kernel (ed941ed).
 TILES = {t.name: t for t in (
-    GG.COL96, GG.Tile("64x96", 64, 64, 32, 6, 1, 4), GG.COL192, GG.Tile("128x128", 128, 128, 0, 4, 1, 8),
+    GG.COL96, GG.Tile("128x96_s4", 128, 64, 32, 4, 1, 8), GG.Tile("128x96_s6", 128, 64, 32, 6, 1, 8),
+    GG.Tile("64x96", 64, 64, 32, 6, 1, 4), GG.Tile("64x192", 64, 128, 64, 5, 1, 4), GG.COL192, GG.Tile("128x128", 128, 128, 0, 4, 1, 8),
     GG.Tile("64x128", 64, 128, 0, 6, 1, 4), GG.SEG_64x128, GG.SEG_128x128, GG.Tile("seg4_128x64", 128, 64, 0, 6, 4, 8))}
 # (a 64 x 256 segmented tile spills on sm_90: 3 live accumulators of 128 registers a thread)
 # which tiles each shape tries (segments: the row-parallel layers)
-PLAN = {"qkv": ["128x96", "64x96", "128x192", "128x128"],
+PLAN = {"qkv": ["128x96", "128x96_s4", "128x96_s6", "64x192", "64x96", "128x192", "128x128"],
         "gate_up": ["128x192", "128x96", "128x128"],
         "o": ["seg4_64x128", "seg4_128x128", "seg4_128x64", "64x128"],
         "down": ["seg4_64x128", "seg4_128x128", "seg4_128x64", "64x128"]}
