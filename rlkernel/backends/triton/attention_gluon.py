@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import os
 
-from .gluon_checks import arch_reason, describe_checks, first_use
+from .gluon_checks import arch_reason, describe_checks, first_use, gate_reason
 from .launch import fast
 
 ENV = "RLKERNEL_ATTENTION_GLUON"
@@ -265,14 +265,9 @@ TESTED_TRITON = ("3.6",)  # Gluon is experimental: the Triton minor versions thi
 def unsupported_reason(q, k, cfg, G: int, d: int, *, paged: bool, split: bool, tma: bool, walk: str) -> str | None:
     """None where this kernel serves the call, else why the Triton kernel does (the same bits either way). The first
     call per device and query-head group runs `self_check` first: a bit that differs turns this kernel off there."""
-    if not _ENABLED:
-        return f"{ENV}=0"
-    if _IMPORT_ERROR is not None:
-        return f"Gluon unavailable ({_IMPORT_ERROR})"
-    if not triton.__version__.startswith(TESTED_TRITON):
-        return f"Triton {triton.__version__}, checked with {', '.join(TESTED_TRITON)}"
-    if _CHECKING:
-        return "first-use check running (its Triton side)"
+    why = gate_reason(_ENABLED, ENV, _IMPORT_ERROR, TESTED_TRITON, _CHECKING)
+    if why is not None:
+        return why
     if paged or split or walk != "flat":
         return "paged, split or nested walk"
     if not tma:

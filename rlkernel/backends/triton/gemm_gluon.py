@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .gluon_checks import arch_reason, describe_checks, first_use
+from .gluon_checks import arch_reason, describe_checks, first_use, gate_reason
 from .launch import fast
 
 ENV = "RLKERNEL_GEMM_GLUON"
@@ -247,14 +247,9 @@ def choose(a, w, segments: int, out_dtype, out) -> Tile | None:
 def unsupported_reason(a, w, tile: Tile, out_dtype=None, out=None) -> str | None:
     """None where this kernel serves the call with `tile`, else why the Triton kernel does (the same bits either
     way). The first call per device and tile runs `self_check` first: a bit that differs turns the tile off there."""
-    if not _ENABLED:
-        return f"{ENV}=0"
-    if _IMPORT_ERROR is not None:
-        return f"Gluon unavailable ({_IMPORT_ERROR})"
-    if not triton.__version__.startswith(TESTED_TRITON):
-        return f"Triton {triton.__version__}, checked with {', '.join(TESTED_TRITON)}"
-    if _CHECKING:
-        return "first-use check running (its Triton side)"
+    why = gate_reason(_ENABLED, ENV, _IMPORT_ERROR, TESTED_TRITON, _CHECKING)
+    if why is not None:
+        return why
     if str(a.dtype) != "torch.bfloat16" or w.dtype != a.dtype or (out_dtype is not None and out_dtype != a.dtype):
         return "not bf16 in and out"
     if not (_aligned(a) and _aligned(w)) or (out is not None and (out.stride(-1) != 1 or out.dtype != a.dtype)):

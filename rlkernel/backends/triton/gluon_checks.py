@@ -5,6 +5,22 @@ named in provenance. Each kernel keeps its own caches (the dicts passed in); tes
 from __future__ import annotations
 
 
+def gate_reason(enabled: bool, env: str, import_error: str | None, tested: tuple, checking: list) -> str | None:
+    """The checks before any tensor is looked at: switched off by its environment variable, Gluon not importable,
+    another Triton than the ones bit-checked, or its first-use check running its Triton side (None: none of these)."""
+    if not enabled:
+        return f"{env}=0"
+    if import_error is not None:
+        return f"Gluon unavailable ({import_error})"
+    import triton
+
+    if not triton.__version__.startswith(tested):
+        return f"Triton {triton.__version__}, checked with {', '.join(tested)}"
+    if checking:
+        return "first-use check running (its Triton side)"
+    return None
+
+
 def arch_reason(device, cache: dict) -> str | None:
     """None on sm_90 (the architecture the Gluon kernels were bit-checked on), else why not; cache: device index ->
     architecture (golden.gpu_arch), filled once per device."""
