@@ -61,13 +61,11 @@ def tree_rows_seconds() -> dict:
 
     from rlkernel.backends.triton import reduce
 
-    sig = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "m": "i32", "col_blocks": "i32", "C": "constexpr",
-           "R": "constexpr", "LOG2R": "constexpr"}
     each = {}
     with tempfile.TemporaryDirectory(prefix="rlkernel_compile_") as cache:
         knobs.cache.dir = cache
         for log2r, c in tree_rows_classes():
-            src = ASTSource(reduce._tree_rows_kernel, sig, constexprs={"C": c, "R": 1 << log2r, "LOG2R": log2r})
+            src = ASTSource(reduce._tree_rows_kernel, reduce.TREE_ROWS_SIGNATURE, constexprs={"C": c, "R": 1 << log2r, "LOG2R": log2r})
             t = time.perf_counter()
             triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": reduce.NUM_WARPS})
             each[f"C={c},R={1 << log2r}"] = round(time.perf_counter() - t, 3)

@@ -50,18 +50,14 @@ def _compiled(tile):
 
 
 def _ptxas(ptx: str) -> str:
-    import subprocess
-    import tempfile
+    """ptxas -v's registers / spills / warnings for a kernel's PTX (scripts/gpu_gluon_attn.ptxas_usage)."""
+    import sys
     from pathlib import Path
 
-    from triton.backends.nvidia.compiler import get_ptxas
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_gluon_attn as GA
 
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "k.ptx").write_text(ptx)
-        r = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(Path(tmp) / "k.ptx"), "-o",
-                            str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r.stdout + r.stderr
+    return GA.ptxas_usage(ptx)
 
 
 @pytest.mark.parametrize("tile", GG.TILES, ids=lambda t: t.name)

@@ -98,8 +98,8 @@ def test_the_backend_check_policy(fresh_state, monkeypatch):
         else:
             assert T._golden_ok() and T.status() == {"golden": "off (RLKERNEL_GPU_GOLDEN=off)", "golden_seconds": None,
                                                       T.GOLDEN_ENV: "off", "unavailable": T.unavailable_reason(),
-                                                      "attention_prefill_gluon": T._gluon_prefill(),
-                                                      "gemm_gluon": T._gluon_gemm()}
+                                                      "attention_prefill_gluon": T._gluon("attention_gluon"),
+                                                      "gemm_gluon": T._gluon("gemm_gluon")}
     monkeypatch.setenv(T.GOLDEN_ENV, "sometimes")
     monkeypatch.setattr(T, "_GOLDEN", {"result": None, "failed": None, "seconds": None})
     with pytest.raises(ValueError, match="check, warn or off"):

@@ -39,10 +39,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from rlkernel.backends.triton import reduce as R
 
-SIG = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "m": "i32", "col_blocks": "i32", "C": "constexpr",
-       "R": "constexpr", "LOG2R": "constexpr"}
 for log2r, c in json.loads(sys.argv[1]):
-    src = ASTSource(R._tree_rows_kernel, SIG, constexprs={"C": c, "R": 1 << log2r, "LOG2R": log2r})
+    src = ASTSource(R._tree_rows_kernel, R.TREE_ROWS_SIGNATURE, constexprs={"C": c, "R": 1 << log2r, "LOG2R": log2r})
     log = io.StringIO()
     with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG: ptxas -v's report, printed by Triton
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": R.NUM_WARPS})

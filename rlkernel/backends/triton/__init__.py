@@ -130,25 +130,15 @@ def status() -> dict:
     """What the Triton implementation did in this process (for run provenance): the golden check's outcome, its
     duration and its setting; None where it has not run."""
     return {"golden": _GOLDEN["result"], "golden_seconds": _GOLDEN["seconds"], GOLDEN_ENV: os.environ.get(GOLDEN_ENV, "check"),
-            "unavailable": unavailable_reason(), "attention_prefill_gluon": _gluon_prefill(), "gemm_gluon": _gluon_gemm()}
+            "unavailable": unavailable_reason(), "attention_prefill_gluon": _gluon("attention_gluon"),
+            "gemm_gluon": _gluon("gemm_gluon")}
 
 
-def _gluon_prefill() -> str | None:
-    """Whether the packed prefill may run attention_gluon's kernel in this process (None without triton)."""
+def _gluon(module: str) -> str | None:
+    """Whether this process may run a Gluon kernel module's kernels (its `describe()`; None without triton)."""
     if importlib.util.find_spec("triton") is None:
         return None
-    from . import attention_gluon
-
-    return attention_gluon.describe()
-
-
-def _gluon_gemm() -> str | None:
-    """Whether the strict GEMM may run gemm_gluon's tiles in this process (None without triton)."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from . import gemm_gluon
-
-    return gemm_gluon.describe()
+    return importlib.import_module(f"{__name__}.{module}").describe()
 
 
 def __getattr__(name):

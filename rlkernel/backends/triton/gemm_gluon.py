@@ -137,10 +137,8 @@ if _IMPORT_ERROR is None:
         (s0 + s1) + (s2 + s3): ksegments._k_stream's order)."""
         S: gl.constexpr = bufs_a.type.shape[0]
         seg_steps = k_steps // SEGS
-        lo = gl.zeros((BM, BN1), gl.float32, l1)
-        hi = gl.zeros((BM, BN1), gl.float32, l1)
-        acc2 = gl.zeros((BM, BN2 if BN2 > 0 else 8), gl.float32, l2)
-        acc = gl.zeros((BM, BN1), gl.float32, l1)
+        if BN2 > 0:
+            acc2 = gl.zeros((BM, BN2), gl.float32, l2)
         for sg in gl.static_range(SEGS):
             acc = gl.zeros((BM, BN1), gl.float32, l1)
             for j in range(seg_steps):
@@ -181,7 +179,7 @@ if _IMPORT_ERROR is None:
         l1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BN1, 16])
         l2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                     instr_shape=[16, BN2 if BN2 > 0 else 8, 16])
+                                                     instr_shape=[16, BN2 if BN2 > 0 else 8, 16])  # (unused at BN2 0)
         bufs_a = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         bufs_w1 = gl.allocate_shared_memory(w1_desc.dtype, [STAGES] + w1_desc.block_type.shape, w1_desc.layout)
         if BN2 > 0:
@@ -229,7 +227,7 @@ def _aligned(t) -> bool:
 def choose(a, w, segments: int, out_dtype, out) -> Tile | None:
     """The tile gemm.matmul runs here for a [M, K] @ w [N, K]^T, or None (the Triton kernel runs; `reason` says why
     when asked). Cheap tests first: this runs on every strict linear."""
-    if not _ENABLED or _IMPORT_ERROR is not None or _CHECKING or not a.is_cuda:
+    if not a.is_cuda:
         return None
     dev = a.device.index if a.device.index is not None else -1
     sms = _SMS.get(dev)
@@ -351,5 +349,5 @@ def describe() -> str:
         return f"off ({ENV}=0)"
     if _IMPORT_ERROR is not None:
         return f"unavailable ({_IMPORT_ERROR})"
-    return ("on where picked (sm_90, bf16, K >= 4,096; " + ", ".join(t.name for t in TILES) + ")"
+    return (f"on where picked (sm_90, bf16, K >= {MIN_K:,}; " + ", ".join(t.name for t in TILES) + ")"
             + describe_checks(_CHECKED, lambda k: k[1]))

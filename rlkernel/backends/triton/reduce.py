@@ -82,6 +82,11 @@ def _tree_rows_kernel(x_ptr, y_ptr, n, m, col_blocks, C: tl.constexpr, R: tl.con
     tl.store(y_ptr + pid_r * m + cols, out, mask=cols < m)
 
 
+# _tree_rows_kernel's argument types for an ahead-of-time compile (scripts/bench_triton_compile.py, the compile tests)
+TREE_ROWS_SIGNATURE = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "m": "i32", "col_blocks": "i32", "C": "constexpr",
+                       "R": "constexpr", "LOG2R": "constexpr"}
+
+
 def _shape(n: int, m: int) -> tuple[int, int]:
     """(log2 R, C) for one launch of about 4,096 summands a program, R never past the padded length P. A length of up
     to 4,096 takes one launch: R = P, C = 4,096 / P columns (at most 64); longer ones go by R = 64 x C = 64 blocks (one
