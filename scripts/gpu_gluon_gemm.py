@@ -46,13 +46,21 @@ from rlkernel.backends.triton import gemm_gluon as GG  # noqa: E402
 TILES = {t.name: t for t in (
     GG.COL96, GG.Tile("128x96_s4", 128, 64, 32, 4, 1, 8), GG.Tile("128x96_s6", 128, 64, 32, 6, 1, 8),
     GG.Tile("64x96", 64, 64, 32, 6, 1, 4), GG.Tile("64x192", 64, 128, 64, 5, 1, 4), GG.COL192, GG.Tile("128x128", 128, 128, 0, 4, 1, 8),
-    GG.Tile("64x128", 64, 128, 0, 6, 1, 4), GG.SEG_64x128, GG.SEG_128x128, GG.Tile("seg4_128x64", 128, 64, 0, 6, 4, 8))}
-# (a 64 x 256 segmented tile spills on sm_90: 3 live accumulators of 128 registers a thread)
+    GG.Tile("64x128", 64, 128, 0, 6, 1, 4), GG.SEG_64x128, GG.SEG_128x128, GG.Tile("seg4_128x64", 128, 64, 0, 6, 4, 8),
+    # session 29: the tile walk in groups of 8 M tiles (L2 reuse at M = 16,384, where A alone is 128-400 MB), one
+    # program per SM walking its tiles (the next tile's loads run under this one's epilogue). (A segment's first
+    # wgmma issued before the last segment's fold spilled on sm_90: not kept.)
+    GG.Tile("seg4_128x128_g8", 128, 128, 0, 4, 4, 8, group_m=8),
+    GG.Tile("seg4_128x128_p", 128, 128, 0, 4, 4, 8, persistent=True, group_m=8),
+    GG.Tile("seg4_64x128_p", 64, 128, 0, 6, 4, 4, persistent=True, group_m=8),
+    GG.Tile("128x128_p", 128, 128, 0, 4, 1, 8, persistent=True, group_m=8))}
 # which tiles each shape tries (segments: the row-parallel layers)
 PLAN = {"qkv": ["128x96", "128x96_s4", "128x96_s6", "64x192", "64x96", "128x192", "128x128"],
         "gate_up": ["128x192", "128x96", "128x128"],
-        "o": ["seg4_64x128", "seg4_128x128", "seg4_128x64", "64x128"],
-        "down": ["seg4_64x128", "seg4_128x128", "seg4_128x64", "64x128"]}
+        "o": ["seg4_64x128", "seg4_64x128_p", "seg4_128x128", "seg4_128x128_g8",
+              "seg4_128x128_p", "seg4_128x64", "64x128", "128x128_p"],
+        "down": ["seg4_64x128", "seg4_64x128_p", "seg4_128x128", "seg4_128x128_g8",
+                 "seg4_128x128_p", "seg4_128x64", "64x128", "128x128_p"]}
 
 
 def facts(kernel) -> dict:
@@ -78,7 +86,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
-    ap.add_argument("--ms", default="256,512,1024,4096")
+    ap.add_argument("--ms", default="256,512,1024,4096", help="rows for qkv / gate_up")
+    ap.add_argument("--seg-ms", default="256,512,1024,4096,16384", help="rows for o / down (4 segments)")
     args = ap.parse_args(argv)
     res = {"triton": triton.__version__, "compiled_sm90": {}}
     for name in TILES:
@@ -104,7 +113,7 @@ def main(argv=None) -> int:
                 K, N = GEMMS[gname]
                 segs = 4 if gname in ("o", "down") else 1
                 ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5 for _ in range(8)]
-                for M in (int(m) for m in args.ms.split(",")):
+                for M in (int(m) for m in (args.seg_ms if segs > 1 else args.ms).split(",")):
                     a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                     sched = "scratch" if segs > 1 else None  # the Triton kernel's schedule before session 28
                     lib_sched = ops.segment_schedule(M, N, K, segs) if segs > 1 else None

@@ -141,7 +141,10 @@ if GG._IMPORT_ERROR is not None:
 a, w = torch.zeros(300, 4096, dtype=torch.bfloat16), torch.zeros(6144, 4096, dtype=torch.bfloat16)
 out = torch.empty(300, 6144, dtype=torch.bfloat16)
 grid, args, kwargs = GG._launch_args(a, w, GG.COL96, out)
-assert grid == (3, 64), grid
+assert grid == (3 * 64,) and args[-1] == 3 * 64, (grid, args[-1])  # one tile a program: step = the tile count
+GG._SMS[-1] = 132  # a persistent tile: one program per SM (the H200's 132), each stepping over the grid
+pgrid, pargs, _ = GG._launch_args(a, w, GG.Tile("p", 128, 64, 32, 5, 1, 8, persistent=True, group_m=8), out)
+assert pgrid == (132,) and pargs[-1] == 132, (pgrid, pargs[-1])
 cache, keys, _, _, binder = GG._gemm_kernel.device_caches[0]
 _, spec, options = binder(*args, **kwargs, debug=False, instrumentation_mode="")
 cache[compute_cache_key(keys, spec, options)] = Kernel()
@@ -158,7 +161,7 @@ def plain(x):
 
 via = [c[6] for c in calls]
 assert via == ["triton's own run", None, None, "triton's own run"], via
-assert all(c[:3] == (3, 64, 1) for c in calls), [c[:3] for c in calls]
+assert all(c[:3] == (3 * 64, 1, 1) for c in calls), [c[:3] for c in calls]
 assert all([plain(x) for x in c[9:]] == [plain(x) for x in calls[0][9:]] for c in calls)
 assert len(GG._gemm_fast._kernels) == 1
 print("ok")

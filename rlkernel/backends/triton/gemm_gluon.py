@@ -64,6 +64,8 @@ class Tile:
     stages: int
     segs: int
     warps: int  # the consumer warpgroups' warps (the default partition)
+    persistent: bool = False  # one program per SM walking the tiles (else one program per tile)
+    group_m: int = 0  # the tile walk: 0 = M tiles fastest; g = groups of g M tiles (L2 locality; never a bit)
 
     @property
     def bn(self) -> int:
@@ -104,22 +106,47 @@ if _IMPORT_ERROR is None:
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
 
     @gluon.jit
-    def _producer(a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, off_m, off_n, k_steps,
-                  BK: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr):
-        """One warp: step i's A box and W boxes (BN1 rows, then BN2) into stage i % S once the consumer freed it."""
+    def _coords(t, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+        """Tile t's (M tile, N tile): GROUP_M 0 walks M tiles fastest (a 2-D grid's order), else groups of GROUP_M
+        M tiles across every N tile (tile.py's walk). The walk decides which tiles share L2, never a bit."""
+        if GROUP_M == 0:
+            pm = t % num_pid_m
+            pn = t // num_pid_m
+        else:
+            group = GROUP_M * num_pid_n
+            first_m = (t // group) * GROUP_M
+            size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+            pm = first_m + (t % group) % size_m
+            pn = (t % group) // size_m
+        return pm, pn
+
+    @gluon.jit
+    def _producer(a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, M, N, k_steps, step,
+                  BM: gl.constexpr, BK: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, GROUP_M: gl.constexpr):
+        """One warp: every step of this program's tiles (A box, W boxes of BN1 rows then BN2) into stage g % S (g:
+        the program's step count over its tiles) once the consumer freed it."""
         S: gl.constexpr = bufs_a.type.shape[0]
-        for i in range(k_steps):
-            s = i % S
-            mbarrier.wait(empty.index(s), ((i // S) & 1) ^ 1)  # a fresh barrier counts as released once
-            if BN2 > 0:
-                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w1_desc.block_type.nbytes +
-                                w2_desc.block_type.nbytes)
-            else:
-                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w1_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [off_m, i * BK], ready.index(s), bufs_a.index(s))
-            tma.async_copy_global_to_shared(w1_desc, [off_n, i * BK], ready.index(s), bufs_w1.index(s))
-            if BN2 > 0:
-                tma.async_copy_global_to_shared(w2_desc, [off_n + BN1, i * BK], ready.index(s), bufs_w2.index(s))
+        num_pid_m = gl.cdiv(M, BM)
+        num_pid_n = N // (BN1 + BN2)
+        g = 0
+        for t in range(gl.program_id(0), num_pid_m * num_pid_n, step):
+            pm, pn = _coords(t, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pm * BM
+            off_n = pn * (BN1 + BN2)
+            for i in range(k_steps):
+                gi = g + i
+                s = gi % S
+                mbarrier.wait(empty.index(s), ((gi // S) & 1) ^ 1)  # a fresh barrier counts as released once
+                if BN2 > 0:
+                    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w1_desc.block_type.nbytes +
+                                    w2_desc.block_type.nbytes)
+                else:
+                    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w1_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [off_m, i * BK], ready.index(s), bufs_a.index(s))
+                tma.async_copy_global_to_shared(w1_desc, [off_n, i * BK], ready.index(s), bufs_w1.index(s))
+                if BN2 > 0:
+                    tma.async_copy_global_to_shared(w2_desc, [off_n + BN1, i * BK], ready.index(s), bufs_w2.index(s))
+            g += k_steps
 
     @gluon.jit
     def _store(c_ptr, acc, off_m, col0, M, N, stride_cm, BM: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
@@ -129,53 +156,81 @@ if _IMPORT_ERROR is None:
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @gluon.jit
-    def _consumer(bufs_a, bufs_w1, bufs_w2, ready, empty, k_steps, c_ptr, M, N, stride_cm, off_m, off_n,
-                  BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, SEGS: gl.constexpr, l1: gl.constexpr,
-                  l2: gl.constexpr):
-        """acc (+ acc2) += A_k @ W_k^T, one wgmma chain per accumulator, K in order, one step in flight; SEGS > 1:
-        each of SEGS equal K segments from zero, folded into the balanced tree as it ends (s0; s0 + s1; s2;
-        (s0 + s1) + (s2 + s3): ksegments._k_stream's order)."""
-        S: gl.constexpr = bufs_a.type.shape[0]
-        seg_steps = k_steps // SEGS
-        if BN2 > 0:
-            acc2 = gl.zeros((BM, BN2), gl.float32, l2)
-        for sg in gl.static_range(SEGS):
-            acc = gl.zeros((BM, BN1), gl.float32, l1)
-            for j in range(seg_steps):
-                i = sg * seg_steps + j
-                s = i % S
-                mbarrier.wait(ready.index(s), (i // S) & 1)
-                acc = warpgroup_mma(bufs_a.index(s), bufs_w1.index(s).permute((1, 0)), acc, is_async=True)
-                if BN2 > 0:
-                    acc2 = warpgroup_mma(bufs_a.index(s), bufs_w2.index(s).permute((1, 0)), acc2, is_async=True)
-                    acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
-                else:
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)  # step i - 1's stage is free
-            if SEGS > 1:  # segment sg ended: its partial joins the tree
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                if sg == 0:
-                    lo = acc
-                elif sg == 1:
-                    lo = lo + acc
-                elif sg == 2:
-                    hi = acc
-                else:
-                    lo = lo + (hi + acc)
-        if SEGS > 1:
-            _store(c_ptr, lo, off_m, off_n, M, N, stride_cm, BM, BN1, l1)
+    def _fold(lo, hi, acc, sg: gl.constexpr):
+        """Segment sg's partial `acc` joins the balanced tree ((s0 + s1) + (s2 + s3)) as it ends (ksegments._k_stream's
+        order): s0; s0 + s1; s2; (s0 + s1) + (s2 + s3). Returns (lo, hi)."""
+        if sg == 0:
+            lo = acc
+        elif sg == 1:
+            lo = lo + acc
+        elif sg == 2:
+            hi = acc
         else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _store(c_ptr, acc, off_m, off_n, M, N, stride_cm, BM, BN1, l1)
-            if BN2 > 0:
-                acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2,))
-                _store(c_ptr, acc2, off_m, off_n + BN1, M, N, stride_cm, BM, BN2, l2)
+            lo = lo + (hi + acc)
+        return lo, hi
 
     @gluon.jit
-    def _gemm_kernel(a_desc, w1_desc, w2_desc, c_ptr, M, N, K, stride_cm, BM: gl.constexpr, BN1: gl.constexpr,
-                     BN2: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, SEGS: gl.constexpr,
-                     num_warps: gl.constexpr):
-        """C[BM, BN1 + BN2] tile (program ids: M tile, N tile) of A [M, K] @ W [N, K]^T."""
+    def _consumer(bufs_a, bufs_w1, bufs_w2, ready, empty, k_steps, step, c_ptr, M, N, stride_cm,
+                  BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, SEGS: gl.constexpr, GROUP_M: gl.constexpr,
+                  l1: gl.constexpr, l2: gl.constexpr):
+        """Per tile of this program: acc (+ acc2) += A_k @ W_k^T, one wgmma chain per accumulator, K in order, one
+        step in flight; SEGS > 1: each of SEGS equal K segments from zero, folded into the balanced tree as it ends.
+        (Issuing a segment's first wgmma before the previous segment's fold, session 29: ptxas serialises the wgmmas
+        for want of registers and spills 512 bytes at 64 x 128 and 128 x 128; not kept.)"""
+        S: gl.constexpr = bufs_a.type.shape[0]
+        num_pid_m = gl.cdiv(M, BM)
+        num_pid_n = N // (BN1 + BN2)
+        seg_steps = k_steps // SEGS
+        g = 0
+        for t in range(gl.program_id(0), num_pid_m * num_pid_n, step):
+            pm, pn = _coords(t, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pm * BM
+            off_n = pn * (BN1 + BN2)
+            if SEGS > 1:
+                lo = gl.zeros((BM, BN1), gl.float32, l1)
+                hi = lo
+                for sg in gl.static_range(SEGS):
+                    acc = gl.zeros((BM, BN1), gl.float32, l1)
+                    for j in range(seg_steps):
+                        i = sg * seg_steps + j
+                        gi = g + i
+                        s = gi % S
+                        mbarrier.wait(ready.index(s), (gi // S) & 1)
+                        acc = warpgroup_mma(bufs_a.index(s), bufs_w1.index(s).permute((1, 0)), acc, is_async=True)
+                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                        mbarrier.arrive(empty.index((gi + S - 1) % S), count=1, pred=i > 0)  # step gi - 1 is free
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # segment sg ended: into the tree
+                    lo, hi = _fold(lo, hi, acc, sg)
+                _store(c_ptr, lo, off_m, off_n, M, N, stride_cm, BM, BN1, l1)
+            else:
+                acc = gl.zeros((BM, BN1), gl.float32, l1)
+                if BN2 > 0:
+                    acc2 = gl.zeros((BM, BN2), gl.float32, l2)
+                for i in range(k_steps):
+                    gi = g + i
+                    s = gi % S
+                    mbarrier.wait(ready.index(s), (gi // S) & 1)
+                    acc = warpgroup_mma(bufs_a.index(s), bufs_w1.index(s).permute((1, 0)), acc, is_async=True)
+                    if BN2 > 0:
+                        acc2 = warpgroup_mma(bufs_a.index(s), bufs_w2.index(s).permute((1, 0)), acc2, is_async=True)
+                        acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
+                    else:
+                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    mbarrier.arrive(empty.index((gi + S - 1) % S), count=1, pred=i > 0)  # step gi - 1 is free
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                _store(c_ptr, acc, off_m, off_n, M, N, stride_cm, BM, BN1, l1)
+                if BN2 > 0:
+                    acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2,))
+                    _store(c_ptr, acc2, off_m, off_n + BN1, M, N, stride_cm, BM, BN2, l2)
+            mbarrier.arrive(empty.index((g + k_steps + S - 1) % S), count=1)  # the tile's last step is free
+            g += k_steps
+
+    @gluon.jit
+    def _gemm_kernel(a_desc, w1_desc, w2_desc, c_ptr, M, N, K, stride_cm, step, BM: gl.constexpr,
+                     BN1: gl.constexpr, BN2: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                     SEGS: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+        """C = A [M, K] @ W [N, K]^T in tiles of [BM, BN1 + BN2]: program p takes tiles p, p + step, ... in the walk
+        `_coords` names (step = the tile count: one tile a program; = the grid: persistent)."""
         l1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BN1, 16])
         l2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -191,14 +246,12 @@ if _IMPORT_ERROR is None:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        off_m = gl.program_id(0) * BM
-        off_n = gl.program_id(1) * (BN1 + BN2)
         k_steps = gl.cdiv(K, BK)
         gl.warp_specialize([
-            (_consumer, (bufs_a, bufs_w1, bufs_w2, ready, empty, k_steps, c_ptr, M, N, stride_cm, off_m, off_n, BM,
-                         BN1, BN2, SEGS, l1, l2)),
-            (_producer, (a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, off_m, off_n, k_steps, BK,
-                         BN1, BN2)),
+            (_consumer, (bufs_a, bufs_w1, bufs_w2, ready, empty, k_steps, step, c_ptr, M, N, stride_cm, BM, BN1, BN2,
+                         SEGS, GROUP_M, l1, l2)),
+            (_producer, (a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, M, N, k_steps, step, BM,
+                         BK, BN1, BN2, GROUP_M)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
 
     _gemm_fast = fast(_gemm_kernel)  # launch.py's fast path: Triton's own run at a key's first call, then its kernel
@@ -229,17 +282,21 @@ def choose(a, w, segments: int, out_dtype, out) -> Tile | None:
     when asked). Cheap tests first: this runs on every strict linear."""
     if not a.is_cuda:
         return None
-    dev = a.device.index if a.device.index is not None else -1
+    M, K = a.shape
+    tile = pick(M, w.shape[0], K, segments, _sms(a.device))
+    if tile is None or unsupported_reason(a, w, tile, out_dtype, out) is not None:
+        return None
+    return tile
+
+
+def _sms(device) -> int:
+    dev = device.index if device.index is not None else -1
     sms = _SMS.get(dev)
     if sms is None:
         import torch
 
-        sms = _SMS[dev] = torch.cuda.get_device_properties(a.device).multi_processor_count
-    M, K = a.shape
-    tile = pick(M, w.shape[0], K, segments, sms)
-    if tile is None or unsupported_reason(a, w, tile, out_dtype, out) is not None:
-        return None
-    return tile
+        sms = _SMS[dev] = torch.cuda.get_device_properties(device).multi_processor_count
+    return sms
 
 
 def unsupported_reason(a, w, tile: Tile, out_dtype=None, out=None) -> str | None:
@@ -300,9 +357,11 @@ def _launch_args(a, w, tile: Tile, out):
     a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [tile.bm, BK], _layout(tile.bm))
     w1 = TensorDescriptor(w, [N, K], [w.stride(0), 1], [tile.bn1, BK], _layout(tile.bn1))
     w2 = w1 if n2 == tile.bn1 else TensorDescriptor(w, [N, K], [w.stride(0), 1], [n2, BK], _layout(n2))
-    return ((-(-M // tile.bm), N // tile.bn), (a_desc, w1, w2, out, M, N, K, out.stride(0)),
+    tiles = -(-M // tile.bm) * (N // tile.bn)
+    grid = min(tiles, _sms(a.device)) if tile.persistent else tiles
+    return ((grid,), (a_desc, w1, w2, out, M, N, K, out.stride(0), grid),
             dict(BM=tile.bm, BN1=tile.bn1, BN2=tile.bn2, BK=BK, STAGES=tile.stages, SEGS=tile.segs,
-                 num_warps=tile.warps))
+                 GROUP_M=tile.group_m, num_warps=tile.warps))
 
 
 def launch(a, w, tile: Tile, out=None):
@@ -335,10 +394,10 @@ def compile_sm90(tile: Tile):
     sig = {"a_desc": f"tensordesc<bf16[{tile.bm}, {BK}],{_layout(tile.bm)!r}>",
            "w1_desc": f"tensordesc<bf16[{tile.bn1}, {BK}],{_layout(tile.bn1)!r}>",
            "w2_desc": f"tensordesc<bf16[{n2}, {BK}],{_layout(n2)!r}>",
-           "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
-           **{k: "constexpr" for k in ("BM", "BN1", "BN2", "BK", "STAGES", "SEGS", "num_warps")}}
+           "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32", "step": "i32",
+           **{k: "constexpr" for k in ("BM", "BN1", "BN2", "BK", "STAGES", "SEGS", "GROUP_M", "num_warps")}}
     const = {"BM": tile.bm, "BN1": tile.bn1, "BN2": tile.bn2, "BK": BK, "STAGES": tile.stages, "SEGS": tile.segs,
-             "num_warps": tile.warps}
+             "GROUP_M": tile.group_m, "num_warps": tile.warps}
     return triton.compile(GluonASTSource(_gemm_kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": tile.warps})
 
