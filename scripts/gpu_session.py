@@ -240,7 +240,7 @@ STEPS: dict[str, tuple[int, str]] = {
     "cublas_probe": (180, "python3 scripts/gpu_cublas_probe.py --out {out}"),
     # session 28's experiment: Gluon tiles of 96 / 192 columns (two accumulators; cuBLAS's wave-balanced nvjet tiles at
     # M = 256) and the row-parallel 4-segment tree in a warp-specialised consumer, bits vs the strict GEMM, chain times
-    "gluon_gemm": (300, "python3 scripts/gpu_gluon_gemm.py --out {out}"),
+    "gluon_gemm": (420, "python3 scripts/gpu_gluon_gemm.py --out {out}"),
     "gluon_attn": (240, "python3 scripts/gpu_gluon_attn.py --out {out}"),
     # compile-ahead (rlkernel/backends/triton/precompile.py) on cold caches: record a strict workload's kernels, then
     # compile them ahead (16 worker processes; and threads only, session 25's first version) before the same workload

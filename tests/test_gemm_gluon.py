@@ -21,12 +21,13 @@ QKV, O, GATE_UP, DOWN = (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)
 def test_the_rule_picks_the_measured_tiles_only():
     """session 28 call 2 (H200, 132 SMs): 128 x 96 beat the Triton table at qkv M = 256, 128 x 192 at qkv M = 1,024
     and gate_up M = 256, and lost or tied at M = 4,096 and gate_up M = 1,024; the segmented consumer beat scratch at
-    o / down M = 256 (64 x 128), 1,024 and 4,096 (128 x 128)."""
+    o / down M = 256 (64 x 128), 1,024 and 4,096 (128 x 128); session 29 call 1: 128 x 96 with 6 stages beat 5, and
+    from M = 512 128 x 128 persistent in groups of 8 M tiles beat 64 x 128 and one program a tile."""
     def name(m, kn, segs=1, sms=132):
         t = GG.pick(m, kn[1], kn[0], segs, sms)
         return t and t.name
 
-    assert name(256, QKV) == "128x96" and name(200, QKV) == "128x96"
+    assert name(256, QKV) == "128x96_s6" and name(200, QKV) == "128x96_s6"
     assert name(1024, QKV) == "128x192" and name(256, GATE_UP) == "128x192"
     assert name(4096, QKV) is None and name(1024, GATE_UP) is None and name(4096, GATE_UP) is None
     assert name(256, O) is None and name(256, DOWN) is None  # no segments at widths no tile divides: Triton
@@ -34,8 +35,8 @@ def test_the_rule_picks_the_measured_tiles_only():
     assert name(256, (2048, 6144)) is None  # K below the measured 4,096
     assert name(256, QKV, sms=78) == "128x192"  # fewer SMs: 128 x 96's 128 tiles are more than a wave
     for kn in (O, DOWN):
-        assert name(256, kn, 4) == name(512, kn, 4) == "seg4_64x128"
-        assert name(513, kn, 4) == name(1024, kn, 4) == name(4096, kn, 4) == "seg4_128x128"
+        assert name(129, kn, 4) == name(256, kn, 4) == "seg4_64x128"
+        assert name(257, kn, 4) == name(512, kn, 4) == name(4096, kn, 4) == name(16384, kn, 4) == "seg4_128x128_p"
         assert name(128, kn, 4) is None and name(256, kn, 2) is None and name(256, kn, 8) is None
     assert name(256, (4096 + 64, 4096), 4) is None  # a segment that is not whole K steps
 

@@ -72,10 +72,10 @@ class Tile:
         return self.bn1 + self.bn2
 
 
-COL96 = Tile("128x96", 128, 64, 32, 5, 1, 8)
+COL96 = Tile("128x96_s6", 128, 64, 32, 6, 1, 8)
 COL192 = Tile("128x192", 128, 128, 64, 4, 1, 8)
 SEG_64x128 = Tile("seg4_64x128", 64, 128, 0, 6, 4, 4)
-SEG_128x128 = Tile("seg4_128x128", 128, 128, 0, 4, 4, 8)
+SEG_128x128 = Tile("seg4_128x128_p", 128, 128, 0, 4, 4, 8, persistent=True, group_m=8)
 TILES = (COL96, COL192, SEG_64x128, SEG_128x128)
 
 
@@ -85,8 +85,12 @@ def pick(m: int, n: int, k: int, segments: int, sms: int) -> Tile | None:
     - no segments: 128 x 96 where its tiles fit one wave (qkv at M = 256: 128 tiles on 132 SMs), else 128 x 192 where
       its tiles fit two waves (qkv M = 1,024: 256; gate_up M = 256: 256); above that (M = 4,096, gate_up M = 1,024) the
       Triton table's tiles were as fast or faster;
-    - 4 segments from m = 129: 64 x 128 up to 512 rows, 128 x 128 above (M <= 128 keeps fixup / registers, which
-      beat the scratch schedule there and were not raced against this kernel)."""
+    - 4 segments from m = 129: 64 x 128 up to 256 rows, above it 128 x 128 with one program per SM walking the tiles
+      in groups of 8 M tiles (session 29 call 1: o / down M = 512 0.80 / 0.82x, 1,024 0.82 / 0.79x, 4,096 0.81 /
+      0.90x, 16,384 0.88 / 0.92x cuBLAS, against one program a tile walking M tiles fastest 0.81 / 0.80, 0.75 / 0.73,
+      0.80 / 0.88, 0.66 / 0.68x: at 16,384 rows A alone outgrows L2 in that walk). M <= 128 keeps fixup / registers,
+      which beat the scratch schedule there and were not raced against this kernel.
+    The stage counts: qkv M = 256 at 128 x 96 took 0.71 / 0.82 / 0.87x cuBLAS with 4 / 5 / 6 stages (call 1)."""
     if m <= 128 or k < MIN_K:
         return None
     if segments == 1:
@@ -98,7 +102,7 @@ def pick(m: int, n: int, k: int, segments: int, sms: int) -> Tile | None:
         return None
     if segments not in SEGMENTS or k % (BK * segments) or n % 128:
         return None
-    return SEG_64x128 if m <= 512 else SEG_128x128
+    return SEG_64x128 if m <= 256 else SEG_128x128
 
 
 if _IMPORT_ERROR is None:
