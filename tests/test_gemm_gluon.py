@@ -21,19 +21,20 @@ QKV, O, GATE_UP, DOWN = (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)
 def test_the_rule_picks_the_measured_tiles_only():
     """session 28 call 2 (H200, 132 SMs): 128 x 96 beat the Triton table at qkv M = 256, 128 x 192 at qkv M = 1,024
     and gate_up M = 256, and lost or tied at M = 4,096 and gate_up M = 1,024; the segmented consumer beat scratch at
-    o / down M = 256 (64 x 128), 1,024 and 4,096 (128 x 128); session 29 call 1: 128 x 96 with 6 stages beat 5, and
-    from M = 512 128 x 128 persistent in groups of 8 M tiles beat 64 x 128 and one program a tile."""
+    o / down M = 256 (64 x 128), 1,024 and 4,096 (128 x 128); session 29: 64 x 192 (6 stages) beat 128 x 96 at qkv
+    M = 256, 128 x 192 with 5 stages beat 4, and from M = 512 128 x 128 persistent in groups of 8 M tiles beat 64 x 128
+    and one program a tile."""
     def name(m, kn, segs=1, sms=132):
         t = GG.pick(m, kn[1], kn[0], segs, sms)
         return t and t.name
 
-    assert name(256, QKV) == "128x96_s6" and name(200, QKV) == "128x96_s6"
-    assert name(1024, QKV) == "128x192" and name(256, GATE_UP) == "128x192"
+    assert name(256, QKV) == "64x192_s6" and name(200, QKV) == "64x192_s6"
+    assert name(512, QKV) == name(1024, QKV) == name(256, GATE_UP) == "128x192_s5"
     assert name(4096, QKV) is None and name(1024, GATE_UP) is None and name(4096, GATE_UP) is None
     assert name(256, O) is None and name(256, DOWN) is None  # no segments at widths no tile divides: Triton
     assert name(128, QKV) is None and name(64, QKV) is None  # decode sizes: not raced
     assert name(256, (2048, 6144)) is None  # K below the measured 4,096
-    assert name(256, QKV, sms=78) == "128x192"  # fewer SMs: 128 x 96's 128 tiles are more than a wave
+    assert name(256, QKV, sms=78) == "128x192_s5"  # fewer SMs: 64 x 192's 128 tiles are more than a wave
     for kn in (O, DOWN):
         assert name(129, kn, 4) == name(256, kn, 4) == "seg4_64x128"
         assert name(257, kn, 4) == name(512, kn, 4) == name(4096, kn, 4) == name(16384, kn, 4) == "seg4_128x128_p"
@@ -87,21 +88,21 @@ def test_choose_and_its_reasons_on_what_it_was_not_checked_on():
     a, w = torch.zeros(256, 4096, dtype=torch.bfloat16), torch.zeros(6144, 4096, dtype=torch.bfloat16)
     assert GG.choose(a, w, 1, None, None) is None  # not CUDA
     if GG._IMPORT_ERROR is not None:
-        assert GG.unsupported_reason(a, w, GG.COL96).startswith("Gluon unavailable")
+        assert GG.unsupported_reason(a, w, GG.ONE_WAVE).startswith("Gluon unavailable")
         return
-    assert GG.unsupported_reason(a.float(), w.float(), GG.COL96) == "not bf16 in and out"
-    assert GG.unsupported_reason(a, w, GG.COL96, out_dtype=torch.float32) == "not bf16 in and out"
-    assert GG.unsupported_reason(a[:, 1:], w[:, 1:], GG.COL96) == "operands not loadable through TMA"
-    assert GG.unsupported_reason(a, w, GG.COL96, out=torch.zeros(6144, 256, dtype=torch.bfloat16).t()) == \
+    assert GG.unsupported_reason(a.float(), w.float(), GG.ONE_WAVE) == "not bf16 in and out"
+    assert GG.unsupported_reason(a, w, GG.ONE_WAVE, out_dtype=torch.float32) == "not bf16 in and out"
+    assert GG.unsupported_reason(a[:, 1:], w[:, 1:], GG.ONE_WAVE) == "operands not loadable through TMA"
+    assert GG.unsupported_reason(a, w, GG.ONE_WAVE, out=torch.zeros(6144, 256, dtype=torch.bfloat16).t()) == \
         "operands not loadable through TMA"
     GG._CHECKING.append(True)  # while the first-use check runs its reference: every call takes the Triton kernel
     try:
-        assert GG.unsupported_reason(a, w, GG.COL96) == "first-use check running (its Triton side)"
+        assert GG.unsupported_reason(a, w, GG.ONE_WAVE) == "first-use check running (its Triton side)"
     finally:
         GG._CHECKING.clear()
     GG._ENABLED = False
     try:
-        assert GG.unsupported_reason(a, w, GG.COL96) == f"{GG.ENV}=0" and GG.describe() == f"off ({GG.ENV}=0)"
+        assert GG.unsupported_reason(a, w, GG.ONE_WAVE) == f"{GG.ENV}=0" and GG.describe() == f"off ({GG.ENV}=0)"
     finally:
         GG._ENABLED = True
     saved = dict(GG._CHECKED)
@@ -141,8 +142,9 @@ if GG._IMPORT_ERROR is not None:
 
 a, w = torch.zeros(300, 4096, dtype=torch.bfloat16), torch.zeros(6144, 4096, dtype=torch.bfloat16)
 out = torch.empty(300, 6144, dtype=torch.bfloat16)
-grid, args, kwargs = GG._launch_args(a, w, GG.COL96, out)
-assert grid == (3 * 64,) and args[-1] == 3 * 64, (grid, args[-1])  # one tile a program: step = the tile count
+grid, args, kwargs = GG._launch_args(a, w, GG.ONE_WAVE, out)
+tiles = -(-300 // GG.ONE_WAVE.bm) * (6144 // GG.ONE_WAVE.bn)
+assert grid == (tiles,) and args[-1] == tiles, (grid, args[-1])  # one tile a program: step = the tile count
 GG._SMS[-1] = 132  # a persistent tile: one program per SM (the H200's 132), each stepping over the grid
 pgrid, pargs, _ = GG._launch_args(a, w, GG.Tile("p", 128, 64, 32, 5, 1, 8, persistent=True, group_m=8), out)
 assert pgrid == (132,) and pargs[-1] == 132, (pgrid, pargs[-1])
@@ -151,9 +153,9 @@ _, spec, options = binder(*args, **kwargs, debug=False, instrumentation_mode="")
 cache[compute_cache_key(keys, spec, options)] = Kernel()
 assert launch._fast_ok() and isinstance(GG._gemm_fast, launch.FastKernel) and GG._gemm_fast.fn is GG._gemm_kernel
 for _ in range(3):
-    GG.launch(a, w, GG.COL96, out)
+    GG.launch(a, w, GG.ONE_WAVE, out)
 with launch.fast_path(False):
-    GG.launch(a, w, GG.COL96, out)
+    GG.launch(a, w, GG.ONE_WAVE, out)
 
 def plain(x):
     if isinstance(x, GG.TensorDescriptor) if hasattr(GG, "TensorDescriptor") else type(x).__name__ == "TensorDescriptor":
@@ -162,7 +164,7 @@ def plain(x):
 
 via = [c[6] for c in calls]
 assert via == ["triton's own run", None, None, "triton's own run"], via
-assert all(c[:3] == (3 * 64, 1, 1) for c in calls), [c[:3] for c in calls]
+assert all(c[:3] == (tiles, 1, 1) for c in calls), [c[:3] for c in calls]
 assert all([plain(x) for x in c[9:]] == [plain(x) for x in calls[0][9:]] for c in calls)
 assert len(GG._gemm_fast._kernels) == 1
 print("ok")
@@ -195,7 +197,7 @@ def test_gluon_gemm_fast_path_runs_tritons_kernel_and_the_contracts_bits():
     from rlkernel.backends.triton import gemm
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    for tile, (m, n, segs) in ((GG.COL96, (256, 6144, 1)), (GG.COL192, (1024, 6144, 1)),
+    for tile, (m, n, segs) in ((GG.ONE_WAVE, (256, 6144, 1)), (GG.TWO_WAVES, (1024, 6144, 1)),
                                (GG.SEG_64x128, (256, 4096, 4)), (GG.SEG_128x128, (1024, 4096, 4))):
         a = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
         w = torch.randn(n, 4096, device="cuda", dtype=torch.bfloat16, generator=g) / 64

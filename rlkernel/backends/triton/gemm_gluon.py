@@ -72,33 +72,35 @@ class Tile:
         return self.bn1 + self.bn2
 
 
-COL96 = Tile("128x96_s6", 128, 64, 32, 6, 1, 8)
-COL192 = Tile("128x192", 128, 128, 64, 4, 1, 8)
+ONE_WAVE = Tile("64x192_s6", 64, 128, 64, 6, 1, 4)  # the tile where one wave covers the GEMM (session 28: 128 x 96)
+TWO_WAVES = Tile("128x192_s5", 128, 128, 64, 5, 1, 8)
 SEG_64x128 = Tile("seg4_64x128", 64, 128, 0, 6, 4, 4)
 SEG_128x128 = Tile("seg4_128x128_p", 128, 128, 0, 4, 4, 8, persistent=True, group_m=8)
-TILES = (COL96, COL192, SEG_64x128, SEG_128x128)
+TILES = (ONE_WAVE, TWO_WAVES, SEG_64x128, SEG_128x128)
 
 
 def pick(m: int, n: int, k: int, segments: int, sms: int) -> Tile | None:
     """The tile for an [m, k] x [n, k]^T GEMM with `segments` canonical K segments on a GPU of `sms` SMs, or None
     (the Triton kernel). Session 28's measurements (module docstring) and nothing beyond them:
-    - no segments: 128 x 96 where its tiles fit one wave (qkv at M = 256: 128 tiles on 132 SMs), else 128 x 192 where
-      its tiles fit two waves (qkv M = 1,024: 256; gate_up M = 256: 256); above that (M = 4,096, gate_up M = 1,024) the
-      Triton table's tiles were as fast or faster;
+    - no segments: 64 x 192 (6 stages) where its tiles fit one wave (qkv at M = 256: 4 x 32 = 128 tiles on 132 SMs),
+      else 128 x 192 (5 stages) where its tiles fit two waves (qkv M = 512 / 1,024: 128 / 256; gate_up M = 256: 256);
+      above that (M = 4,096, gate_up M >= 512) the Triton table's tiles were as fast or faster. Session 29 call 2
+      (3 interleaved rounds, medians of per-round ratios to cuBLAS): qkv M = 256 64 x 192 s6 0.89x, 128 x 96 s5 / s6 /
+      s7 / s8 0.79 / 0.79 / 0.79 / 0.80x (call 1: s4 0.71, s5 0.82, s6 0.87: within the calls' spread), 64 x 192 s5
+      0.83x; 128 x 192 s5 / s4: qkv M = 512 0.86 / 0.82x, 1,024 0.96 / 0.94x, gate_up M = 256 0.88 / 0.86x;
     - 4 segments from m = 129: 64 x 128 up to 256 rows, above it 128 x 128 with one program per SM walking the tiles
       in groups of 8 M tiles (session 29 call 1: o / down M = 512 0.80 / 0.82x, 1,024 0.82 / 0.79x, 4,096 0.81 /
       0.90x, 16,384 0.88 / 0.92x cuBLAS, against one program a tile walking M tiles fastest 0.81 / 0.80, 0.75 / 0.73,
       0.80 / 0.88, 0.66 / 0.68x: at 16,384 rows A alone outgrows L2 in that walk). M <= 128 keeps fixup / registers,
       which beat the scratch schedule there and were not raced against this kernel.
-    The stage counts: qkv M = 256 at 128 x 96 took 0.71 / 0.82 / 0.87x cuBLAS with 4 / 5 / 6 stages (call 1)."""
+    """
     if m <= 128 or k < MIN_K:
         return None
     if segments == 1:
-        mt = -(-m // 128)
-        if n % COL96.bn == 0 and mt * (n // COL96.bn) <= sms:
-            return COL96
-        if n % COL192.bn == 0 and mt * (n // COL192.bn) <= 2 * sms:
-            return COL192
+        if n % ONE_WAVE.bn == 0 and -(-m // ONE_WAVE.bm) * (n // ONE_WAVE.bn) <= sms:
+            return ONE_WAVE
+        if n % TWO_WAVES.bn == 0 and -(-m // TWO_WAVES.bm) * (n // TWO_WAVES.bn) <= 2 * sms:
+            return TWO_WAVES
         return None
     if segments not in SEGMENTS or k % (BK * segments) or n % 128:
         return None
