@@ -125,9 +125,18 @@ def run_interpreted(script: str, timeout: float = 600) -> str:
     root = Path(__file__).resolve().parents[1]
     env = interpreter_env(PYTHONPATH=str(root))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
+    if proc.returncode != 0 and NUMPY_VS_INTERPRETER in proc.stderr and "interpreter.py" in proc.stderr:
+        import numpy
+        import pytest
+
+        pytest.skip(f"Triton's interpreter cannot run on NumPy {numpy.__version__} (>= 2.4 refuses its int() of a "
+                    "1-element array; the CPU install pins numpy<2.4)")
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout.strip())
     return proc.stdout
+
+
+NUMPY_VS_INTERPRETER = "only 0-dimensional arrays can be converted to Python scalars"
 
 
 def last_json(stdout: str):

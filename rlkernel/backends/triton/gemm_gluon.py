@@ -10,19 +10,22 @@ they end: `ksegments`' order. A producer warp streams every step's loads into a 
 consumer warpgroups run the wgmma chains (one in flight) and the epilogue.
 
 What the Triton kernel cannot express (Triton 3.6):
-* **Tiles of 96 or 192 columns** (two accumulators, 64 + 32 or 128 + 64 columns, each its own wgmma chain over the
-  same A stage): wave balance at small M. cuBLAS's kernels there are `nvjet_sm90_tst_96x128` / `192x128` (session 28,
-  `scripts/gpu_cublas_probe.py`); N = 6,144 at M = 256 makes 2 x 64 = 128 tiles of 128 x 96 on 132 SMs, where the
+* **Tiles of 192 columns** (two accumulators, 128 + 64 columns, each its own wgmma chain over the same A stage): wave
+  balance at small M. cuBLAS's kernels there are `nvjet_sm90_tst_96x128` / `192x128` (session 28,
+  `scripts/gpu_cublas_probe.py`); N = 6,144 at M = 256 makes 4 x 32 = 128 tiles of 64 x 192 on 132 SMs, where the
   Triton table's 128 x 128 makes 96.
 * **The segment tree in a warp-specialised consumer**: the loads never stop at a segment boundary (the Triton
   schedules restart their pipelined K loop per segment or keep partials in memory).
+A tile may also run one program per SM walking its tiles in groups of M tiles (`persistent`, `group_m`): the next
+tile's loads run under this one's epilogue, and at M = 16,384 the walk keeps A's rows in L2.
 
-Measured on the H200 (session 28 call 2, `scripts/gpu_gluon_gemm.py`, chain timer; bits equal to `gemm.matmul` on
-every row): qkv M = 256 128 x 96 0.82x cuBLAS (Triton 0.71x); qkv M = 1,024 128 x 192 0.89x (0.83x); gate_up
-M = 256 128 x 192 0.87x (0.82x); 4 segments: o M = 256 64 x 128 0.99x (scratch 0.67x), down 0.89x (0.72x); o / down
-M = 1,024 128 x 128 0.78 / 0.84x (0.52 / 0.72x), M = 4,096 0.77 / 0.87x (0.60 / 0.75x). Where the rule below does not
-pick a tile (M <= 128, other widths, more tiles than about a wave, K below 4,096) the Triton kernel runs: nothing
-else was measured.
+Measured on the H200 (chain timer, bits equal to `gemm.matmul` on every row; `scripts/gpu_gluon_gemm.py`, records in
+benchmarks/h200_session28-29): qkv M = 256 64 x 192 (6 stages) 0.91-0.93x cuBLAS over 5 interleaved rounds (the
+Triton kernel 0.68-0.69x; 128 x 96 0.79-0.82x); 128 x 192 (5 stages) qkv M = 512 / 1,024 0.86-0.90 / 0.88-0.96x,
+gate_up M = 256 0.88-0.91x; 4 segments: o / down M = 256 64 x 128 0.95 / 0.88x (scratch 0.67 / 0.76x), from M = 512
+128 x 128 persistent 0.84 / 0.87-0.91x, M = 1,024 0.79-0.82 / 0.85-0.88x, M = 4,096 0.86-0.87 / 0.90x, M = 16,384
+0.89 / 0.92x (scratch 0.57-0.65 / 0.76-0.79x). Where the rule below does not pick a tile (M <= 128, other widths,
+more tiles than about two waves, K below 4,096) the Triton kernel runs: nothing else was measured.
 
 Used by `gemm.matmul` (a weight [N, K], the contract's tiles: config None, bf16 in and out, TMA-loadable operands)
 where `pick` names a tile and `unsupported_reason` is None: sm_90, Triton 3.6, and a first-use check per device and
@@ -133,7 +136,7 @@ if _IMPORT_ERROR is None:
         the program's step count over its tiles) once the consumer freed it."""
         S: gl.constexpr = bufs_a.type.shape[0]
         num_pid_m = gl.cdiv(M, BM)
-        num_pid_n = N // (BN1 + BN2)
+        num_pid_n = gl.cdiv(N, BN1 + BN2)  # a last partial N tile: TMA fills zeros past N, the store masks
         g = 0
         for t in range(gl.program_id(0), num_pid_m * num_pid_n, step):
             pm, pn = _coords(t, num_pid_m, num_pid_n, GROUP_M)
@@ -185,7 +188,7 @@ if _IMPORT_ERROR is None:
         for want of registers and spills 512 bytes at 64 x 128 and 128 x 128; not kept.)"""
         S: gl.constexpr = bufs_a.type.shape[0]
         num_pid_m = gl.cdiv(M, BM)
-        num_pid_n = N // (BN1 + BN2)
+        num_pid_n = gl.cdiv(N, BN1 + BN2)  # a last partial N tile: TMA fills zeros past N, the store masks
         seg_steps = k_steps // SEGS
         g = 0
         for t in range(gl.program_id(0), num_pid_m * num_pid_n, step):
@@ -323,8 +326,8 @@ def unsupported_reason(a, w, tile: Tile, out_dtype=None, out=None) -> str | None
 
 
 def self_check(device, tile: Tile) -> str | None:
-    """At first use of `tile` on a device: a GEMM of 300 rows (a partial M tile), K = 4,096, three tiles' columns
-    (bf16, fixed seed) through this kernel and through the Triton kernel (gemm.matmul with the same segments); None
+    """At first use of `tile` on a device: a GEMM of 300 rows, K = 4,096, three tiles' columns less 40 (partial tiles
+    in M and in N; bf16, fixed seed) through this kernel and through the Triton kernel (gemm.matmul with the same segments); None
     when the outputs are bit-equal, else the reason this tile stays off (logged once). ~1 ms after the compiles."""
     import logging
 
@@ -333,7 +336,7 @@ def self_check(device, tile: Tile) -> str | None:
     from . import gemm
 
     gen = torch.Generator(device="cpu").manual_seed(28)
-    M, K, N = 300, MIN_K, 3 * tile.bn
+    M, K, N = 300, MIN_K, 3 * tile.bn - 40  # a partial M tile and a partial N tile
     a = torch.randn(M, K, generator=gen).to(device=device, dtype=torch.bfloat16)
     w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(device=device, dtype=torch.bfloat16)
     try:
@@ -363,7 +366,7 @@ def _launch_args(a, w, tile: Tile, out):
     a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [tile.bm, BK], _layout(tile.bm))
     w1 = TensorDescriptor(w, [N, K], [w.stride(0), 1], [tile.bn1, BK], _layout(tile.bn1))
     w2 = w1 if n2 == tile.bn1 else TensorDescriptor(w, [N, K], [w.stride(0), 1], [n2, BK], _layout(n2))
-    tiles = -(-M // tile.bm) * (N // tile.bn)
+    tiles = -(-M // tile.bm) * -(-N // tile.bn)
     grid = min(tiles, _sms(a.device)) if tile.persistent else tiles
     return ((grid,), (a_desc, w1, w2, out, M, N, K, out.stride(0), grid),
             dict(BM=tile.bm, BN1=tile.bn1, BN2=tile.bn2, BK=BK, STAGES=tile.stages, SEGS=tile.segs,

@@ -117,7 +117,9 @@ def segment_schedule(m: int, n: int, k: int, segments: int, dtype_name: str = "b
     Timed up to M = 4,096; larger M keeps scratch (its cost per tile does not grow with M).
     Session 28 (benchmarks/h200_session28/call2, scripts/gpu_gluon_gemm.py): where scratch ran, "warpspec" (the Gluon
     kernel's warp-specialised consumer, gemm_gluon) beat it at every row timed: 8B o / down M = 256 0.99 / 0.89x,
-    1,024 0.78 / 0.84x, 4,096 0.77 / 0.87x cuBLAS, equal bits; gemm.matmul runs scratch where it does not serve."""
+    1,024 0.78 / 0.84x, 4,096 0.77 / 0.87x cuBLAS, equal bits; gemm.matmul runs scratch where it does not serve.
+    Session 29 (benchmarks/h200_session29/call2): with its 128 x 128 tile persistent above 256 rows, o / down 0.84 /
+    0.87-0.91x at M = 512, 0.89 / 0.92x at 16,384 (scratch 0.57 / 0.76x, 0.65 / 0.79x)."""
     if segments <= 1:
         return None
     if m <= 64:
