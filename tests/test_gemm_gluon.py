@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from rlkernel.backends.triton import gemm_gluon as GG  # noqa: E402
 from helpers import STUB_SM90_DRIVER  # noqa: E402
 
-QKV, O, GATE_UP, DOWN = (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)  # (K, N) at Qwen3-8B
+QKV, O, GATE_UP, DOWN, LM_HEAD = (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 151936)  # (K, N)
 
 
 def test_the_rule_picks_the_measured_tiles_only():
@@ -40,6 +40,9 @@ def test_the_rule_picks_the_measured_tiles_only():
         assert name(257, kn, 4) == name(512, kn, 4) == name(4096, kn, 4) == name(16384, kn, 4) == "seg4_128x128_p"
         assert name(128, kn, 4) is None and name(256, kn, 2) is None and name(256, kn, 8) is None
     assert name(256, (4096 + 64, 4096), 4) is None  # a segment that is not whole K steps
+    assert name(256, LM_HEAD) == name(129, LM_HEAD) == "128x256_p"  # session 29 call 5: 0.93x vs the table's 0.86x
+    assert name(512, LM_HEAD) is None and name(1024, LM_HEAD) is None  # the table won at 1,024 (512 not raced)
+    assert name(256, (4096, 32768)) is None  # a narrower N: not raced
 
 
 def _compiled(tile):
@@ -198,7 +201,8 @@ def test_gluon_gemm_fast_path_runs_tritons_kernel_and_the_contracts_bits():
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for tile, (m, n, segs) in ((GG.ONE_WAVE, (256, 6144, 1)), (GG.TWO_WAVES, (1024, 6144, 1)),
-                               (GG.SEG_64x128, (256, 4096, 4)), (GG.SEG_128x128, (1024, 4096, 4))):
+                               (GG.SEG_64x128, (256, 4096, 4)), (GG.SEG_128x128, (1024, 4096, 4)),
+                               (GG.VOCAB, (256, GG.VOCAB_MIN_N + 8, 1))):  # (a partial last N tile)
         a = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
         w = torch.randn(n, 4096, device="cuda", dtype=torch.bfloat16, generator=g) / 64
         if GG.choose(a, w, segs, None, None) != tile:

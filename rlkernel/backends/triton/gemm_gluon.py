@@ -24,7 +24,8 @@ benchmarks/h200_session28-29): qkv M = 256 64 x 192 (6 stages) 0.91-0.93x cuBLAS
 Triton kernel 0.68-0.69x; 128 x 96 0.79-0.82x); 128 x 192 (5 stages) qkv M = 512 / 1,024 0.86-0.90 / 0.88-0.96x,
 gate_up M = 256 0.88-0.91x; 4 segments: o / down M = 256 64 x 128 0.95 / 0.88x (scratch 0.67 / 0.76x), from M = 512
 128 x 128 persistent 0.84 / 0.87-0.91x, M = 1,024 0.79-0.82 / 0.85-0.88x, M = 4,096 0.86-0.87 / 0.90x, M = 16,384
-0.89 / 0.92x (scratch 0.57-0.65 / 0.76-0.79x). Where the rule below does not pick a tile (M <= 128, other widths,
+0.89 / 0.92x (scratch 0.57-0.65 / 0.76-0.79x); lm_head M = 256 128 x 256 persistent 0.93x (the Triton table 0.86-0.88x).
+Where the rule below does not pick a tile (M <= 128, other widths,
 more tiles than about two waves, K below 4,096) the Triton kernel runs: nothing else was measured.
 
 Used by `gemm.matmul` (a weight [N, K], the contract's tiles: config None, bf16 in and out, TMA-loadable operands)
@@ -79,7 +80,9 @@ ONE_WAVE = Tile("64x192_s6", 64, 128, 64, 6, 1, 4)  # the tile where one wave co
 TWO_WAVES = Tile("128x192_s5", 128, 128, 64, 5, 1, 8)
 SEG_64x128 = Tile("seg4_64x128", 64, 128, 0, 6, 4, 4)
 SEG_128x128 = Tile("seg4_128x128_p", 128, 128, 0, 4, 4, 8, persistent=True, group_m=8)
-TILES = (ONE_WAVE, TWO_WAVES, SEG_64x128, SEG_128x128)
+VOCAB = Tile("128x256_p", 128, 128, 128, 4, 1, 8, persistent=True, group_m=8)  # vocabulary-wide N at small M
+VOCAB_MIN_N = 65536
+TILES = (ONE_WAVE, TWO_WAVES, SEG_64x128, SEG_128x128, VOCAB)
 
 
 def pick(m: int, n: int, k: int, segments: int, sms: int) -> Tile | None:
@@ -87,7 +90,10 @@ def pick(m: int, n: int, k: int, segments: int, sms: int) -> Tile | None:
     (the Triton kernel). Session 28's measurements (module docstring) and nothing beyond them:
     - no segments: 64 x 192 (6 stages) where its tiles fit one wave (qkv at M = 256: 4 x 32 = 128 tiles on 132 SMs),
       else 128 x 192 (5 stages) where its tiles fit two waves (qkv M = 512 / 1,024: 128 / 256; gate_up M = 256: 256);
-      above that (M = 4,096, gate_up M >= 512) the Triton table's tiles were as fast or faster. Session 29 call 2
+      above that (M = 4,096, gate_up M >= 512) the Triton table's tiles were as fast or faster. A vocabulary-wide N
+      (>= 65,536: lm_head's 151,936, no 192-column tile divides it) up to 256 rows: 128 x 256 persistent in groups of
+      8 M tiles (session 29 call 5, lm_head M = 256: 0.93x cuBLAS, the Triton table 0.86-0.88x, 128 x 192 s5
+      persistent 0.91x; at M = 1,024 the Triton table's 1.03x beat every Gluon tile's 0.83-0.93x). Session 29 call 2
       (3 interleaved rounds, medians of per-round ratios to cuBLAS): qkv M = 256 64 x 192 s6 0.89x, 128 x 96 s5 / s6 /
       s7 / s8 0.79 / 0.79 / 0.79 / 0.80x (call 1: s4 0.71, s5 0.82, s6 0.87: within the calls' spread), 64 x 192 s5
       0.83x; 128 x 192 s5 / s4: qkv M = 512 0.86 / 0.82x, 1,024 0.96 / 0.94x, gate_up M = 256 0.88 / 0.86x;
@@ -104,6 +110,8 @@ def pick(m: int, n: int, k: int, segments: int, sms: int) -> Tile | None:
             return ONE_WAVE
         if n % TWO_WAVES.bn == 0 and -(-m // TWO_WAVES.bm) * (n // TWO_WAVES.bn) <= 2 * sms:
             return TWO_WAVES
+        if n >= VOCAB_MIN_N and m <= 256:
+            return VOCAB
         return None
     if segments not in SEGMENTS or k % (BK * segments) or n % 128:
         return None
