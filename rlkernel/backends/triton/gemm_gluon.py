@@ -54,6 +54,8 @@ try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API i
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+    from .tile import _tile_coords  # a @triton.jit function: Gluon inlines it
     _IMPORT_ERROR = None
 except Exception as e:  # noqa: BLE001
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
@@ -125,16 +127,13 @@ if _IMPORT_ERROR is None:
     @gluon.jit
     def _coords(t, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
         """Tile t's (M tile, N tile): GROUP_M 0 walks M tiles fastest (a 2-D grid's order), else groups of GROUP_M
-        M tiles across every N tile (tile.py's walk). The walk decides which tiles share L2, never a bit."""
+        M tiles across every N tile (the Triton kernels' walk, tile._tile_coords). The walk decides which tiles share
+        L2, never a bit."""
         if GROUP_M == 0:
             pm = t % num_pid_m
             pn = t // num_pid_m
         else:
-            group = GROUP_M * num_pid_n
-            first_m = (t // group) * GROUP_M
-            size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-            pm = first_m + (t % group) % size_m
-            pn = (t % group) // size_m
+            pm, pn = _tile_coords(t, num_pid_m, num_pid_n, GROUP_M)
         return pm, pn
 
     @gluon.jit
