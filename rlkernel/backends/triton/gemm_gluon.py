@@ -192,7 +192,8 @@ if _IMPORT_ERROR is None:
         """Per tile of this program: acc (+ acc2) += A_k @ W_k^T, one wgmma chain per accumulator, K in order, one
         step in flight; SEGS > 1: each of SEGS equal K segments from zero, folded into the balanced tree as it ends.
         (Issuing a segment's first wgmma before the previous segment's fold, session 29: ptxas serialises the wgmmas
-        for want of registers and spills 512 bytes at 64 x 128 and 128 x 128; not kept.)"""
+        and spills 512 bytes at 64 x 128 and 128 x 128 — so does peeling a segment's first step without the overlap;
+        and nothing to win: the same tile unsegmented, with no drains at all, ran no faster (call 2). Not kept.)"""
         S: gl.constexpr = bufs_a.type.shape[0]
         num_pid_m = gl.cdiv(M, BM)
         num_pid_n = gl.cdiv(N, BN1 + BN2)  # a last partial N tile: TMA fills zeros past N, the store masks
