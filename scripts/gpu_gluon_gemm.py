@@ -66,15 +66,20 @@ TILES = {t.name: t for t in (
     # partial) at M = 256, where the Triton table reads 0.86x
     _t("128x192_s5_p", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8),
     _t("128x256", 128, 128, 128, 4, 1, 8), _t("128x256_p", 128, 128, 128, 4, 1, 8, persistent=True, group_m=8),
-    _t("64x192_s6_p", 64, 128, 64, 6, 1, 4, persistent=True, group_m=8))}
+    _t("64x192_s6_p", 64, 128, 64, 6, 1, 4, persistent=True, group_m=8),
+    # after session 29's device time (compiled for sm_90 on the CPU: no spills, 216 KB of shared memory): segments
+    # at 128 x 192 / 128 x 160 (two accumulators; the tree's waiting partial in shared memory, fp32; 3 stages), where
+    # 128 x 128 (0.79-0.89x for o at M >= 512, its unsegmented twin no faster) is the tile that caps them
+    _t("seg4_128x192_p", 128, 128, 64, 3, 4, 8, persistent=True, group_m=8),
+    _t("seg4_128x160_p", 128, 128, 32, 3, 4, 8, persistent=True, group_m=8))}
 # (a 64 x 256 segmented tile spills on sm_90: 3 live accumulators of 128 registers a thread)
 # which tiles each shape tries (segments: the row-parallel layers). Session 29 call 2 timed 128x96 s5-s8, 64x192 s5 /
 # s6, 128x192 s4 / s5 at qkv and gate_up, and seg4_64x128 / seg4_128x128 (one program a tile) / _p / 128x128_p at o /
 # down (its records: benchmarks/h200_session29/call2); call 3 confirms the picks.
 PLAN = {"qkv": ["64x192_s6", "64x192_s7", "128x96_s6", "128x192_s5", "128x192"],
         "gate_up": ["128x192_s5", "128x192"],
-        "o": ["seg4_64x128", "seg4_128x128_p"],
-        "down": ["seg4_64x128", "seg4_128x128_p"],
+        "o": ["seg4_64x128", "seg4_128x128_p", "seg4_128x192_p", "seg4_128x160_p", "128x128_p"],
+        "down": ["seg4_64x128", "seg4_128x128_p", "seg4_128x192_p", "seg4_128x160_p", "128x128_p"],
         "lm_head": ["128x128", "128x128_p", "128x192_s5", "128x192_s5_p", "128x256", "128x256_p", "64x192_s6",
                     "64x192_s6_p"]}
 

@@ -186,7 +186,7 @@ if _IMPORT_ERROR is None:
         return lo, hi
 
     @gluon.jit
-    def _consumer(bufs_a, bufs_w1, bufs_w2, ready, empty, k_steps, step, c_ptr, M, N, stride_cm,
+    def _consumer(bufs_a, bufs_w1, bufs_w2, lo_smem, lo2_smem, ready, empty, k_steps, step, c_ptr, M, N, stride_cm,
                   BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, SEGS: gl.constexpr, GROUP_M: gl.constexpr,
                   l1: gl.constexpr, l2: gl.constexpr):
         """Per tile of this program: acc (+ acc2) += A_k @ W_k^T, one wgmma chain per accumulator, K in order, one
@@ -203,7 +203,36 @@ if _IMPORT_ERROR is None:
             pm, pn = _coords(t, num_pid_m, num_pid_n, GROUP_M)
             off_m = pm * BM
             off_n = pn * (BN1 + BN2)
-            if SEGS > 1:
+            if SEGS > 1 and BN2 > 0:  # two accumulators: s0, then s0 + s1, wait in shared memory (fp32, each
+                # thread reads back the elements it wrote): three live pairs of 96 columns would not fit in registers
+                for sg in gl.static_range(SEGS):
+                    acc = gl.zeros((BM, BN1), gl.float32, l1)
+                    acc2 = gl.zeros((BM, BN2), gl.float32, l2)
+                    for j in range(seg_steps):
+                        i = sg * seg_steps + j
+                        gi = g + i
+                        s = gi % S
+                        mbarrier.wait(ready.index(s), (gi // S) & 1)
+                        acc = warpgroup_mma(bufs_a.index(s), bufs_w1.index(s).permute((1, 0)), acc, is_async=True)
+                        acc2 = warpgroup_mma(bufs_a.index(s), bufs_w2.index(s).permute((1, 0)), acc2, is_async=True)
+                        acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
+                        mbarrier.arrive(empty.index((gi + S - 1) % S), count=1, pred=i > 0)  # step gi - 1 is free
+                    acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
+                    if sg == 0:
+                        lo_smem.store(acc)
+                        lo2_smem.store(acc2)
+                    elif sg == 1:
+                        lo_smem.store(lo_smem.load(l1) + acc)
+                        lo2_smem.store(lo2_smem.load(l2) + acc2)
+                    elif sg == 2:
+                        hi = acc
+                        hi2 = acc2
+                    else:
+                        lo = lo_smem.load(l1) + (hi + acc)
+                        lo2 = lo2_smem.load(l2) + (hi2 + acc2)
+                _store(c_ptr, lo, off_m, off_n, M, N, stride_cm, BM, BN1, l1)
+                _store(c_ptr, lo2, off_m, off_n + BN1, M, N, stride_cm, BM, BN2, l2)
+            elif SEGS > 1:
                 lo = gl.zeros((BM, BN1), gl.float32, l1)
                 hi = lo
                 for sg in gl.static_range(SEGS):
@@ -258,6 +287,13 @@ if _IMPORT_ERROR is None:
             bufs_w2 = gl.allocate_shared_memory(w2_desc.dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout)
         else:
             bufs_w2 = bufs_w1
+        if SEGS > 1 and BN2 > 0:  # the tree's waiting partial (fp32), see _consumer
+            flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            lo_smem = gl.allocate_shared_memory(gl.float32, [BM, BN1], flat)
+            lo2_smem = gl.allocate_shared_memory(gl.float32, [BM, BN2], flat)
+        else:
+            lo_smem = bufs_a  # unused
+            lo2_smem = bufs_a
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -265,8 +301,8 @@ if _IMPORT_ERROR is None:
             mbarrier.init(empty.index(i), count=1)
         k_steps = gl.cdiv(K, BK)
         gl.warp_specialize([
-            (_consumer, (bufs_a, bufs_w1, bufs_w2, ready, empty, k_steps, step, c_ptr, M, N, stride_cm, BM, BN1, BN2,
-                         SEGS, GROUP_M, l1, l2)),
+            (_consumer, (bufs_a, bufs_w1, bufs_w2, lo_smem, lo2_smem, ready, empty, k_steps, step, c_ptr, M, N,
+                         stride_cm, BM, BN1, BN2, SEGS, GROUP_M, l1, l2)),
             (_producer, (a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, M, N, k_steps, step, BM,
                          BK, BN1, BN2, GROUP_M)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
