@@ -89,7 +89,7 @@ TILES = (ONE_WAVE, TWO_WAVES, SEG_64x128, SEG_128x128, VOCAB)
 
 def pick(m: int, n: int, k: int, segments: int, sms: int) -> Tile | None:
     """The tile for an [m, k] x [n, k]^T GEMM with `segments` canonical K segments on a GPU of `sms` SMs, or None
-    (the Triton kernel). Session 28's measurements (module docstring) and nothing beyond them:
+    (the Triton kernel). Sessions 28-29's measurements (module docstring) and nothing beyond them:
     - no segments: 64 x 192 (6 stages) where its tiles fit one wave (qkv at M = 256: 4 x 32 = 128 tiles on 132 SMs),
       else 128 x 192 (5 stages) where its tiles fit two waves (qkv M = 512 / 1,024: 128 / 256; gate_up M = 256: 256);
       above that (M = 4,096, gate_up M >= 512) the Triton table's tiles were as fast or faster. A vocabulary-wide N
