@@ -186,6 +186,22 @@ if _IMPORT_ERROR is None:
         return lo, hi
 
     @gluon.jit
+    def _k_step(bufs_a, bufs_w1, bufs_w2, ready, empty, gi, release, acc, acc2, BN2: gl.constexpr):
+        """K step gi: wait for its stage, its wgmma onto acc (and acc2 where BN2 > 0; else acc2 comes back as given),
+        then at most this step's wgmmas in flight, so step gi - 1's stage is released (where `release`)."""
+        S: gl.constexpr = bufs_a.type.shape[0]
+        s = gi % S
+        mbarrier.wait(ready.index(s), (gi // S) & 1)
+        acc = warpgroup_mma(bufs_a.index(s), bufs_w1.index(s).permute((1, 0)), acc, is_async=True)
+        if BN2 > 0:
+            acc2 = warpgroup_mma(bufs_a.index(s), bufs_w2.index(s).permute((1, 0)), acc2, is_async=True)
+            acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(empty.index((gi + S - 1) % S), count=1, pred=release)  # step gi - 1 is free
+        return acc, acc2
+
+    @gluon.jit
     def _consumer(bufs_a, bufs_w1, bufs_w2, lo_smem, lo2_smem, ready, empty, k_steps, step, c_ptr, M, N, stride_cm,
                   BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, SEGS: gl.constexpr, GROUP_M: gl.constexpr,
                   l1: gl.constexpr, l2: gl.constexpr):
@@ -210,13 +226,7 @@ if _IMPORT_ERROR is None:
                     acc2 = gl.zeros((BM, BN2), gl.float32, l2)
                     for j in range(seg_steps):
                         i = sg * seg_steps + j
-                        gi = g + i
-                        s = gi % S
-                        mbarrier.wait(ready.index(s), (gi // S) & 1)
-                        acc = warpgroup_mma(bufs_a.index(s), bufs_w1.index(s).permute((1, 0)), acc, is_async=True)
-                        acc2 = warpgroup_mma(bufs_a.index(s), bufs_w2.index(s).permute((1, 0)), acc2, is_async=True)
-                        acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
-                        mbarrier.arrive(empty.index((gi + S - 1) % S), count=1, pred=i > 0)  # step gi - 1 is free
+                        acc, acc2 = _k_step(bufs_a, bufs_w1, bufs_w2, ready, empty, g + i, i > 0, acc, acc2, BN2)
                     acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
                     if sg == 0:
                         lo_smem.store(acc)
@@ -239,12 +249,7 @@ if _IMPORT_ERROR is None:
                     acc = gl.zeros((BM, BN1), gl.float32, l1)
                     for j in range(seg_steps):
                         i = sg * seg_steps + j
-                        gi = g + i
-                        s = gi % S
-                        mbarrier.wait(ready.index(s), (gi // S) & 1)
-                        acc = warpgroup_mma(bufs_a.index(s), bufs_w1.index(s).permute((1, 0)), acc, is_async=True)
-                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                        mbarrier.arrive(empty.index((gi + S - 1) % S), count=1, pred=i > 0)  # step gi - 1 is free
+                        acc, _ = _k_step(bufs_a, bufs_w1, bufs_w2, ready, empty, g + i, i > 0, acc, acc, BN2)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # segment sg ended: into the tree
                     lo, hi = _fold(lo, hi, acc, sg)
                 _store(c_ptr, lo, off_m, off_n, M, N, stride_cm, BM, BN1, l1)
@@ -252,17 +257,10 @@ if _IMPORT_ERROR is None:
                 acc = gl.zeros((BM, BN1), gl.float32, l1)
                 if BN2 > 0:
                     acc2 = gl.zeros((BM, BN2), gl.float32, l2)
+                else:
+                    acc2 = acc  # (unused)
                 for i in range(k_steps):
-                    gi = g + i
-                    s = gi % S
-                    mbarrier.wait(ready.index(s), (gi // S) & 1)
-                    acc = warpgroup_mma(bufs_a.index(s), bufs_w1.index(s).permute((1, 0)), acc, is_async=True)
-                    if BN2 > 0:
-                        acc2 = warpgroup_mma(bufs_a.index(s), bufs_w2.index(s).permute((1, 0)), acc2, is_async=True)
-                        acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
-                    else:
-                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    mbarrier.arrive(empty.index((gi + S - 1) % S), count=1, pred=i > 0)  # step gi - 1 is free
+                    acc, acc2 = _k_step(bufs_a, bufs_w1, bufs_w2, ready, empty, g + i, i > 0, acc, acc2, BN2)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 _store(c_ptr, acc, off_m, off_n, M, N, stride_cm, BM, BN1, l1)
                 if BN2 > 0:
