@@ -156,6 +156,8 @@ assert grid == (tiles,) and args[-1] == tiles, (grid, args[-1])  # one tile a pr
 GG._SMS[-1] = 132  # a persistent tile: one program per SM (the H200's 132), each stepping over the grid
 pgrid, pargs, _ = GG._launch_args(a, w, GG.Tile("p", 128, 64, 32, 5, 1, 8, persistent=True, group_m=8), out)
 assert pgrid == (132,) and pargs[-1] == 132, (pgrid, pargs[-1])
+cgrid, cargs, _ = GG._launch_args(a, w, GG.ONE_WAVE, out, programs=2)  # the first-use check's second launch
+assert cgrid == (2,) and cargs[-1] == 2, (cgrid, cargs[-1])
 cache, keys, _, _, binder = GG._gemm_kernel.device_caches[0]
 _, spec, options = binder(*args, **kwargs, debug=False, instrumentation_mode="")
 cache[compute_cache_key(keys, spec, options)] = Kernel()

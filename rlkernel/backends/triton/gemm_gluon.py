@@ -369,8 +369,10 @@ def unsupported_reason(a, w, tile: Tile, out_dtype=None, out=None) -> str | None
 
 def self_check(device, tile: Tile) -> str | None:
     """At first use of `tile` on a device: a GEMM of 300 rows, K = 4,096, three tiles' columns less 40 (partial tiles
-    in M and in N; bf16, fixed seed) through this kernel and through the Triton kernel (gemm.matmul with the same segments); None
-    when the outputs are bit-equal, else the reason this tile stays off (logged once). ~1 ms after the compiles."""
+    in M and in N; bf16, fixed seed) through this kernel — launched as in production and again with two programs
+    walking all of them (9 or 15 tiles: the persistent walk's step counter and stage phases across tiles) — and
+    through the Triton kernel (gemm.matmul with the same segments); None when all three are bit-equal, else the
+    reason this tile stays off (logged once). ~1 ms after the compiles."""
     import logging
 
     import torch
@@ -383,6 +385,7 @@ def self_check(device, tile: Tile) -> str | None:
     w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(device=device, dtype=torch.bfloat16)
     try:
         y = launch(a, w, tile)
+        y2 = launch(a, w, tile, programs=2)
         _CHECKING.append(True)
         try:
             ref = gemm.matmul(a, w, k_segments=tile.segs, schedule="scratch" if tile.segs > 1 else None)
@@ -392,14 +395,17 @@ def self_check(device, tile: Tile) -> str | None:
         why = f"first-use check failed to run: {type(e).__name__}: {str(e)[:200]}"
     else:
         n = int((y.view(torch.int16) != ref.view(torch.int16)).sum())  # bit patterns
-        why = None if n == 0 else f"first-use check: {n} of {y.numel()} values differ from the Triton kernel's"
+        n2 = int((y2.view(torch.int16) != ref.view(torch.int16)).sum())
+        why = (None if n == n2 == 0 else f"first-use check: {n} of {y.numel()} values differ from the Triton kernel's "
+               f"({n2} with two programs walking the tiles)")
     if why is not None:
         logging.getLogger(__name__).warning("rlkernel: the Gluon GEMM tile %s is off on %s: %s", tile.name, device, why)
     return why
 
 
-def _launch_args(a, w, tile: Tile, out):
-    """(grid, args, kwargs) of one launch of `tile` for a [M, K] @ w [N, K]^T into out."""
+def _launch_args(a, w, tile: Tile, out, programs: int | None = None):
+    """(grid, args, kwargs) of one launch of `tile` for a [M, K] @ w [N, K]^T into out; `programs` (the first-use
+    check) sets how many programs walk the tiles."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     M, K = a.shape
@@ -409,13 +415,13 @@ def _launch_args(a, w, tile: Tile, out):
     w1 = TensorDescriptor(w, [N, K], [w.stride(0), 1], [tile.bn1, BK], _layout(tile.bn1))
     w2 = w1 if n2 == tile.bn1 else TensorDescriptor(w, [N, K], [w.stride(0), 1], [n2, BK], _layout(n2))
     tiles = -(-M // tile.bm) * -(-N // tile.bn)
-    grid = min(tiles, _sms(a.device)) if tile.persistent else tiles
+    grid = programs or (min(tiles, _sms(a.device)) if tile.persistent else tiles)
     return ((grid,), (a_desc, w1, w2, out, M, N, K, out.stride(0), grid),
             dict(BM=tile.bm, BN1=tile.bn1, BN2=tile.bn2, BK=BK, STAGES=tile.stages, SEGS=tile.segs,
                  GROUP_M=tile.group_m, num_warps=tile.warps))
 
 
-def launch(a, w, tile: Tile, out=None):
+def launch(a, w, tile: Tile, out=None, programs: int | None = None):
     """a [M, K] @ w [N, K]^T -> out [M, N] bf16 through `tile` (call it where `choose` returned the tile), through
     launch.py's fast path (the compiled kernel Triton's own launch would run, less host time: session 28 measured the
     harness's do_bench at M = 256 host-bound on Triton's own launch of this kernel)."""
@@ -423,7 +429,7 @@ def launch(a, w, tile: Tile, out=None):
 
     if out is None:
         out = torch.empty((a.shape[0], w.shape[0]), device=a.device, dtype=a.dtype)
-    grid, args, kwargs = _launch_args(a, w, tile, out)
+    grid, args, kwargs = _launch_args(a, w, tile, out, programs)
     _LAUNCHES[0] += 1
     _gemm_fast[grid](*args, **kwargs)
     return out
