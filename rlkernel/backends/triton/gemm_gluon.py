@@ -55,7 +55,8 @@ try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API i
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-    from .tile import _tile_coords  # a @triton.jit function: Gluon inlines it
+    from .ksegments import _tree4  # @triton.jit functions: Gluon inlines them
+    from .tile import _tile_coords
     _IMPORT_ERROR = None
 except Exception as e:  # noqa: BLE001
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
@@ -172,20 +173,6 @@ if _IMPORT_ERROR is None:
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @gluon.jit
-    def _fold(lo, hi, acc, sg: gl.constexpr):
-        """Segment sg's partial `acc` joins the balanced tree ((s0 + s1) + (s2 + s3)) as it ends (ksegments._k_stream's
-        order): s0; s0 + s1; s2; (s0 + s1) + (s2 + s3). Returns (lo, hi)."""
-        if sg == 0:
-            lo = acc
-        elif sg == 1:
-            lo = lo + acc
-        elif sg == 2:
-            hi = acc
-        else:
-            lo = lo + (hi + acc)
-        return lo, hi
-
-    @gluon.jit
     def _k_step(bufs_a, bufs_w1, bufs_w2, ready, empty, gi, release, acc, acc2, BN2: gl.constexpr):
         """K step gi: wait for its stage, its wgmma onto acc (and acc2 where BN2 > 0; else acc2 comes back as given),
         then at most this step's wgmmas in flight, so step gi - 1's stage is released (where `release`)."""
@@ -251,7 +238,7 @@ if _IMPORT_ERROR is None:
                         i = sg * seg_steps + j
                         acc, _ = _k_step(bufs_a, bufs_w1, bufs_w2, ready, empty, g + i, i > 0, acc, acc, BN2)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # segment sg ended: into the tree
-                    lo, hi = _fold(lo, hi, acc, sg)
+                    lo, hi = _tree4(lo, hi, acc, sg)  # segment sg ended: into the tree
                 _store(c_ptr, lo, off_m, off_n, M, N, stride_cm, BM, BN1, l1)
             else:
                 acc = gl.zeros((BM, BN1), gl.float32, l1)

@@ -57,6 +57,22 @@ def _k_segments(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
 
 
 @triton.jit
+def _tree4(lo, hi, part, s):
+    """Segment s's partial joins the balanced 4-leaf tree ((s0 + s1) + (s2 + s3)) as it ends: s0; s0 + s1; s2;
+    (s0 + s1) + (s2 + s3). Returns (lo, hi). `_k_stream` folds through it with s at run time, gemm_gluon's
+    warp-specialised consumer with s a constexpr (Gluon inlines @triton.jit functions)."""
+    if s == 0:
+        lo = part
+    elif s == 1:
+        lo = lo + part
+    elif s == 2:
+        hi = part
+    else:
+        lo = lo + (hi + part)
+    return lo, hi
+
+
+@triton.jit
 def _k_stream(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               TMA: tl.constexpr, B_NK: tl.constexpr, IEEE: tl.constexpr, SEGS: tl.constexpr):
@@ -95,14 +111,7 @@ def _k_stream(a_src, b_src, off_m, off_n, M, N, K, sam, sak, sbn, sbk,
                 else:
                     lo = lo + part
             else:
-                if s == 0:
-                    lo = part
-                elif s == 1:
-                    lo = lo + part
-                elif s == 2:
-                    hi = part
-                else:
-                    lo = lo + (hi + part)
+                lo, hi = _tree4(lo, hi, part, s)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     return lo
 
