@@ -41,13 +41,13 @@ import triton  # noqa: E402
 
 from rlkernel.backends.triton import gemm_gluon as GG  # noqa: E402
 
-# name -> the library's Tile (rlkernel/backends/triton/gemm_gluon.py: the kernel these rows time). Session 28 call 2
-# also timed a variant loading A into registers once for both accumulators (`_areg`): other bits, no faster — dropped
-# (its records: benchmarks/h200_session28/call2); call 2 ran this script's own copy of the kernel (ed941ed).
 def _t(name, *a, **k):
     return GG.Tile(name, *a, **k)
 
 
+# name -> the library's Tile (rlkernel/backends/triton/gemm_gluon.py: the kernel these rows time). Session 28 call 2
+# also timed a variant loading A into registers once for both accumulators (`_areg`): other bits, no faster — dropped
+# (its records: benchmarks/h200_session28/call2); call 2 ran this script's own copy of the kernel (ed941ed).
 TILES = {t.name: t for t in (
     GG.ONE_WAVE, GG.TWO_WAVES, GG.SEG_64x128, GG.SEG_128x128,  # the library's (64x192_s6, 128x192_s5, ...)
     _t("128x96", 128, 64, 32, 5, 1, 8), _t("128x96_s4", 128, 64, 32, 4, 1, 8), _t("128x96_s6", 128, 64, 32, 6, 1, 8),
@@ -144,11 +144,8 @@ def main(argv=None) -> int:
                     lib_sched = ops.segment_schedule(M, N, K, segs) if segs > 1 else None
 
                     def strict(i, a=a, sched=sched, segs=segs):  # the Triton kernel: the reference bits and time
-                        GG._ENABLED = False
-                        try:
+                        with GG.off():
                             return gemm.matmul(a, ws[i], k_segments=segs, schedule=sched)
-                        finally:
-                            GG._ENABLED = True
 
                     def library(i, a=a, segs=segs, lib_sched=lib_sched):
                         return gemm.matmul(a, ws[i], k_segments=segs, schedule=lib_sched)
@@ -159,11 +156,8 @@ def main(argv=None) -> int:
                     timers = {"cublas": lambda i, a=a: torch.nn.functional.linear(a, ws[i]), "strict": strict}
                     if segs > 1:  # the unsegmented strict GEMM: what the segments cost
                         def plain(i, a=a):
-                            GG._ENABLED = False
-                            try:
+                            with GG.off():
                                 return gemm.matmul(a, ws[i])
-                            finally:
-                                GG._ENABLED = True
                         timers["strict_plain"] = plain
                     # the library as shipped: gemm.matmul with ops.segment_schedule's pick (a Gluon tile where
                     # gemm_gluon.pick names one, after its first-use check)

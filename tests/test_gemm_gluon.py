@@ -108,11 +108,8 @@ def test_choose_and_its_reasons_on_what_it_was_not_checked_on():
         assert GG.unsupported_reason(a, w, GG.ONE_WAVE) == "first-use check running (its Triton side)"
     finally:
         GG._CHECKING.clear()
-    GG._ENABLED = False
-    try:
+    with GG.off():
         assert GG.unsupported_reason(a, w, GG.ONE_WAVE) == f"{GG.ENV}=0" and GG.describe() == f"off ({GG.ENV}=0)"
-    finally:
-        GG._ENABLED = True
     saved = dict(GG._CHECKED)
     GG._CHECKED.update({(0, "128x96"): None, (0, "seg4_64x128"): "first-use check: 3 of 1152 values differ"})
     try:  # provenance names each check's outcome
@@ -215,11 +212,8 @@ def test_gluon_gemm_fast_path_runs_tritons_kernel_and_the_contracts_bits():
         if GG.choose(a, w, segs, None, None) != tile:
             pytest.skip(f"the library does not take {tile.name} here: {GG.unsupported_reason(a, w, tile)}")
         y = gemm.matmul(a, w, k_segments=segs, schedule="warpspec" if segs > 1 else None)
-        GG._ENABLED = False
-        try:
+        with GG.off():
             ref = gemm.matmul(a, w, k_segments=segs, schedule="scratch" if segs > 1 else None)
-        finally:
-            GG._ENABLED = True
         assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), tile.name
         out = torch.empty_like(y)
         assert GG.verify(a, w, tile, out) == {"fast_path": True, "cached": True, "same_kernel": True}, tile.name

@@ -24,9 +24,9 @@ benchmarks/h200_session28-29): qkv M = 256 64 x 192 (6 stages) 0.91-0.93x cuBLAS
 Triton kernel 0.68-0.69x; 128 x 96 0.79-0.82x); 128 x 192 (5 stages) qkv M = 512 / 1,024 0.86-0.90 / 0.88-0.96x,
 gate_up M = 256 0.88-0.91x; 4 segments: o / down M = 256 64 x 128 0.95 / 0.88x (scratch 0.67 / 0.76x), from M = 512
 128 x 128 persistent 0.84 / 0.87-0.91x, M = 1,024 0.79-0.82 / 0.85-0.88x, M = 4,096 0.86-0.87 / 0.90x, M = 16,384
-0.89 / 0.92x (scratch 0.57-0.65 / 0.76-0.79x); lm_head M = 256 128 x 256 persistent 0.93x (the Triton table 0.86-0.88x).
-Where the rule below does not pick a tile (M <= 128, other widths,
-more tiles than about two waves, K below 4,096) the Triton kernel runs: nothing else was measured.
+0.89 / 0.92x (scratch 0.57-0.65 / 0.76-0.79x); lm_head M = 256 128 x 256 persistent 0.93x (the Triton table
+0.86-0.88x). Where the rule below does not pick a tile (M <= 128, other widths, more tiles than about two waves, K
+below 4,096) the Triton kernel runs: nothing else was measured.
 
 Used by `gemm.matmul` (a weight [N, K], the contract's tiles: config None, bf16 in and out, TMA-loadable operands)
 where `pick` names a tile and `unsupported_reason` is None: sm_90, Triton 3.6, and a first-use check per device and
@@ -36,6 +36,7 @@ kernel there, logged). `RLKERNEL_GEMM_GLUON=0` keeps the Triton kernel everywher
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .gluon_checks import arch_reason, describe_checks, first_use, gate_reason
@@ -126,30 +127,27 @@ if _IMPORT_ERROR is None:
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
 
     @gluon.jit
-    def _coords(t, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-        """Tile t's (M tile, N tile): GROUP_M 0 walks M tiles fastest (a 2-D grid's order), else groups of GROUP_M
-        M tiles across every N tile (the Triton kernels' walk, tile._tile_coords). The walk decides which tiles share
-        L2, never a bit."""
+    def _origin(t, num_pid_m, num_pid_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+        """Tile t's first row and column: GROUP_M 0 walks M tiles fastest (a 2-D grid's order), else groups of
+        GROUP_M M tiles across every N tile (the Triton kernels' walk, tile._tile_coords). The walk decides which
+        tiles share L2, never a bit."""
         if GROUP_M == 0:
             pm = t % num_pid_m
             pn = t // num_pid_m
         else:
             pm, pn = _tile_coords(t, num_pid_m, num_pid_n, GROUP_M)
-        return pm, pn
+        return pm * BM, pn * BN
 
     @gluon.jit
-    def _producer(a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, M, N, k_steps, step,
-                  BM: gl.constexpr, BK: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, GROUP_M: gl.constexpr):
+    def _producer(a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n, k_steps,
+                  step, BM: gl.constexpr, BK: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr,
+                  GROUP_M: gl.constexpr):
         """One warp: every step of this program's tiles (A box, W boxes of BN1 rows then BN2) into stage g % S (g:
         the program's step count over its tiles) once the consumer freed it."""
         S: gl.constexpr = bufs_a.type.shape[0]
-        num_pid_m = gl.cdiv(M, BM)
-        num_pid_n = gl.cdiv(N, BN1 + BN2)  # a last partial N tile: TMA fills zeros past N, the store masks
         g = 0
         for t in range(gl.program_id(0), num_pid_m * num_pid_n, step):
-            pm, pn = _coords(t, num_pid_m, num_pid_n, GROUP_M)
-            off_m = pm * BM
-            off_n = pn * (BN1 + BN2)
+            off_m, off_n = _origin(t, num_pid_m, num_pid_n, BM, BN1 + BN2, GROUP_M)
             for i in range(k_steps):
                 gi = g + i
                 s = gi % S
@@ -189,8 +187,8 @@ if _IMPORT_ERROR is None:
         return acc, acc2
 
     @gluon.jit
-    def _consumer(bufs_a, bufs_w1, bufs_w2, lo_smem, lo2_smem, ready, empty, k_steps, step, c_ptr, M, N, stride_cm,
-                  BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, SEGS: gl.constexpr, GROUP_M: gl.constexpr,
+    def _consumer(bufs_a, bufs_w1, bufs_w2, lo_smem, lo2_smem, ready, empty, num_pid_m, num_pid_n, k_steps, step,
+                  c_ptr, M, N, stride_cm, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, SEGS: gl.constexpr, GROUP_M: gl.constexpr,
                   l1: gl.constexpr, l2: gl.constexpr):
         """Per tile of this program: acc (+ acc2) += A_k @ W_k^T, one wgmma chain per accumulator, K in order, one
         step in flight; SEGS > 1: each of SEGS equal K segments from zero, folded into the balanced tree as it ends.
@@ -198,14 +196,10 @@ if _IMPORT_ERROR is None:
         and spills 512 bytes at 64 x 128 and 128 x 128 — so does peeling a segment's first step without the overlap;
         and nothing to win: the same tile unsegmented, with no drains at all, ran no faster (call 2). Not kept.)"""
         S: gl.constexpr = bufs_a.type.shape[0]
-        num_pid_m = gl.cdiv(M, BM)
-        num_pid_n = gl.cdiv(N, BN1 + BN2)  # a last partial N tile: TMA fills zeros past N, the store masks
         seg_steps = k_steps // SEGS
         g = 0
         for t in range(gl.program_id(0), num_pid_m * num_pid_n, step):
-            pm, pn = _coords(t, num_pid_m, num_pid_n, GROUP_M)
-            off_m = pm * BM
-            off_n = pn * (BN1 + BN2)
+            off_m, off_n = _origin(t, num_pid_m, num_pid_n, BM, BN1 + BN2, GROUP_M)
             if SEGS > 1 and BN2 > 0:  # two accumulators: s0, then s0 + s1, wait in shared memory (fp32, each
                 # thread reads back the elements it wrote): three live pairs of 96 columns would not fit in registers
                 for sg in gl.static_range(SEGS):
@@ -237,7 +231,7 @@ if _IMPORT_ERROR is None:
                     for j in range(seg_steps):
                         i = sg * seg_steps + j
                         acc, _ = _k_step(bufs_a, bufs_w1, bufs_w2, ready, empty, g + i, i > 0, acc, acc, BN2)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # segment sg ended: into the tree
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                     lo, hi = _tree4(lo, hi, acc, sg)  # segment sg ended: into the tree
                 _store(c_ptr, lo, off_m, off_n, M, N, stride_cm, BM, BN1, l1)
             else:
@@ -261,7 +255,7 @@ if _IMPORT_ERROR is None:
                      BN1: gl.constexpr, BN2: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                      SEGS: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
         """C = A [M, K] @ W [N, K]^T in tiles of [BM, BN1 + BN2]: program p takes tiles p, p + step, ... in the walk
-        `_coords` names (step = the tile count: one tile a program; = the grid: persistent)."""
+        `_origin` names (step = the tile count: one tile a program; = the grid: persistent)."""
         l1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BN1, 16])
         l2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -285,11 +279,13 @@ if _IMPORT_ERROR is None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         k_steps = gl.cdiv(K, BK)
+        num_pid_m = gl.cdiv(M, BM)
+        num_pid_n = gl.cdiv(N, BN1 + BN2)  # a last partial N tile: TMA fills zeros past N, the store masks
         gl.warp_specialize([
-            (_consumer, (bufs_a, bufs_w1, bufs_w2, lo_smem, lo2_smem, ready, empty, k_steps, step, c_ptr, M, N,
-                         stride_cm, BM, BN1, BN2, SEGS, GROUP_M, l1, l2)),
-            (_producer, (a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, M, N, k_steps, step, BM,
-                         BK, BN1, BN2, GROUP_M)),
+            (_consumer, (bufs_a, bufs_w1, bufs_w2, lo_smem, lo2_smem, ready, empty, num_pid_m, num_pid_n, k_steps,
+                         step, c_ptr, M, N, stride_cm, BM, BN1, BN2, SEGS, GROUP_M, l1, l2)),
+            (_producer, (a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n,
+                         k_steps, step, BM, BK, BN1, BN2, GROUP_M)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
 
     _gemm_fast = fast(_gemm_kernel)  # launch.py's fast path: Triton's own run at a key's first call, then its kernel
@@ -301,6 +297,18 @@ _SMS: dict = {}  # device index -> SM count
 _CHECKED: dict = {}  # (device index, tile name) -> None (bit-equal to the Triton kernel) or why this tile is off there
 _CHECKING: list = []  # non-empty while a first-use check runs its Triton side
 _LAUNCHES = [0]  # this kernel's launches in this process
+
+
+@contextmanager
+def off():
+    """Within: the strict GEMM runs the Triton kernel everywhere in this process (as RLKERNEL_GEMM_GLUON=0 does) —
+    the reference side of the benchmarks and tests that compare the two."""
+    global _ENABLED
+    saved, _ENABLED = _ENABLED, False
+    try:
+        yield
+    finally:
+        _ENABLED = saved
 
 
 def _layout(rows: int):
