@@ -179,11 +179,8 @@ def log(*a):
 
 def _triton_kernel(fn):
     """fn() with attention_varlen on the Triton kernel (RLKERNEL_ATTENTION_GLUON=0 within the call): the reference."""
-    AG._ENABLED = False
-    try:
+    with AG.off():
         return fn()
-    finally:
-        AG._ENABLED = True
 
 
 def _smi() -> dict:

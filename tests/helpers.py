@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 
@@ -158,6 +159,30 @@ def last_json(stdout: str):
             except ValueError:
                 continue
     raise AssertionError(f"no JSON line in the child's stdout: {stdout[-2000:]!r}")
+
+
+def wgmma_scale_d_not_always_on(ptx: str) -> list[str]:
+    """The wgmma instructions of `ptx` whose scale-d operand (D = A.B + scale-d * D) is not a predicate fixed to true:
+    a chain started with scale-d = 0 (Triton's accumulator-init rewrite, Gluon's `use_acc=False`) sums its first
+    products without the zeroed accumulator, so a chain of all -0 products ends at -0 where the GEMM contract's
+    chain "from +0.0" (and the CPU kernels) gives +0. Empty when every chain adds onto its zero-initialised
+    accumulator. Asserts the PTX has wgmma at all."""
+    lines = ptx.splitlines()
+    always = {m.group(1) for m in re.finditer(r"mov\.pred\s+(%p\d+),\s*-1;", ptx)}
+    written = {}
+    for line in lines:  # a predicate written anywhere else (setp, another mov) is not fixed
+        m = re.match(r"\s*(?:@!?%p\d+\s+)?(?:setp|mov\.pred|and\.pred|or\.pred|not\.pred)\S*\s+(%p\d+)", line)
+        if m:
+            written[m.group(1)] = written.get(m.group(1), 0) + 1
+    mmas = [line.strip() for line in lines if "wgmma.mma_async" in line]
+    assert mmas, "no wgmma in this PTX"
+    bad = []
+    for line in mmas:
+        ops = [o.strip() for o in line.rstrip(";").split("}")[-1].split(",")]
+        pred = ops[3]  # }, desc_a, desc_b, scale-d, imm-scale-a, imm-scale-b, imm-trans-a, imm-trans-b
+        if pred != "1" and not (pred in always and written.get(pred) == 1):
+            bad.append(line)
+    return bad
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from rlkernel.backends.triton import gemm_gluon as GG  # noqa: E402
-from helpers import STUB_SM90_DRIVER  # noqa: E402
+from helpers import STUB_SM90_DRIVER, wgmma_scale_d_not_always_on  # noqa: E402
 
 QKV, O, GATE_UP, DOWN, LM_HEAD = (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 151936)  # (K, N)
 
@@ -75,7 +75,8 @@ def test_every_tile_compiles_for_sm90_as_claimed(tile):
     """Each accumulator one wgmma chain of its own width (64 + 32, 128 + 64, 128), A and W through TMA, the producer
     warp's register hand-over, no spills and no wgmma serialised for want of registers (ptxas C7512); the segment
     tree is exactly its three fp32 adds ((s0 + s1) + (s2 + s3)) and nothing else touches the accumulators' values
-    (no multiply, no fma: the products reach the sum only through the wgmma chain)."""
+    (no multiply, no fma: the products reach the sum only through the wgmma chain); every wgmma adds onto the
+    accumulator (scale-d fixed true), which starts at +0."""
     pytest.importorskip("triton.experimental.gluon")
     if GG._IMPORT_ERROR is not None:
         pytest.skip(GG._IMPORT_ERROR)
@@ -89,6 +90,11 @@ def test_every_tile_compiles_for_sm90_as_claimed(tile):
     adds = len(re.findall(r"= arith\.addf %\S+, %\S+ : tensor<\d+x\d+xf32", ttgir))
     assert adds == (3 * (2 if tile.bn2 else 1) if tile.segs == 4 else 0), adds  # the tree's adds per accumulator
     assert not re.search(r"= (arith\.mulf|math\.fma) .*tensor<\d+x\d+xf32", ttgir)
+    # every chain adds onto its zeroed accumulator (the contract's "from +0.0", as the Triton kernel: an all -0 chain
+    # gives +0); the control: the same PTX with that predicate computed is caught
+    assert not wgmma_scale_d_not_always_on(ptx)
+    fixed = re.search(r"mov\.pred\s+(%p\d+),\s*-1;", ptx)
+    assert wgmma_scale_d_not_always_on(ptx.replace(fixed.group(0), f"setp.eq.s32 {fixed.group(1)}, %r1, 0;"))
 
 
 def test_choose_and_its_reasons_on_what_it_was_not_checked_on():
@@ -240,3 +246,31 @@ def test_the_gluon_kernels_first_use_bookkeeping():
     text = GC.describe_checks(cache, lambda k: k[1])
     assert text == "; first-use checks: cuda:0 t: first-use check: 2 values differ; cuda:0 u: bit-equal to Triton"
     assert GC.describe_checks({}, str) == ""
+
+
+def test_descriptors_built_without_the_constructor_are_the_constructors():
+    """gluon_checks.descriptor (gemm_gluon's and attention_gluon's launches) skips TensorDescriptor's __post_init__
+    (host time a launch; scripts/bench_gluon_host.py):
+    for every tile's operands it gives the object the constructor gives (the dataclass, field for field), and on a
+    Triton whose TensorDescriptor has other fields it calls the constructor."""
+    pytest.importorskip("triton.experimental.gluon")
+    if GG._IMPORT_ERROR is not None:
+        pytest.skip(GG._IMPORT_ERROR)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from rlkernel.backends.triton import gluon_checks as GC
+
+    a = torch.zeros(300, 4096, dtype=torch.bfloat16)
+    w = torch.zeros(6144, 4096, dtype=torch.bfloat16)[:, :4096]
+    for tile in GG.TILES:
+        for t, rows in ((a, tile.bm), (w, tile.bn1), (w, tile.bn2 or tile.bn1)):
+            want = TensorDescriptor(t, [t.shape[0], 4096], [t.stride(0), 1], [rows, GG.BK], GG._layout(rows))
+            got = GG._descriptor(t, t.shape[0], 4096, rows)
+            assert type(got) is TensorDescriptor and got == want and got.base is t, (tile.name, got, want)
+    assert GC._TD[1] is True  # Triton 3.6's fields: the constructor is skipped here
+    saved, GC._TD[1] = GC._TD[1], False
+    try:
+        with pytest.raises(AssertionError, match="16-byte aligned"):  # the constructor (and its checks) again
+            GG._descriptor(torch.zeros(8, 4097, dtype=torch.bfloat16), 8, 4097, 64)
+    finally:
+        GC._TD[1] = saved

@@ -17,6 +17,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from rlkernel.backends.triton import gemm  # noqa: E402
+from helpers import wgmma_scale_d_not_always_on  # noqa: E402
 
 
 def _compile(fn, signature: dict, constexprs: dict, asm: str = "ttir", **options) -> str:
@@ -109,7 +110,8 @@ def test_every_k_segment_of_the_registers_schedule_starts_from_zero(schedule, dt
 def test_a_two_accumulator_tile_lowers_to_wgmma_of_both_widths(tma, block_m, block_n, block_n2, warps):
     """A two-accumulator tile (TileConfig.block_n2: 96 = 64 + 32 or 192 = 128 + 64 columns) is two wgmma chains, one
     per accumulator width, each element's k16 steps in K order: the contract's bits, which hold for every wgmma tile
-    (contracts/gpu.py). Lowered to mma.sync instead (another order) it would be another contract: checked on the PTX."""
+    (contracts/gpu.py). Lowered to mma.sync instead (another order) it would be another contract: checked on the PTX;
+    every wgmma adds onto its accumulator (scale-d fixed true), which starts at +0 (the contract: "from +0.0")."""
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, NUM_PROGS=132, TMA=tma, B_NK=True,
                  IEEE=False, SEGS=1, SPLIT=False, K_FIXED=0, STREAM=False, FIXUP=False, BLOCK_N2=block_n2,
                  SCRATCH=False, SLOTS=0, SLICED=False)
@@ -117,6 +119,7 @@ def test_a_two_accumulator_tile_lowers_to_wgmma_of_both_widths(tma, block_m, blo
     shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
     assert shapes == {str(block_n), str(block_n2)}, shapes
     assert "mma.sync.aligned" not in ptx.replace("wgmma.mma_async.sync.aligned", "")
+    assert not wgmma_scale_d_not_always_on(ptx)  # each chain from the zeroed accumulator, +0 (as the Gluon tiles)
 
 
 _ATTN_ARGS = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "bt_ptr", "qs_ptr", "ql_ptr", "kl_ptr", "ks_ptr", "po_ptr", "pml_ptr",
@@ -266,11 +269,8 @@ def test_gluon_prefill_is_chosen_only_where_it_was_measured():
         assert why() == "first-use check running (its Triton side)"
     finally:
         AG._CHECKING.clear()
-    AG._ENABLED = False
-    try:
+    with AG.off():
         assert why() == f"{AG.ENV}=0" and AG.describe() == f"off ({AG.ENV}=0)"
-    finally:
-        AG._ENABLED = True
     assert AG.describe().startswith("on where supported")
     saved = dict(AG._CHECKED)
     AG._CHECKED.update({(0, 4): None, (0, 2): "first-use check: 3 values differ from the Triton kernel's"})

@@ -35,7 +35,7 @@ Host time (small batches wait for the host): `launch` goes through launch.py's f
 key's first call through Triton's own `JITFunction.run` (compiling), later calls the CompiledKernel it returned
 (`verify` checks it is the one Triton's own launch picks; RLKERNEL_TRITON_FAST_LAUNCH=0 or a launch hook takes
 Triton's own path every call) — and the K / V tiles' shared layout is made once (`kv_layout`). Left per call, this
-kernel's own: two TensorDescriptors (Triton's checks) and, in Triton's launcher, their two tensor maps encoded on the
+kernel's own: two TensorDescriptors (without the constructor's checks: gluon_checks.descriptor) and, in Triton's launcher, their two tensor maps encoded on the
 host (the Triton kernel makes its descriptors on the device). Host time per call on the H200 (16 x 256 tokens, after
 session 28, `gpu_gluon_attn.py` host_us): the library call 113 us (135 as session 28 launched it, a fresh layout and
 Triton's own run every call; 93 on the Triton kernel), `launch` alone 37 us (46 through Triton's own run).
@@ -43,12 +43,20 @@ Triton's own run every call; 93 on the Triton kernel), `launch` alone 37 us (46 
 from __future__ import annotations
 
 import os
+import sys
 
-from .gluon_checks import arch_reason, describe_checks, first_use, gate_reason
+from .gluon_checks import arch_reason, describe_checks, descriptor, first_use, gate_reason, switched_off
 from .launch import fast
 
 ENV = "RLKERNEL_ATTENTION_GLUON"
 _ENABLED = os.environ.get(ENV, "1") != "0"
+
+
+def off():
+    """Within: attention_varlen runs the Triton kernel everywhere in this process (as RLKERNEL_ATTENTION_GLUON=0 does)
+    — the reference side of the benchmarks and tests that compare the two."""
+    return switched_off(sys.modules[__name__])
+
 STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's spread of each other; 2 stages 0.6x)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
@@ -60,7 +68,7 @@ try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API i
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401 (gluon_checks.descriptor's)
     _IMPORT_ERROR = None
 except Exception as e:  # noqa: BLE001
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
@@ -339,8 +347,8 @@ def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale,
     lay = kv_layout(cfg.block_n, d)
     shape, strides, block = [rows, hkv * d], [skt, 1], [cfg.block_n, d]
     n_pairs = -(-n_tiles // 2)
-    args = (q, out, lse if lse is not None else out, TensorDescriptor(k, shape, strides, block, lay),
-            TensorDescriptor(v, shape, strides, block, lay), q_start, q_len, kv_len, kv_start, q.stride(0), q.stride(1),
+    args = (q, out, lse if lse is not None else out, descriptor(k, shape, strides, block, lay),
+            descriptor(v, shape, strides, block, lay), q_start, q_len, kv_len, kv_start, q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs)
     kwargs = dict(G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
                   SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull,

@@ -36,10 +36,10 @@ kernel there, logged). `RLKERNEL_GEMM_GLUON=0` keeps the Triton kernel everywher
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+import sys
 from dataclasses import dataclass
 
-from .gluon_checks import arch_reason, describe_checks, first_use, gate_reason
+from .gluon_checks import arch_reason, describe_checks, descriptor, first_use, gate_reason, switched_off
 from .launch import fast
 
 ENV = "RLKERNEL_GEMM_GLUON"
@@ -299,16 +299,10 @@ _CHECKING: list = []  # non-empty while a first-use check runs its Triton side
 _LAUNCHES = [0]  # this kernel's launches in this process
 
 
-@contextmanager
 def off():
     """Within: the strict GEMM runs the Triton kernel everywhere in this process (as RLKERNEL_GEMM_GLUON=0 does) —
     the reference side of the benchmarks and tests that compare the two."""
-    global _ENABLED
-    saved, _ENABLED = _ENABLED, False
-    try:
-        yield
-    finally:
-        _ENABLED = saved
+    return switched_off(sys.modules[__name__])
 
 
 def _layout(rows: int):
@@ -362,12 +356,16 @@ def unsupported_reason(a, w, tile: Tile, out_dtype=None, out=None) -> str | None
     return first_use(_CHECKED, (dev, tile.name), lambda: self_check(a.device, tile))
 
 
+ZERO_ROW, ZERO_COL = 7, 5  # the first-use check's all -0 product chain
+
+
 def self_check(device, tile: Tile) -> str | None:
     """At first use of `tile` on a device: a GEMM of 300 rows, K = 4,096, three tiles' columns less 40 (partial tiles
     in M and in N; bf16, fixed seed) through this kernel — launched as in production and again with two programs
     walking all of them (9 or 15 tiles: the persistent walk's step counter and stage phases across tiles) — and
-    through the Triton kernel (gemm.matmul with the same segments); None when all three are bit-equal, else the
-    reason this tile stays off (logged once). ~1 ms after the compiles."""
+    through the Triton kernel (gemm.matmul with the same segments); None when all three are bit-equal and the one
+    output whose products are all -0 (a zero row against a negative column) is +0, else the reason this tile stays
+    off (logged once). ~1 ms after the compiles."""
     import logging
 
     import torch
@@ -376,8 +374,11 @@ def self_check(device, tile: Tile) -> str | None:
 
     gen = torch.Generator(device="cpu").manual_seed(28)
     M, K, N = 300, MIN_K, 3 * tile.bn - 40  # a partial M tile and a partial N tile
-    a = torch.randn(M, K, generator=gen).to(device=device, dtype=torch.bfloat16)
-    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(device=device, dtype=torch.bfloat16)
+    a = torch.randn(M, K, generator=gen)
+    w = torch.randn(N, K, generator=gen) / K ** 0.5
+    a[ZERO_ROW] = 0.0  # against a column of negatives: every product -0; the contract's chain from +0.0 gives +0
+    w[ZERO_COL] = -w[ZERO_COL].abs() - 1e-3  # (a chain begun without its zeroed accumulator would give -0)
+    a, w = a.to(device=device, dtype=torch.bfloat16), w.to(device=device, dtype=torch.bfloat16)
     try:
         y = launch(a, w, tile)
         y2 = launch(a, w, tile, programs=2)
@@ -391,24 +392,30 @@ def self_check(device, tile: Tile) -> str | None:
     else:
         n = int((y.view(torch.int16) != ref.view(torch.int16)).sum())  # bit patterns
         n2 = int((y2.view(torch.int16) != ref.view(torch.int16)).sum())
-        why = (None if n == n2 == 0 else f"first-use check: {n} of {y.numel()} values differ from the Triton kernel's "
-               f"({n2} with two programs walking the tiles)")
+        zero = int(y.view(torch.int16)[ZERO_ROW, ZERO_COL])
+        why = (None if n == n2 == 0 == zero else f"first-use check: {n} of {y.numel()} values differ from the Triton "
+               f"kernel's ({n2} with two programs walking the tiles); a chain of -0 products gave bits {zero:#06x} "
+               "(the contract: +0, 0x0000)")
     if why is not None:
         logging.getLogger(__name__).warning("rlkernel: the Gluon GEMM tile %s is off on %s: %s", tile.name, device, why)
     return why
 
 
+def _descriptor(t, rows: int, cols: int, block_rows: int):
+    """TensorDescriptor(t, [rows, cols], [t.stride(0), 1], [block_rows, BK], its layout) for a 2-D bf16 operand that
+    `choose` found loadable through TMA (`_aligned`), without the constructor's checks (gluon_checks.descriptor)."""
+    return descriptor(t, [rows, cols], [t.stride(0), 1], [block_rows, BK], _layout(block_rows))
+
+
 def _launch_args(a, w, tile: Tile, out, programs: int | None = None):
     """(grid, args, kwargs) of one launch of `tile` for a [M, K] @ w [N, K]^T into out; `programs` (the first-use
     check) sets how many programs walk the tiles."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     M, K = a.shape
     N = w.shape[0]
     n2 = tile.bn2 or tile.bn1
-    a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [tile.bm, BK], _layout(tile.bm))
-    w1 = TensorDescriptor(w, [N, K], [w.stride(0), 1], [tile.bn1, BK], _layout(tile.bn1))
-    w2 = w1 if n2 == tile.bn1 else TensorDescriptor(w, [N, K], [w.stride(0), 1], [n2, BK], _layout(n2))
+    a_desc = _descriptor(a, M, K, tile.bm)
+    w1 = _descriptor(w, N, K, tile.bn1)
+    w2 = w1 if n2 == tile.bn1 else _descriptor(w, N, K, n2)
     tiles = -(-M // tile.bm) * -(-N // tile.bn)
     grid = programs or (min(tiles, _sms(a.device)) if tile.persistent else tiles)
     return ((grid,), (a_desc, w1, w2, out, M, N, K, out.stride(0), grid),

@@ -1,8 +1,48 @@
 """What the Gluon kernels (attention_gluon, gemm_gluon) share about where they may serve: the device's architecture
 asked once per device, and the first-use check's bookkeeping — run once per key outside a CUDA-graph capture, its
 outcome (None: bit-equal to the Triton kernel; else the reason the kernel stays off there) kept for the process and
-named in provenance. Each kernel keeps its own caches (the dicts passed in); tests read and set them."""
+named in provenance. Each kernel keeps its own caches (the dicts passed in); tests read and set them. And their
+launches' host-side tensor descriptors (`descriptor`)."""
 from __future__ import annotations
+
+import contextlib
+
+_TD_FIELDS = ("base", "shape", "strides", "block_shape", "layout", "padding")  # Triton 3.6's TensorDescriptor
+_TD: list = []  # [the class, whether it has exactly _TD_FIELDS], once
+
+
+def descriptor(t, shape: list, strides: list, block: list, layout):
+    """TensorDescriptor(t, shape, strides, block, layout) for an operand its kernel's gate already found loadable
+    through TMA (16-byte aligned base and strides, last dim contiguous: gemm_gluon._aligned, attention._tma_ok),
+    built without the constructor's __post_init__ (~1.2 of its ~2.3 us of host time, two or three a launch; the
+    checks that remain — rank, block shape, layout type — hold for every descriptor these kernels make). The same
+    dataclass with the same field values (tests/test_gemm_gluon.py); a Triton whose TensorDescriptor has other fields
+    gets the constructor."""
+    if not _TD:
+        import dataclasses
+
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        _TD.extend((TensorDescriptor, tuple(f.name for f in dataclasses.fields(TensorDescriptor)) == _TD_FIELDS))
+    cls, plain = _TD
+    if not plain:
+        return cls(t, shape, strides, block, layout)
+    d = object.__new__(cls)
+    d.__dict__.update(base=t, shape=shape, strides=strides, block_shape=block, layout=layout, padding="zero")
+    return d
+
+
+@contextlib.contextmanager
+def switched_off(module, flag: str = "_ENABLED"):
+    """Within: `module.flag` is False (a kernel switched off in this process, as its environment variable does); the
+    process's setting comes back after, also on an exception. Behind gemm_gluon.off, attention_gluon.off and
+    attention.tma_off (the reference sides of the benchmarks and tests that compare two kernels' bits)."""
+    saved = getattr(module, flag)
+    setattr(module, flag, False)
+    try:
+        yield
+    finally:
+        setattr(module, flag, saved)
 
 
 def gate_reason(enabled: bool, env: str, import_error: str | None, tested: tuple, checking: list) -> str | None:
