@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from .contracts.base import Contract
+from .contracts.base import Contract, declared_arch, on_arch
 
 __all__ = [
     "OPS",
@@ -37,12 +37,15 @@ __all__ = [
     "current_policy",
     "register",
     "contract_for",
+    "effective_contract",
     "resolve",
     "Implementation",
     "record_provenance",
     "ProvenanceCounter",
     "tap",
     "tapped",
+    "note_kernel",
+    "kernel_notes",
     "register_fusion",
     "fusion",
     "call_fusion",
@@ -196,8 +199,10 @@ def resolve(op: str, device: torch.device, backend: str | None = None) -> Implem
 
 
 def contract_for(op: str, backend: str | None = None, device: str | torch.device = "cpu") -> Contract:
-    """The contract the current policy (or `backend`) would run `op` under."""
-    return resolve(op, torch.device(device), backend).contract
+    """The contract the current policy (or `backend`) would run `op` under (on a GPU of another architecture than a
+    GPU contract declares: `effective_contract`)."""
+    device = torch.device(device)
+    return effective_contract(resolve(op, device, backend).contract, device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,11 +232,35 @@ def record_provenance() -> Iterator[list]:
         _COLLECTOR.reset(token)
 
 
+_ARCH: dict = {}  # CUDA device index -> "sm_XY", asked once
+_EFFECTIVE: dict = {}  # (contract id, CUDA device index) -> effective_contract
+
+
+def _cuda_arch(device: torch.device) -> str:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _ARCH.get(index)
+    if arch is None:  # (golden.gpu_arch's name; golden sits above this layer: tests/test_layout.py)
+        major, minor = torch.cuda.get_device_capability(index)
+        arch = _ARCH[index] = f"sm_{major}{minor}"
+    return arch
+
+
+def effective_contract(c: Contract, device: torch.device) -> Contract:
+    """The contract a call on `device` ran under: `c`, or on a GPU of another architecture than `c` declares,
+    `contracts.base.on_arch(c, that architecture)` (what provenance records)."""
+    if device.type != "cuda" or declared_arch(c) is None or not torch.cuda.is_available():
+        return c  # (a machine without a GPU predicting a GPU run: the declared contract)
+    return on_arch(c, _cuda_arch(device))
+
+
 def _record(op: str, impl: Implementation, tensors: tuple) -> None:
     collectors = _COLLECTOR.get()
     if not collectors:
         return
     c, device = impl.contract, tensors[0].device.type
+    if device == "cuda":  # the contract on this GPU's architecture (one dict lookup a call)
+        key = (c.contract_id, tensors[0].device.index)
+        c = _EFFECTIVE.get(key) or _EFFECTIVE.setdefault(key, effective_contract(c, tensors[0].device))
     rec = None
     for sink in collectors:
         if isinstance(sink, dict):  # a ProvenanceCounter's counts: no per-call record is built
@@ -256,13 +285,41 @@ def call(op: str, backend: str | None, tensors: tuple, *args, **kwargs):
     """Resolve `op` for the device of its first tensor, record provenance, run it."""
     impl = resolve(op, tensors[0].device, backend)
     _record(op, impl, tensors)
-    out = impl.fn(*args, **kwargs)
-    for fn in _TAPS.get():
-        fn(op, impl, tensors, out)
+    taps = _TAPS.get()
+    if not taps:
+        return impl.fn(*args, **kwargs)
+    notes: list = []
+    token = _NOTES.set(notes)
+    try:
+        out = impl.fn(*args, **kwargs)
+    finally:
+        _NOTES.reset(token)
+    token = _OBSERVED.set(tuple(notes))
+    try:
+        for fn in taps:
+            fn(op, impl, tensors, out)
+    finally:
+        _OBSERVED.reset(token)
     return out
 
 
 _TAPS: contextvars.ContextVar[tuple] = contextvars.ContextVar("rlkernel_taps", default=())
+_NOTES: contextvars.ContextVar[list | None] = contextvars.ContextVar("rlkernel_kernel_notes", default=None)
+_OBSERVED: contextvars.ContextVar[tuple] = contextvars.ContextVar("rlkernel_observed_notes", default=())
+
+
+def note_kernel(text) -> None:
+    """A backend names the kernel it launched for this op call (a tile, a schedule, a Gluon kernel, a packed weight)
+    — for a `tap` observing the call (`vime diagnose`: which kernels each engine ran where they differ); nothing when
+    none observes. `text` may be a callable, called only then (no formatting on the hot path)."""
+    notes = _NOTES.get()
+    if notes is not None:
+        notes.append(text() if callable(text) else text)
+
+
+def kernel_notes() -> tuple:
+    """Inside a tap's callback: the kernels the observed op call's implementation named (`note_kernel`), in order."""
+    return _OBSERVED.get()
 
 
 @contextlib.contextmanager

@@ -256,9 +256,8 @@ def contracts(res, bench, log, dev="cuda", div=1):
         row = out[f"n{bn}_seg{sk}"] = {"block_n": bn, "seg_keys": sk}
         try:
             full = A.attention_varlen(q, k, v, cu, max_seqlen=max(lens), config=cfg)
-            A._TMA_ENABLED = False
-            ptr = A.attention_varlen(q, k, v, cu, max_seqlen=max(lens), config=cfg)
-            A._TMA_ENABLED = True
+            with A.tma_off():
+                ptr = A.attention_varlen(q, k, v, cu, max_seqlen=max(lens), config=cfg)
             row["tma_equal_pointer"] = bool(torch.equal(full, ptr))
             row["split_equal"] = bool(torch.equal(full, A.attention_varlen(q, k, v, cu, max_seqlen=max(lens), config=cfg,
                                                                            split=True)))
@@ -296,9 +295,8 @@ def contracts(res, bench, log, dev="cuda", div=1):
                 except Exception as e:
                     row[f"prefill_{cname}_{tname}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             if bn == 64 and sk == 512:
-                A._TMA_ENABLED = False
-                ts = bench(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L, config=cfg))
-                A._TMA_ENABLED = True
+                with A.tma_off():
+                    ts = bench(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L, config=cfg))
                 row[f"prefill_{cname}_m64w4_pointer_tflops"] = round(flops / ts / 1e9, 1)
             log("prefill", cname, bn, sk, {kk: vv for kk, vv in row.items() if kk.startswith(f"prefill_{cname}")})
         del q, k, v, qb, kb, vb

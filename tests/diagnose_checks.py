@@ -30,7 +30,10 @@ if __name__ == "__main__":
             f, why = res["first"], res["why"] or {}
             out[name] = {"site": f and f.site, "op": f and f.op, "inputs_equal": f and f.in_differ == 0, "cause": why.get("cause"),
                          "golden": why.get("golden"), "mismatch": res["stats"]["mismatch_count"], "tokens": res["stats"]["compared_tokens"],
-                         "seen": {side: {op: sorted({e["impl"] for e in v}) for op, v in res["seen"][side].items()} for side in res["seen"]}}
+                         "seen": {side: {op: sorted({e["impl"] for e in v}) for op, v in res["seen"][side].items()} for side in res["seen"]},
+                         "kernels": why.get("kernels"),  # those each side named for the first divergence's op and layer
+                         "layer0": {side: {op: res["kernels"][side].get((0, op), {}) for op in ("linear", "attention")}
+                                    for side in res["kernels"]}}
     finally:
         dg.close()
     print(json.dumps(out))

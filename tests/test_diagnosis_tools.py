@@ -157,6 +157,13 @@ def test_diagnose_names_each_op_and_kernel_but_not_equivalent_ones(tmp, strict_r
         assert r["op"] == op and r["inputs_equal"] and r["cause"] == "contract" and r["mismatch"] > 0, (op, r)
     v = res["variant:rms_norm"]
     assert v["op"] == "rms_norm" and v["inputs_equal"] and v["cause"] == "implementation" and v["mismatch"] > 0
+    # the kernels each engine's implementation named (rlkernel.dispatch.note_kernel): vLLM's attention decodes against
+    # its paged cache (and prefills), Megatron's runs one packed varlen forward; both GEMMs are the CPU kernel
+    k0 = res["strict"]["layer0"]
+    assert "cpu attention paged" in k0["rollout"]["attention"] and set(k0["trainer"]["attention"]) == {"cpu attention varlen"}
+    assert all(k0[s]["linear"] and all(n.startswith("cpu gemm") for n in k0[s]["linear"]) for s in k0), k0
+    na = res["native:attention"]["kernels"]  # the trainer's attention native: torch's own, nothing named
+    assert na["trainer"] == {} and "cpu attention paged" in na["rollout"], na
     assert v["golden"]["variant"] and v["golden"]["cpu"] == []  # the variant is the one off its contract
 
 

@@ -148,3 +148,56 @@ def test_native_packed_attention_off_cuda_is_sdpa_per_request():
     assert torch.equal(out, native.varlen(native._sdpa, q, k, v, cu, 8 ** -0.5))
     api = native._varlen_api()  # a record of this torch's API shape, not a claim
     print("torch varlen_attn:", None if api is None else sorted(api[1] & {"is_causal", "window_size", "enable_gqa", "scale"}))
+
+
+def test_a_gpu_contract_on_another_architecture_is_another_contract():
+    """The GPU contracts are declared for sm_90 (wgmma k16 chains; golden bits recorded there). On another architecture
+    the same kernels lower to other instructions (sm_80 mma.sync, sm_100 tcgen05: scripts/arch_compile_check.py), so a
+    call there is recorded under `on_arch` of its contract: another id, a ΔC in the partition's arch, the family
+    renamed — a rollout on one GPU kind and a trainer on another are told apart by contracts_match, and `vime
+    diagnose` names it a contract cause. On sm_90 and for the CPU contracts nothing changes."""
+    from rlkernel.contracts import gpu as G
+    from rlkernel.contracts.base import declared_arch, on_arch
+    from vime import diagnose as D
+
+    lin, fa3 = G.BY_OP["linear"], G.FA3_ATTENTION
+    assert declared_arch(lin) == "sm_90" and declared_arch(rk.contract_for("linear")) is None
+    assert on_arch(lin, "sm_90") is lin and on_arch(rk.contract_for("linear"), "sm_80") is rk.contract_for("linear")
+    a80, a100 = on_arch(lin, "sm_80"), on_arch(lin, "sm_100")
+    assert a80 is on_arch(lin, "sm_80")  # made once
+    assert len({lin.contract_id, a80.contract_id, a100.contract_id}) == 3
+    assert (a80.backend, a100.backend, on_arch(fa3, "sm_80").backend) == ("triton-sm80", "triton-sm100", "fa3-sm80")
+    assert [d.field for d in rk.diff(lin, a80)] == ["partition"] and dict(a80.partition)["arch"] == "sm_80"
+    assert dispatch.effective_contract(lin, torch.device("cpu")) is lin  # only a CUDA device has an architecture
+
+    def seen(c):
+        return {"linear": [{"backend": c.backend, "impl": "cpu", "contract_id": c.contract_id, "device": "cpu",
+                            "calls": 1}]}
+
+    assert rk.contracts_match(seen(lin), seen(lin)) == (True, [])
+    assert rk.contracts_match(seen(lin), seen(a80)) == (False, ["linear"])
+    # diagnose: both sides resolve (here, on the CPU) to one contract, yet ran under two ids -> a contract cause
+    site = D.SiteDiff(site="0.qkv", layer=0, name="qkv", op="linear", rows=4, out_differ=4, in_differ=0, max_abs=1.0)
+    sides = {s: D.Side(mode="strict") for s in D.SIDES}
+    why = D.explain(site, sides, {"rollout": seen(lin), "trainer": seen(a80)})
+    assert why["cause"] == "contract" and "another architecture" in why["detail"], why
+    same = D.explain(site, sides, {"rollout": seen(lin), "trainer": seen(lin)})
+    assert same["cause"] != "contract", same  # the control: one id on both sides is not a contract cause
+
+
+def test_a_tap_sees_the_kernels_an_implementation_names_and_nothing_is_built_without_one():
+    """rlkernel.dispatch.note_kernel / kernel_notes (what `vime diagnose` lists per side for the op that diverged):
+    the CPU GEMM names its packed-weight path, and a note's text is built only while a tap observes."""
+    x, w = torch.randn(5, 64), torch.randn(32, 64)
+    rk.linear(x, w)  # the CPU kernels loaded (and golden-checked) before the tap
+    seen, built = [], []
+    with rk.dispatch.tap(lambda op, impl, tensors, out: seen.append((op, rk.dispatch.kernel_notes()))):
+        rk.linear(x, w)
+        with rk.mode("strict", pack_weights=True):
+            rk.linear(x, w)
+        with rk.mode("native"):
+            rk.linear(x, w)
+    assert seen == [("linear", ("cpu gemm",)), ("linear", ("cpu gemm, packed weight",)), ("linear", ())], seen
+    assert rk.dispatch.kernel_notes() == ()  # outside a tap's callback: nothing
+    rk.dispatch.note_kernel(lambda: built.append(1) or "x")  # no tap observes: never built
+    assert built == []

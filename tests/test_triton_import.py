@@ -205,10 +205,17 @@ _INTERPRET = textwrap.dedent('''
     # pointer loads, also for K / V as views of a fused qkv projection (rows strided past the heads)
     from rlkernel.backends.triton import attention as A_
     assert A_._tma_ok(k, v, d, d)
-    A_._TMA_ENABLED = False
-    assert torch.equal(full, rk.attention_varlen(q, k, v, cu, config=acfg))
-    assert torch.equal(full, rk.attention_varlen(q, k, v, cu, config=acfg, split=True))
-    A_._TMA_ENABLED = True
+    with A_.tma_off():
+        assert torch.equal(full, rk.attention_varlen(q, k, v, cu, config=acfg))
+        assert torch.equal(full, rk.attention_varlen(q, k, v, cu, config=acfg, split=True))
+    # the kernels they name for `vime diagnose` (rlkernel.dispatch.note_kernel; built only while observed)
+    from rlkernel import dispatch
+    token = dispatch._NOTES.set([])
+    rk.matmul(a, w, config=cfg); rk.matmul(torch.randn(9, 256), torch.randn(40, 256), k_segments=4, schedule="scratch")
+    rk.attention_varlen(q, k, v, cu, config=acfg, split=True)
+    notes = dispatch._NOTES.get(); dispatch._NOTES.reset(token)
+    assert notes[0] == "gemm triton 16x16x16 w4" and notes[1].startswith("gemm triton") and notes[1].endswith(
+        ", 4 K segments scratch") and notes[2].startswith("attention triton packed tma, split in "), notes
     qkv = torch.cat([q, k, v], 1)
     qv, kv_, vv_ = qkv.split([hq, hkv, hkv], 1)
     assert A_._tma_ok(kv_, vv_, d, d) and kv_.stride(0) == (hq + 2 * hkv) * d

@@ -51,6 +51,7 @@ class Sites:
         self.rope_calls = 0
         self.on_logprob = None  # callback for the logprob head's rows (their positions are engine-specific)
         self.sbh = False  # Megatron's [s, b, h] activations: squeeze the batch dim of 1
+        self.kernels: dict[tuple[int, str], dict[str, int]] = {}  # (layer or -1, op) -> {kernel named: calls}
 
     def put(self, site: str, kind: str, x: torch.Tensor) -> None:
         """Scatter rows of x (the current forward's rows, in order) to their sequences and positions."""
@@ -90,8 +91,13 @@ def _ready() -> None:
 def _tap(sites: Sites, ops: tuple):
     def fn(op, impl, tensors, out):
         n = sum(len(p) for _, p in sites.rows)
-        if op not in ops or (op != "linear_logprob" and (sites.layer < 0 or tensors[0].shape[0] != n)):
+        if op != "linear_logprob" and (sites.layer < 0 or tensors[0].shape[0] != n):
             return  # not a call of the model's forward (a load-time self-check, say)
+        for note in rk.dispatch.kernel_notes():  # every op's kernels, the module-hooked ones too
+            calls = sites.kernels.setdefault((sites.layer if op != "linear_logprob" else -1, op), {})
+            calls[note] = calls.get(note, 0) + 1
+        if op not in ops:
+            return
         if op == "rope":
             name = "rope_q" if sites.rope_calls % 2 == 0 else "rope_k"
             sites.rope_calls += 1

@@ -134,7 +134,9 @@ def explain(d: SiteDiff, sides: dict[str, Side], seen: dict[str, dict]) -> dict:
         return {"cause": "unknown", "detail": f"no provenance of {d.op} on {[s for s in SIDES if not ran[s]]}"}
     impls = {s: {e["impl"] for e in ran[s]} for s in SIDES}
     cids = {s: {e["contract_id"] for e in ran[s]} for s in SIDES}
-    contracts = {s: rk.dispatch.resolve(d.op, torch.device(ran[s][0]["device"]), sorted(impls[s])[0]).contract for s in SIDES}
+    contracts = {s: rk.dispatch.effective_contract(rk.dispatch.resolve(d.op, torch.device(ran[s][0]["device"]),
+                                                                      sorted(impls[s])[0]).contract,
+                                                   torch.device(ran[s][0]["device"])) for s in SIDES}
     threads = {s: sides[s].threads for s in SIDES}
     info = {"rollout_impl": sorted(impls["rollout"]), "trainer_impl": sorted(impls["trainer"]),
             "rollout_contract": sorted(cids["rollout"]), "trainer_contract": sorted(cids["trainer"]),
@@ -143,6 +145,14 @@ def explain(d: SiteDiff, sides: dict[str, Side], seen: dict[str, dict]) -> dict:
     if delta:
         return info | {"cause": "contract", "delta": [{"field": f.field, "rollout": repr(f.left), "trainer": repr(f.right)} for f in delta],
                        "detail": f"{d.op}: " + "; ".join(f"{f.field} differs (rollout={f.left!r}, train={f.right!r})" for f in delta)}
+    if (len(cids["rollout"]) == len(cids["trainer"]) == 1 and cids["rollout"] != cids["trainer"]
+            and contracts["rollout"].contract_id == contracts["trainer"].contract_id):
+        # one id a side, not the same, where this process resolves both sides to one contract
+        return info | {"cause": "contract", "delta": [],
+                       "detail": f"{d.op}: the sides ran under other contract ids (rollout "
+                                 f"{', '.join(sorted(cids['rollout']))}; trainer {', '.join(sorted(cids['trainer']))}), "
+                                 "which this process resolves to one contract: a GPU of another architecture on one side "
+                                 "(its family names it: contracts.base.on_arch) or another version of rlkernel"}
     if impls["rollout"] != impls["trainer"]:
         gold = {name: golden.check_impls({d.op: name}, threads=sides[s].threads)[d.op]
                 for s in SIDES if contracts[s].backend != "native" for name in impls[s]}
@@ -276,8 +286,14 @@ class Diagnosis:
         seen = {"rollout": model.provenance.take(), "trainer": self.trainer.take_provenance()}
         diffs = compare(sv, st, self.decoder.num_layers)
         first = first_divergence(diffs)
-        return {"diffs": diffs, "first": first, "why": explain(first, sides, seen) if first else None,
-                "stats": _compare_lps(lv, lt), "rollout_logprobs": lv, "seen": seen}
+        kernels = {"rollout": sv.kernels, "trainer": st.kernels}
+        why = None
+        if first:
+            why = explain(first, sides, seen)
+            if first.op is not None:  # the kernels each engine's implementation named for that op in that layer
+                why["kernels"] = {s: kernels[s].get((first.layer, first.op), {}) for s in SIDES}
+        return {"diffs": diffs, "first": first, "why": why, "stats": _compare_lps(lv, lt), "rollout_logprobs": lv,
+                "seen": seen, "kernels": kernels}
 
     def close(self) -> None:
         self.trainer.close()
@@ -393,6 +409,10 @@ def _text(where, sides, seqs, diffs, first, why, stats, recorded, lv) -> list[st
             lines += [f"    {f['field']} differs (rollout={f['rollout']}, train={f['trainer']})" for f in why["delta"]]
         else:
             lines.append(f"  cause: {why['cause']}: {why['detail']}")
+        kernels = why.get("kernels") or {}
+        for s, calls in kernels.items() if any(kernels.values()) else ():  # where an implementation named its kernels
+            named = ", ".join(f"{k} x{n}" for k, n in sorted(calls.items())) or "(none named)"
+            lines.append(f"  kernels ({s}, layer {first.layer} {first.op}): {named}")
     lines.append(f"{'site':28s} {'op':15s} {'rows':>6s} {'in≠':>6s} {'out≠':>6s} {'max|Δ|':>10s}")
     for d in diffs:
         lines.append(f"{d.site:28s} {str(d.op):15s} {d.rows:6d} {'-' if d.in_differ is None else d.in_differ:>6} {d.out_differ:6d} {d.max_abs:10.3g}")

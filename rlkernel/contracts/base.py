@@ -12,7 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field, fields
 
-__all__ = ["Contract", "FieldDiff", "diff"]
+__all__ = ["Contract", "FieldDiff", "diff", "declared_arch", "on_arch"]
 
 
 def _freeze(value):
@@ -77,3 +77,33 @@ def diff(a: Contract, b: Contract) -> list[FieldDiff]:
     if a.op != b.op:
         raise ValueError(f"cannot diff contracts of different ops: {a.op!r} vs {b.op!r}")
     return [FieldDiff(n, getattr(a, n), getattr(b, n)) for n in _NUMERIC_FIELDS if getattr(a, n) != getattr(b, n)]
+
+
+def declared_arch(c: Contract) -> str | None:
+    """The GPU architecture a contract is declared (and its golden bits recorded) for: its partition's "arch"
+    ("sm_90"); None for a contract that names none (the CPU contracts)."""
+    return dict(c.partition).get("arch")
+
+
+_ON_ARCH: dict[tuple[str, str], Contract] = {}
+
+
+def on_arch(c: Contract, arch: str) -> Contract:
+    """The contract a call of `c`'s implementation runs under on a GPU of architecture `arch` ("sm_80"): `c` itself
+    where it declares `arch` or no architecture; else `c` with that architecture in its partition and its family's
+    name (another contract id, a ΔC in `partition`): the same kernels lower to another instruction chain there (sm_80:
+    mma.sync, sm_100: tcgen05, against sm_90's wgmma k16 chain), whose bits nothing here has proved — so an sm_90
+    rollout and an sm_80 trainer are told apart (`contracts_match`) instead of both claiming sm_90."""
+    have = declared_arch(c)
+    if have is None or have == arch:
+        return c
+    key = (c.contract_id, arch)
+    out = _ON_ARCH.get(key)
+    if out is None:
+        import dataclasses
+
+        tag, new = have.replace("_", ""), arch.replace("_", "")  # "sm90" in family names ("triton-sm90")
+        part = tuple((k, arch) if k == "arch" else (k, v) for k, v in c.partition)
+        out = _ON_ARCH[key] = dataclasses.replace(c, partition=part, backend=c.backend.replace(tag, new)
+                                                  if tag in c.backend else f"{c.backend}@{new}")
+    return out

@@ -148,8 +148,11 @@ def _linear_fwd(x, weight, bias, k_segments):
     seg = weight.shape[1] // k_segments
     packs = _packed(weight, ("linear", k_segments, tuple(weight.shape), weight.dtype),
                     lambda w: [_ops().pack_b(w[:, i * seg:(i + 1) * seg].t()) for i in range(k_segments)])
+    segs = f", {k_segments} K segments" if k_segments > 1 else ""
     if packs is None:
+        dispatch.note_kernel(lambda: "cpu gemm" + segs)
         return _ops().linear(x, weight, bias, k_segments)
+    dispatch.note_kernel(lambda: "cpu gemm, packed weight" + segs)
     return _ops().linear_packed(x, packs, weight.shape[0], bias)
 
 
@@ -170,6 +173,7 @@ def _rope(x, positions, theta, max_position=None):
 
 
 def _attention(kind, q, k, v, *args, max_query_len=None, max_seq_len=None):
+    dispatch.note_kernel(lambda: f"cpu attention {kind}")
     return attention.attention(kind, q, k, v, *args, prims=CPU, fwd_lse=lambda *a: tuple(_ops().attention_varlen_lse(*a)),
                                fwd_paged=_ops().attention_paged)
 

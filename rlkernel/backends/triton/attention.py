@@ -30,11 +30,13 @@ One formulation serves packed varlen prefill, paged-KV decode and chunked prefil
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import triton
 import triton.language as tl
 
+from ... import dispatch
 from . import contracts as C
 from .tile import _dot
 from .launch import fast, cdiv, interpreting, next_pow2
@@ -44,6 +46,14 @@ from . import attention_gluon
 # packed prefill's K / V through the bulk tensor copy engine (TMA; 1.17-1.26x the pointer loads on the H200, same bits:
 # benchmarks/h200_session25/call1); RLKERNEL_ATTENTION_TMA=0 keeps the pointer loads (a check or a bisection)
 _TMA_ENABLED = os.environ.get("RLKERNEL_ATTENTION_TMA", "1") != "0"
+
+
+def tma_off():
+    """Within: the packed prefill loads K / V through pointers (as RLKERNEL_ATTENTION_TMA=0 does) — the other side of
+    the checks that TMA changes no bit."""
+    from .gluon_checks import switched_off
+
+    return switched_off(sys.modules[__name__], "_TMA_ENABLED")
 
 _LOG2E = 1.4426950408889634
 _NEG_INF = float("-inf")
@@ -300,10 +310,13 @@ def _launch(q, k, v, out, bt, q_start, q_len, kv_len, kv_start, n_tiles, max_kv,
     tma = not paged and _tma_ok(k, v, skh, d)
     if tma and q.is_cuda and attention_gluon.unsupported_reason(q, k, cfg, G, d, paged=paged, split=split, tma=tma,
                                                                  walk=walk) is None:
+        dispatch.note_kernel("attention gluon prefill")
         return attention_gluon.launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt,
                                       lse if store_lse else None)
     if tma:
         _ensure_allocator()
+    dispatch.note_kernel(lambda: f"attention triton {'paged' if paged else 'packed'}" + (" tma" if tma else "")
+                         + (f", split in {nseg}" if split else "") + (f", {walk} walk" if walk != "flat" else ""))
     _attn_fwd_fast[(n_tiles * (nseg if split else 1), B, hkv)](
         q, k, v, out, bt, q_start, q_len, kv_len, kv_start, po, pml, lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), skb, skt, skh, bt.stride(0) if paged else 0,

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import dispatch
 from . import contracts as C
 from . import gemm_gluon
 from .ksegments import _fixup_merge, _k_scratch, _k_segments, _k_stream, _kept  # noqa: F401  (_kept: tests read it)
@@ -352,6 +353,7 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
         tile = gemm_gluon.choose(a, weight, k_segments, out_dtype, out)
         if tile is not None:
             _LAST_KERNEL[0] = None
+            dispatch.note_kernel(lambda: f"gemm gluon {tile.name}")
             return gemm_gluon.launch(a, weight, tile, out)
     if schedule == "warpspec":  # where no Gluon tile serves: the schedule it replaced (the same bits)
         schedule = "scratch"
@@ -401,6 +403,9 @@ def matmul(a: torch.Tensor, weight: torch.Tensor | None = None, *, b: torch.Tens
     tma = _tma_ok(cfg, a, bt) and (k_segments == 1 or (K // k_segments) % cfg.block_k == 0)
     if tma:
         _ensure_allocator()
+    dispatch.note_kernel(lambda: f"gemm triton {cfg.block_m}x{cfg.block_n}" + (f"+{cfg.block_n2}" if cfg.block_n2 else "")
+                         + f"x{cfg.block_k} w{cfg.num_warps}" + (" tma" if tma else "")
+                         + (f", {k_segments} K segments {schedule}" if k_segments > 1 else ""))
     _LAST_KERNEL[0] = _gemm_kernel_fast[(progs,)](
         a, bt, out, M, N, K, a.stride(0), a.stride(1), sbn, sbk, out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
