@@ -155,7 +155,6 @@ def _entries_for_sm90() -> dict:
     from triton.runtime.jit import serialize_specialization_data
 
     from rlkernel.backends.triton import attention as A
-    from rlkernel.backends.triton import gemm
 
     backend = make_backend(GPUTarget("cuda", 90, 32))
     out = {}
@@ -172,15 +171,8 @@ def _entries_for_sm90() -> dict:
     opts = backend.parse_options({"num_warps": 4, "num_stages": 3, "enable_fp_fusion": False})
     out[("rlkernel.backends.triton.attention._attn_fwd", "a")] = serialize_specialization_data(
         A._attn_fwd._fn_name, sig, cx, {}, opts, "a")
-    gnames = [p.name for p in gemm._gemm_kernel.params]
-    gconst = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, NUM_PROGS=132, TMA=True, B_NK=True, IEEE=False,
-                  SEGS=1, SPLIT=False, K_FIXED=0, STREAM=False, FIXUP=False, BLOCK_N2=0, SCRATCH=False, SLOTS=0,
-                  SLICED=False, ws_ptr=None, cnt_ptr=None)
-    gtypes = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16"}
-    gsig = {n: "constexpr" if n in gconst else gtypes.get(n, "i32") for n in gnames}
-    gcx = {(gnames.index(n),): v for n, v in gconst.items()}
-    out[("rlkernel.backends.triton.gemm._gemm_kernel", "g")] = serialize_specialization_data(
-        gemm._gemm_kernel._fn_name, gsig, gcx, {}, backend.parse_options({"num_warps": 4, "num_stages": 4}), "g")
+    out[("rlkernel.backends.triton.gemm._gemm_kernel", "g")] = _gemm_entry(90, "g", 4, BLOCK_N=128, BLOCK_K=128,
+                                                                           NUM_PROGS=132, TMA=True)
     from rlkernel.backends.triton import attention_gluon as AG
     if AG._IMPORT_ERROR is None:  # the Gluon prefill (its own source class; descriptors carry their shared layout)
         from triton.experimental.gluon import language as gl
@@ -238,6 +230,62 @@ def test_worker_processes_compile_recorded_specializations_for_sm90_into_the_cac
     assert sum(f.endswith(".cubin") for f in files) == n
     reps2 = run_workers()
     assert sum(r["compiled"] for r in reps2) == n and _cache_files(cache) == files
+
+
+def _gemm_entry(arch: int, key: str | None = None, num_stages: int = 3, **tile) -> str:
+    """A GEMM tile's specialization data as Triton records it on an sm_{arch} device (its options carry the arch);
+    `tile` overrides the constexprs of a 64 x 64 x 64 pointer-load tile."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import serialize_specialization_data
+
+    from rlkernel.backends.triton import gemm
+
+    names = [p.name for p in gemm._gemm_kernel.params]
+    const = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, NUM_PROGS=108, TMA=False, B_NK=True, IEEE=False,
+                 SEGS=1, SPLIT=False, K_FIXED=0, STREAM=False, FIXUP=False, BLOCK_N2=0, SCRATCH=False, SLOTS=0,
+                 SLICED=False, ws_ptr=None, cnt_ptr=None) | tile
+    types = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16"}
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
+    cx = {(names.index(n),): v for n, v in const.items()}
+    opts = make_backend(GPUTarget("cuda", arch, 32)).parse_options({"num_warps": 4, "num_stages": num_stages})
+    return serialize_specialization_data(gemm._gemm_kernel._fn_name, sig, cx, {}, opts, key or f"g{arch}")
+
+
+def test_entries_of_another_gpu_architecture_are_skipped_never_compiled(tmp_path):
+    """A manifest holding sm_90 and sm_80 entries (a run resumed on another GPU kind merges its own): the workers for
+    each target compile that target's entries and skip the others, counted with the reason, and nothing aborts. The
+    control: an sm_90 entry compiled for sm_80 aborts the process inside LLVM (what `for_arch` keeps from the trainer's
+    preload, a crash with no Python traceback)."""
+    path = tmp_path / "m.json"
+    e90, e80 = _gemm_entry(90), _gemm_entry(80)
+    assert P.entry_arch(e90) == "sm90" and P.entry_arch(e80) == "sm80" and P.entry_arch("{}") is None
+    G = "rlkernel.backends.triton.gemm._gemm_kernel"
+    P.save_entries(path, {(G, "g90"): (e90, 1.0), (G, "g80"): (e80, 0.5)})
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    for target, other in (("cuda:90:32", "recorded for sm80, this device is sm90"),
+                          ("cuda:80:32", "recorded for sm90, this device is sm80")):
+        p = subprocess.run([sys.executable, "-m", "rlkernel.backends.triton.precompile", str(path), "--worker", "0/1",
+                            "--target", target], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert p.returncode == 0, p.stderr[-2000:]
+        rep = json.loads(p.stdout.strip().splitlines()[-1])
+        if any("ptxas" in r for r in rep["skipped"]):
+            pytest.skip(f"this Triton cannot compile for {target} here: {rep}")
+        assert rep["compiled"] == 1 and rep["skipped"] == {other: 1}, (target, rep)
+    entries = P.load(path)["entries"]
+    assert [P.entry_arch(e["data"]) for e in P.for_arch(entries, "sm90")[0]] == ["sm90"]
+    control = f"""
+from triton.backends.compiler import GPUTarget
+from triton.compiler import compile, make_backend
+from rlkernel.backends.triton import gemm, precompile as P
+backend = make_backend(GPUTarget("cuda", 80, 32))
+src, options = P._source(gemm._gemm_kernel, {e90!r}, backend)
+compile(src, target=GPUTarget("cuda", 80, 32), options=options.__dict__)
+print("compiled")
+"""
+    c = subprocess.run([sys.executable, "-c", control], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert c.returncode != 0 and "LLVM ERROR" in c.stderr, (c.returncode, c.stdout[-500:], c.stderr[-1000:])
 
 
 def _has_cuda() -> bool:
@@ -312,7 +360,31 @@ def test_a_group_compiles_once_on_rank_0_and_every_rank_passes_the_barrier(tmp_p
     assert r0["logged"] and not r1["logged"]
     for r in (r0, r1):
         assert r["stats"]["preloaded"] == 0 and any("driver" in k for k in r["stats"]["skipped"]), r["stats"]
-    # rank 0's stats add its worker fill's failure to its preload's (one per entry); rank 1 has the preload's only
-    fill = {k: v for k, v in r0["stats"]["skipped"].items() if k not in r1["stats"]["skipped"]}
-    assert list(fill.values()) == [1] and "driver" in next(iter(fill)), r0["stats"]
-    assert sum(r1["stats"]["skipped"].values()) == 2, r1["stats"]
+    # the device's target is asked once, before any entry: rank 0's stats add its worker fill's failure to its
+    # preload's, rank 1 has the preload's only
+    (reason0, n0), = r0["stats"]["skipped"].items()
+    (reason1, n1), = r1["stats"]["skipped"].items()
+    assert reason0 == reason1 and "driver" in reason0 and (n0, n1) == (2, 1), (r0["stats"], r1["stats"])
+
+
+def test_the_strict_kernels_compile_for_sm80_and_sm100(tmp_path):
+    """Portability, as far as a CPU can tell (README "other NVIDIA GPUs"): one specialization of each kernel the H200
+    recorded for a strict forward + backward + logprob head (session 29's manifest) compiles for sm_80 (A100) with
+    mma.sync and for sm_100 (B200) with tcgen05 — so the entries were re-targeted, not compiled as the sm90 they were
+    recorded as (which aborts: the test above) — and the Gluon prefill, sm_90 only, is skipped with its reason."""
+    manifest = ROOT / "benchmarks" / "h200_session29" / "call3" / "precompile_manifest.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, "scripts/arch_compile_check.py", str(manifest), "--one-per-kernel", "--targets",
+                        "cuda:80:32,cuda:100:32"], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    if "ptxas" in p.stdout + p.stderr and p.returncode:
+        pytest.skip(f"this Triton cannot compile for these targets here: {p.stderr[-500:]}")
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    res = json.loads(p.stdout[p.stdout.index("{"):])
+    kernels = {e["kernel"] for e in P.load(manifest)["entries"]}
+    gluon = {k for k in kernels if "gluon" in k}
+    assert len(kernels) == 16 and len(gluon) == 1, sorted(kernels)
+    for r, mma in zip(res["targets"], ("mma.sync", "tcgen05")):
+        assert r["failures"] == {} and r["compiled"] == len(kernels) - 1, r
+        assert list(r["skipped"]) == ["attention_gluon._prefill_kernel: Gluon, sm_90 only (its gate keeps it off here)"]
+        assert set(r["mma"]) == {mma} and r["kernels"]["gemm._gemm_kernel"]["mma"] == [mma], r["mma"]

@@ -18,8 +18,8 @@ forward + backward, 114 s of first launches).
   (H200, session 25: 16 threads took 70 s for the 114 s above: Triton's frontend holds the GIL); processes do not
   share it. Which kernel runs, and so every bit, is still Triton's choice: a preloaded kernel is the one its own JIT
   compiles for that specialization (the same key; the session-25 check hashed the bits with and without). Entries that
-  no longer fit (a kernel renamed or with another signature since, another Triton version) are skipped and counted with
-  their reason, never fatal: they compile at first launch as before.
+  no longer fit (a kernel renamed or with another signature since, another Triton version, another GPU architecture:
+  `for_arch`) are skipped and counted with their reason, never fatal: they compile at first launch as before.
 
 CLI: `python -m rlkernel.backends.triton.precompile MANIFEST [--workers N]` warms this machine's Triton cache from a
 manifest (on a GPU); vime's trainer does it at start from `trainer.kernel_manifest` (default: the run directory's
@@ -183,6 +183,40 @@ def plan(entries: list, workers: int) -> list[list[int]]:
     return shares
 
 
+def entry_arch(data: str) -> str | None:
+    """The architecture an entry was compiled for: its options' "arch" as Triton's backend parsed them on the recording
+    device ("sm90", "sm80", "gfx942"); None where the data names none."""
+    try:
+        arch = json.loads(data).get("options", {}).get("arch")
+    except (ValueError, AttributeError):
+        return None
+    return arch if isinstance(arch, str) else None
+
+
+def target_arch(target) -> str:
+    """The "arch" Triton's backend parses for `target` (a GPUTarget): what entry_arch reads in entries made there."""
+    from triton.compiler import make_backend
+
+    return make_backend(target).parse_options({}).arch
+
+
+def for_arch(entries: list, arch: str) -> tuple[list, dict]:
+    """(the entries recorded for `arch`, {reason: n} for those recorded for another one). A manifest may hold several
+    architectures (a run resumed on another GPU kind merges its own); an entry compiled for another architecture must
+    never reach Triton's compiler here: its options carry that architecture, and lowering it for this target aborts
+    the process inside LLVM (sm90 entries for sm_80 or sm_100: "LLVM ERROR: Cannot select: intrinsic
+    %llvm.nvvm.wgmma..." / "...elect.sync"; seen on this CPU, session 30)."""
+    mine, other = [], {}
+    for e in entries:
+        a = entry_arch(e.get("data", ""))
+        if a is None or a == arch:
+            mine.append(e)
+        else:
+            reason = f"recorded for {a}, this device is {arch}"
+            other[reason] = other.get(reason, 0) + 1
+    return mine, other
+
+
 def _resolve(full_name: str):
     """The JITFunction named `module.qualname` (the name Triton serialises), or a reason it is not one."""
     parts = full_name.split(".")
@@ -232,8 +266,8 @@ def compile_share(path: str | os.PathLike, target: str, worker: int, workers: in
     be, arch, warp = target.split(":")
     tgt = GPUTarget(be, int(arch) if arch.isdigit() else arch, int(warp))
     backend = make_backend(tgt)
-    entries = load(path)["entries"]
-    out = {"worker": worker, "compiled": 0, "skipped": {}}
+    entries, other = for_arch(load(path)["entries"], target_arch(tgt))
+    out = {"worker": worker, "compiled": 0, "skipped": other if worker == 0 else {}}  # the others: counted once
     for i in plan(entries, workers)[worker]:
         e = entries[i]
         fn, why = _resolve(e["kernel"])
@@ -314,10 +348,16 @@ def compile_ahead(path: str | os.PathLike, threads: int | None = None, workers: 
     from triton.runtime._async_compile import AsyncCompileMode
     from triton.runtime.driver import driver
 
+    t = driver.active.get_current_target()
+    entries, other = for_arch(entries, target_arch(t))  # the workers select the same entries for this target
+    for reason, n in other.items():
+        skip(reason, n)
+    if not entries:
+        stats["seconds"] = round(time.perf_counter() - t0, 3)
+        return stats
     cpus = os.cpu_count() or 1
     workers = min(workers if workers is not None else min(16, cpus), len(entries))
     if workers > 1:
-        t = driver.active.get_current_target()
         reports = _run_workers(path, f"{t.backend}:{t.arch}:{t.warp_size}", workers, timeout)
         stats["workers"] = workers
         stats["worker_seconds"] = round(time.perf_counter() - t0, 3)
