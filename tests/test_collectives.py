@@ -114,12 +114,39 @@ def _run_group(group) -> dict:
         out[f"vpe_{case[0]}"] = _vocab_parallel_entropy(case, ALIGNED[world], rank, group)
     out["misaligned"] = _error(lambda: _vocab_parallel(LOGPROB_CASES[0], MISALIGNED[world], rank, group))
     out["mismatch_tree"] = _error(lambda: C.tree_all_reduce([torch.zeros(3 + (rank > 0))] * k, group))
+    local = _segments(torch.float32)[rank * k : (rank + 1) * k]
+    n0 = len(_COLLECTIVES)
+    checked = C.tree_all_reduce(local, group)
+    n1 = len(_COLLECTIVES)
+    unchecked = C.tree_all_reduce(local, group, check=False)  # rlkernel's own layers (same rows on every rank)
+    out["collectives"] = (n1 - n0, len(_COLLECTIVES) - n1)
+    out["unchecked_equal"] = torch.equal(checked.view(torch.int32), unchecked.view(torch.int32))
+
+    def into_one_buffer(t):  # another transport, as a rollout engine's own communicator (one buffer, no list)
+        buf = torch.empty(world * t.numel(), dtype=t.dtype)
+        dist.all_gather_into_tensor(buf, t.contiguous().view(-1), group=group)
+        return buf.view(world, *t.shape)
+
+    n2 = len(_COLLECTIVES)
+    via = C.tree_all_reduce(local, group, check=False, gather=into_one_buffer)
+    out["gather_used"] = len(_COLLECTIVES) == n2  # the list all_gather was not called
+    out["gather_equal"] = torch.equal(checked.view(torch.int32), via.view(torch.int32))
     out["mismatch_gather"] = _error(lambda: C.all_gather(torch.zeros(2, 3 + rank), group))
     return out
 
 
+_COLLECTIVES: list = []  # the all_gathers this rank issued (counted, then run as they were)
+
+
 def _ranks_body(rank: int) -> dict:
     """One of 4 gloo ranks: world 4 is the default group, world 2 is two pair groups {0, 1} and {2, 3}."""
+    real = dist.all_gather
+
+    def counted(*args, **kwargs):
+        _COLLECTIVES.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_gather = counted
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in the same order
     return {4: _run_group(None), 2: _run_group(pairs[rank // 2])}
 
@@ -254,6 +281,16 @@ def test_bad_inputs_raise():
             fn([x, x.to(torch.bfloat16)])
     with pytest.raises(ValueError, match="dim"):
         C.all_gather(x, dim=1)
+
+
+def test_the_layers_reduction_skips_the_shape_check_and_its_collective(runs):
+    """tree_all_reduce(check=False), what rlkernel's own TP / CP layers call twice a transformer layer: the same bits as
+    the checked call with one collective instead of two (the check's int gather waits for the device on a GPU: a host
+    stall per call, the decode step's at TP > 1)."""
+    for world in WORLDS:
+        for res in runs[world]:
+            assert res["collectives"] == (2, 1) and res["unchecked_equal"], (world, res["collectives"])
+            assert res["gather_used"] and res["gather_equal"], world  # TensorParallel.gather: the engine's transport
 
 
 def test_cross_rank_mismatch_raises_on_every_rank(runs):

@@ -25,7 +25,7 @@ def test_cuda_graphs_by_default_on_gpus_where_proved():
     assert not default_enforce_eager(load_config("grpo_qwen3_8b", ["rlkernel.mode=native"])[0])
 
 
-def test_strict_graphs_at_rollout_tp_above_one_are_refused(tmp_path):
+def test_strict_graphs_at_rollout_tp_above_one_are_refused(tmp_path, monkeypatch):
     from vime.rollout import RolloutConfig
 
     (tmp_path / "config.json").write_text("{}")
@@ -33,6 +33,8 @@ def test_strict_graphs_at_rollout_tp_above_one_are_refused(tmp_path):
     RolloutConfig(model=str(tmp_path), engine="stock", tp=2, enforce_eager=False, block_size=32)
     with pytest.raises(ValueError, match="rollout.enforce_eager=true"):
         RolloutConfig(model=str(tmp_path), engine="rlkernel", tp=2, enforce_eager=False)
+    monkeypatch.setenv("VIME_STRICT_TP_GRAPHS", "1")  # the experiment that would prove them (two GPUs)
+    RolloutConfig(model=str(tmp_path), engine="rlkernel", tp=2, enforce_eager=False)
 
 
 def test_engine_args_must_be_named_pairs(tmp_path):

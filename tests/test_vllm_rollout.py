@@ -67,10 +67,11 @@ def test_strict_rollout_matches_scorer_odd_models(models, name, dtype):
 
 def test_strict_rollout_at_tp2_matches_the_tp1_scorer(models):
     """vLLM's tensor parallelism with the strict model (rollout TP=2: two worker processes, heads and MLP rows split,
-    the row-parallel linears merged by the canonical segment tree over vLLM's TP group) against the TP=1 scorer, on
+    the row-parallel linears merged by the canonical segment tree, gathered by vLLM's TP communicator) against the TP=1 scorer, on
     odd dimensions in bf16, before and after a weight update pushed to both workers: 0 mismatches."""
     report = _parity(models["qwen3-untied-odd"], "--tp", "2", "--dtype", "bfloat16", "--update-weights")
     assert report["engine_tp"] == 2 and report["engine_tp_ranks"] == [[0, 2], [1, 2]]  # the strict model, sharded, in both workers
+    assert report["engine_tp_gathers"] == ["vllm"]  # the merges gather through vLLM's own TP communicator (both workers)
     _assert_strict(report, 100)
 
 

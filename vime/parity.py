@@ -141,7 +141,7 @@ def run(args) -> dict:
 
     from .metrics import compare_logprobs
     from .records import SamplingSpec
-    from .rollout import RolloutConfig, VLLMRollout, graphs_proved
+    from .rollout import TP_GRAPHS_ENV, RolloutConfig, VLLMRollout, graphs_proved, tp_graphs_experiment
 
     rs = args.row_segments
     if not (1 <= rs <= 64 and not rs & (rs - 1)) or rs % args.tp:
@@ -159,7 +159,8 @@ def run(args) -> dict:
     # auto: what `vime train` runs (roles.default_enforce_eager): graphs on a GPU where they are proved
     graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and torch.cuda.is_available() and graphs_proved(kind, args.tp))
     if graphs and not graphs_proved(kind, args.tp):
-        raise SystemExit("vime parity: the strict engine's CUDA graphs are proved at TP=1 only; use --cuda-graphs off with --tp > 1")
+        raise SystemExit("vime parity: the strict engine's CUDA graphs are proved at TP=1 only; use --cuda-graphs off with --tp > 1 "
+                         f"(or {TP_GRAPHS_ENV}=1: the experiment that would prove them)")
     # stock vLLM-CPU's attention needs blocks of a multiple of 32; the strict backend and stock vLLM on a GPU take 16
     block = args.block_size or (32 if kind == "stock" and not torch.cuda.is_available() else 16)
     if args.save_updated and not args.update_weights:
@@ -209,7 +210,7 @@ def run(args) -> dict:
         phases["v1_restart"] = _restart_phase(args, engine, new, scorer, prompts, specs, comps)
     last = phases[f"v{versions[-1]}"]
     worker = engine.provenance.engine_args.get("worker", {})  # the strict engine's rlkernel_info ({} for stock vLLM)
-    report = dict(mode=args.mode, attention=args.attention, engine=engine.config.engine, cuda_graphs=not engine.config.enforce_eager, scorer=args.scorer, scorer_device=device, engine_tp=args.tp, row_segments=args.row_segments, engine_row_segments=worker.get("row_segments"), engine_workers=worker.get("workers"), engine_runner=worker.get("runner"), engine_logprobs_mode=worker.get("logprobs_mode"), engine_contract_sampler=worker.get("contract_sampler"), engine_tp_ranks=worker.get("tp_ranks"), model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
+    report = dict(mode=args.mode, attention=args.attention, engine=engine.config.engine, cuda_graphs=not engine.config.enforce_eager, scorer=args.scorer, scorer_device=device, engine_tp=args.tp, row_segments=args.row_segments, engine_row_segments=worker.get("row_segments"), engine_workers=worker.get("workers"), engine_runner=worker.get("runner"), engine_logprobs_mode=worker.get("logprobs_mode"), engine_contract_sampler=worker.get("contract_sampler"), engine_tp_ranks=worker.get("tp_ranks"), engine_tp_gathers=worker.get("tp_gathers"), strict_tp_graphs_experiment=tp_graphs_experiment(), model=args.model, num_prompts=args.num_prompts, dtype=args.dtype,
                   temperature=args.temperature, engine_start_seconds=round(engine.provenance.start_seconds, 2),
                   total_seconds=round(time.perf_counter() - t0, 2), phases=phases,
                   mismatch_count=sum(p["mismatch_count"] for p in phases.values()),

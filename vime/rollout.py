@@ -41,11 +41,22 @@ class StaleWeightsError(RuntimeError):
     """A request named a weight version the engine does not hold."""
 
 
+TP_GRAPHS_ENV = "VIME_STRICT_TP_GRAPHS"
+
+
 def graphs_proved(engine: str, tp: int) -> bool:
     """Whether an engine may run with CUDA graphs: stock vLLM always (its production default); the strict engine's
     decode graphs at rollout TP=1, the layout they are proved at. The one rule behind rollout.enforce_eager=null
-    (roles.default_enforce_eager), `vime parity --cuda-graphs auto` and the refusal below."""
-    return engine == "stock" or tp == 1
+    (roles.default_enforce_eager), `vime parity --cuda-graphs auto` and the refusal below.
+    VIME_STRICT_TP_GRAPHS=1 lifts the TP=1 bound for the experiment that would prove it (`VIME_STRICT_TP_GRAPHS=1 vime
+    parity --tp 2 --cuda-graphs on` on two GPUs: since session 30 the merges gather through vLLM's own communicator,
+    which its graphs capture); `vime parity` reports it (`strict_tp_graphs_experiment`)."""
+    return engine == "stock" or tp == 1 or tp_graphs_experiment()
+
+
+def tp_graphs_experiment() -> bool:
+    """Whether VIME_STRICT_TP_GRAPHS=1 asks for the strict engine's CUDA graphs at TP > 1 (graphs_proved)."""
+    return os.environ.get(TP_GRAPHS_ENV) == "1"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,7 +106,8 @@ class RolloutConfig:
             raise ValueError(f"engine_args must be (name, value) pairs of vllm.LLM arguments, got {self.engine_args!r}")
         if not self.enforce_eager and not graphs_proved(self.engine, self.tp):
             raise ValueError("the strict engine's CUDA graphs are proved at rollout TP=1 only; set enforce_eager "
-                             "(rollout.enforce_eager=true) for TP>1")
+                             f"(rollout.enforce_eager=true) for TP>1 (or {TP_GRAPHS_ENV}=1 to run the experiment that "
+                             "would prove them)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -229,7 +241,8 @@ class VLLMRollout:
                     raise RuntimeError(f"rlkernel plugin is not active in the engine: {info}")
                 if info["logprobs_mode"] != "raw_logits" and not info["contract_sampler"]:
                     raise RuntimeError(f"the strict engine's reported logprobs would not be the contract's bits: {info}")
-            self.provenance.engine_args["worker"] = infos[0] | {"workers": len(infos), "tp_ranks": sorted(tuple(i["tp"]) for i in infos)}
+            self.provenance.engine_args["worker"] = infos[0] | {"workers": len(infos), "tp_ranks": sorted(tuple(i["tp"]) for i in infos),
+                                                                "tp_gathers": sorted({str(i.get("tp_gather")) for i in infos})}
 
     def _params(self, spec: SamplingSpec, greedy: bool):
         from vllm import SamplingParams

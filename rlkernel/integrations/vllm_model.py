@@ -132,7 +132,10 @@ def _vllm_tp():
     if world == 1:
         return None
     group = get_tp_group()
-    return TensorParallel(rank=group.rank_in_group, world=world, group=group.device_group)
+    # the row-parallel merges gather through vLLM's own communicator (pynccl / its custom all-gather on CUDA, which its
+    # CUDA graphs capture; shared memory or gloo on the CPU): rank order, data only — the tree's bits
+    return TensorParallel(rank=group.rank_in_group, world=world, group=group.device_group,
+                          gather=lambda t: group.all_gather(t.unsqueeze(0), dim=0))
 
 
 def _tp_barrier() -> None:

@@ -76,6 +76,8 @@ class StrictWorkerExtension:
             "policy": repr(getattr(model, "policy", None)),
             "weight_version": self.rlkernel_weight_version(),
             "tp": [model.tp.rank, model.tp.world] if getattr(model, "tp", None) is not None else [0, 1],  # [rank, world]
+            # how the row-parallel merges gather: vLLM's own TP communicator, or torch.distributed on its device group
+            "tp_gather": None if getattr(model, "tp", None) is None else ("vllm" if model.tp.gather else "torch.distributed"),
             "row_segments": getattr(getattr(model, "config", None), "row_segments", None),
             "runner": type(self.model_runner).__module__ + "." + type(self.model_runner).__name__,
             "logprobs_mode": getattr(model, "logprobs_mode", None),

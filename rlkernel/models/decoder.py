@@ -47,6 +47,9 @@ class TensorParallel:
     rank: int
     world: int
     group: object  # a torch.distributed process group
+    # every rank's tensor stacked [world, ...] in rank order by the engine's own communicator (vLLM's TP group
+    # coordinator: one CUDA graphs can capture); None: torch.distributed's all_gather on `group`. Data only: same bits
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def _split(n: int, tp: TensorParallel | None, what: str) -> int:
@@ -190,7 +193,8 @@ class _RowParallelLinear(_Linear):
 
         if current_policy().choice("linear") == "native":
             return native_all_reduce([linear(x, self.weight)], self.tp.group)
-        return tree_all_reduce(linear_segment_partials(x, self.weight, self.k_segments), self.tp.group).to(x.dtype)
+        return tree_all_reduce(linear_segment_partials(x, self.weight, self.k_segments), self.tp.group,
+                               check=False, gather=self.tp.gather).to(x.dtype)  # (the same rows on every rank)
 
 
 def _row_linear(n_in, n_out, dtype, device, row_segments, tp: TensorParallel | None):

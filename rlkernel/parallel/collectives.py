@@ -32,7 +32,7 @@ of hanging one of them inside a collective.
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -163,27 +163,38 @@ def canonical_tree_sum(segments: Sequence[torch.Tensor]) -> torch.Tensor:
     return _tree_reduce(torch.stack(list(segments)))
 
 
-def tree_all_reduce(local_segments: Sequence[torch.Tensor], group=None) -> torch.Tensor:
+def tree_all_reduce(local_segments: Sequence[torch.Tensor], group=None, *, check: bool = True,
+                    gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Sum of all ranks' canonical segments, bitwise equal on every rank to `canonical_tree_sum`.
 
     local_segments: this rank's k segments (rank r owns r*k .. r*k+k-1), same
     shape/dtype/device; every rank passes the same k. Returns the payload dtype.
     Without a process group it is `canonical_tree_sum(local_segments)`.
+    check: first gather every rank's (k, shape, dtype) and raise where they differ (a clear error instead of a
+    collective of mismatched sizes) — one more collective, and on a GPU a host wait for the device (the ints come back
+    to the host). check=False: the caller guarantees the ranks agree — rlkernel's own layers (one model, one batch on
+    every rank of a TP / CP group), which call this twice a transformer layer, so a decode step at TP > 1 would wait
+    for the device twice a layer. The same bits either way.
+    gather: every rank's tensor stacked [world, *shape] in rank order, by another communicator than
+    torch.distributed's all_gather on `group` (a rollout engine's own: vLLM's TP group coordinator, which CUDA graphs
+    can capture); `group` still gives the world size. It moves data only, so the bits are the same.
     """
     _check_segments(local_segments, "tree_all_reduce")
     s0 = local_segments[0]
-    sigs = _gather_ints([len(local_segments), _signature(s0.shape, s0.dtype)], s0.device, group)
-    if any(s != sigs[0] for s in sigs):
-        raise ValueError(f"tree_all_reduce: ranks disagree on segment count/shape/dtype: per-rank (k, signature) {sigs}; this rank has k={len(local_segments)} of {tuple(s0.shape)} {s0.dtype}")
+    if check:
+        sigs = _gather_ints([len(local_segments), _signature(s0.shape, s0.dtype)], s0.device, group)
+        if any(s != sigs[0] for s in sigs):
+            raise ValueError(f"tree_all_reduce: ranks disagree on segment count/shape/dtype: per-rank (k, signature) {sigs}; this rank has k={len(local_segments)} of {tuple(s0.shape)} {s0.dtype}")
     k = len(local_segments)
+    gather = gather or (lambda t: _gather(t, group))
     if k >= 2 and k & (k - 1) == 0 and _world(group)[0] > 1:
         # k a power of two: this rank's block is an aligned subtree of the canonical tree (zero padding lies beyond
         # every block), so the tree over the ranks' subtree sums *is* the canonical tree: reduce locally first and
         # move one float32 partial per rank instead of k segments (the adds are the same adds on the same values)
         acc = torch.promote_types(s0.dtype, torch.float32) if s0.dtype.is_floating_point else s0.dtype
         partial = tree_sum(torch.stack(list(local_segments)).to(acc), dim=0)
-        return tree_sum(_gather(partial, group), dim=0).to(s0.dtype)
-    gathered = _gather(torch.stack(list(local_segments)), group)  # [world, k, *shape], rank-major = segment order
+        return tree_sum(gather(partial), dim=0).to(s0.dtype)
+    gathered = gather(torch.stack(list(local_segments)))  # [world, k, *shape], rank-major = segment order
     return _tree_reduce(gathered.reshape(-1, *s0.shape))
 
 

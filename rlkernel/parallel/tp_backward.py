@@ -75,7 +75,7 @@ class ColumnParallelLinearFn(torch.autograd.Function):
                 dx = linear(dy_s, w_s.t(), k_segments=ctx.segments, backend="strict").reshape(x.shape)
             else:
                 parts = linear_segment_partials(dy_s, w_s.t().contiguous(), ctx.segments)  # [M, K] float32 each
-                dx = tree_all_reduce(parts, ctx.group).to(x.dtype).reshape(x.shape)
+                dx = tree_all_reduce(parts, ctx.group, check=False).to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1] and ctx.tokens is not None:
             _ts.deposit(ctx.param, _segment_weight_grads(dy2, x2, ctx.tokens.n_local))
         elif ctx.needs_input_grad[1]:
@@ -102,7 +102,7 @@ class RowParallelLinearFn(torch.autograd.Function):
         ctx.tokens, ctx.param = _ts.current(), weight
         if _one_rank(group):  # linear with k_segments is the canonical tree over the segment partials, cast once
             return linear(x, weight, k_segments=segments, backend="strict")
-        return tree_all_reduce(linear_segment_partials(x, weight, segments), group)
+        return tree_all_reduce(linear_segment_partials(x, weight, segments), group, check=False)
 
     @staticmethod
     def backward(ctx, g):
@@ -141,7 +141,7 @@ def head_segment_weight_grad(heads: int, n: int, group, dtype: torch.dtype):
         sums = tree_sum(segs, dim=0).view(n, d).to(dtype)
         if _one_rank(group):  # tree_all_reduce's own merge (float32 tree, one cast) without the list round trip
             return _tree_reduce(sums)
-        return tree_all_reduce(list(sums.unbind(0)), group)
+        return tree_all_reduce(list(sums.unbind(0)), group, check=False)
 
     return reduce
 
