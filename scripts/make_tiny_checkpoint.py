@@ -21,11 +21,20 @@ def main():
     ap.add_argument("--max-position-embeddings", type=int, default=2048,
                     help="the model's length limit (a recipe's rollout.max_model_len must fit: grpo_qwen3_8b needs 9216)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", default="hf", choices=["hf", "stream"],
+                    help="hf: transformers builds and initialises the model (the tests' and recipes' weights); stream: "
+                         "each tensor drawn on its own, in parallel, written in shards, without building the model "
+                         "(for real widths: a random Qwen3-8B; other weights than hf's for the same seed)")
+    ap.add_argument("--device", default="cpu", help="with --init stream: where the tensors are drawn (cpu or cuda)")
+    ap.add_argument("--max-shard-gb", type=float, default=4.0, help="with --init stream: the largest weight file")
     a = ap.parse_args()
+    if a.init == "hf" and a.device != "cpu":
+        ap.error("--device applies to --init stream only")
     path = make_tiny_checkpoint(a.out, arch=a.arch, vocab_size=a.vocab_size, hidden_size=a.hidden_size,
                                 intermediate_size=a.intermediate_size, num_layers=a.num_layers, num_heads=a.num_heads,
                                 num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, tie_word_embeddings=not a.untied,
-                                max_position_embeddings=a.max_position_embeddings, dtype=a.dtype, seed=a.seed)
+                                max_position_embeddings=a.max_position_embeddings, dtype=a.dtype, seed=a.seed,
+                                init=a.init, device=a.device, max_shard_bytes=int(a.max_shard_gb * (1 << 30)))
     print(path)
 
 

@@ -137,3 +137,60 @@ def test_decoder_checks_the_rope_bound_once_a_forward(checkpoint):
 def rk_attention(q, k, v):
     from rlkernel.ops.attention import attention_varlen
     return attention_varlen(q, k, v, torch.tensor([0, q.shape[0]]))
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("case,dtype", [("qwen3-untied-odd", "bfloat16"), ("llama-tied-odd", "float32")])
+def test_streamed_checkpoint_has_the_hf_layout_and_loads(case, dtype, tmp_path, capsys):
+    """make_tiny_checkpoint(init="stream") (the GPU runs' random Qwen3-8B, without building the model in float32):
+    the files `save_pretrained` writes (config.json and generation_config.json equal to init="hf"'s, the same weight
+    names, shapes and dtypes, the shard index where it shards), loaded by HF transformers with no missing or
+    unexpected weight and scored by the strict decoder as HF scores it; each weight drawn from (seed, name) alone
+    (other shards, same tensors; another seed, other tensors), std as asked, norms around 1."""
+    import json
+
+    kw = dict(CASES[case], dtype=dtype, seed=3, init_std=0.08)
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", **kw)
+    capsys.readouterr()
+    st = make_tiny_checkpoint(tmp_path / "st", init="stream", max_shard_bytes=40_000, **kw)
+    assert "make_tiny_checkpoint: model-00001-of-" in capsys.readouterr().err  # progress per shard
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((st / name).read_text()) == json.loads((hf_dir / name).read_text()), name
+    index = json.loads((st / "model.safetensors.index.json").read_text())
+    a, b = _tensors(hf_dir), _tensors(st)
+    assert len(set(index["weight_map"].values())) > 1 and set(index["weight_map"]) == set(b)
+    assert {k: (v.shape, v.dtype) for k, v in a.items()} == {k: (v.shape, v.dtype) for k, v in b.items()}
+    one = _tensors(make_tiny_checkpoint(tmp_path / "one", init="stream", **kw))  # one file: other shards
+    assert not (tmp_path / "one" / "model.safetensors.index.json").exists()
+    assert all(torch.equal(one[k].view(torch.uint8), b[k].view(torch.uint8)) for k in b)
+    other = _tensors(make_tiny_checkpoint(tmp_path / "seed4", init="stream", **(kw | {"seed": 4})))
+    assert all(not torch.equal(other[k], b[k]) for k in b)
+    norms = torch.cat([v.float().flatten() for k, v in b.items() if k.endswith("norm.weight")])
+    rest = torch.cat([v.float().flatten() for k, v in b.items() if not k.endswith("norm.weight")])
+    assert abs(norms.mean().item() - 1) < 0.02 and abs(norms.std().item() - 0.1) < 0.02
+    assert abs(rest.mean().item()) < 0.002 and abs(rest.std().item() / 0.08 - 1) < 0.01
+
+    hf, info = AutoModelForCausalLM.from_pretrained(st, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ours = StrictDecoder.from_pretrained(st)
+    s = torch.randint(4, ours.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        ref = hf.eval()(torch.tensor([s])).logits[0]
+        got = ours.logits(ours.forward_packed(torch.tensor(s), torch.tensor([0, len(s)])))
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < (1e-4 if dtype == "float32" else 2e-2)
+
+
+def test_streamed_checkpoint_refuses_what_it_cannot_do(tmp_path):
+    with pytest.raises(ValueError, match="init must be 'hf' or 'stream'"):
+        make_tiny_checkpoint(tmp_path / "x", init="fast")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA device"):
+            make_tiny_checkpoint(tmp_path / "y", init="stream", device="cuda")

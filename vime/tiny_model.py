@@ -63,9 +63,25 @@ def make_tiny_checkpoint(
     dtype: str = "float32",
     seed: int = 0,
     init_std: float = 0.02,
+    init: str = "hf",
+    device: str = "cpu",
+    max_shard_bytes: int = 4 << 30,
 ) -> Path:
-    """Write config.json, model.safetensors and the tokenizer under `out`; returns the path."""
+    """Write config.json, the weights (safetensors) and the tokenizer under `out`; returns the path.
+
+    init="hf": transformers' own model built and initialised (in float32, then cast), saved with `save_pretrained`:
+    what the tests and recipes use. init="stream": the same files without building the model — each parameter drawn
+    on its own (std `init_std` normal, norms 1 + 0.1 normal, as "hf" gives), tensors in parallel, written in shards
+    of at most `max_shard_bytes` (with the index file `from_pretrained` and vLLM read): for checkpoints at real
+    widths (a random Qwen3-8B for the GPU runs), where "hf" holds the whole model in float32 and draws it on one
+    thread. Its weights are a function of (seed, parameter name, `device`): another draw than "hf"'s; `device`
+    ("cuda") draws there."""
+    if init not in ("hf", "stream"):
+        raise ValueError(f"init must be 'hf' or 'stream', got {init!r}")
     import torch
+
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: this torch sees no CUDA device (draw on the CPU: device='cpu')")
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     out = Path(out)
@@ -89,6 +105,12 @@ def make_tiny_checkpoint(
         bos_token_id=None,
         torch_dtype=dtype,
     )
+    if init == "stream":
+        _stream_weights(out, cfg, cls_model, dtype=getattr(torch, dtype), seed=seed, std=init_std, device=device,
+                        max_shard_bytes=max_shard_bytes)
+        meta = {"generator": "vime.tiny_model", "arch": arch, "seed": seed, "init": "stream", "device": device}
+        (out / "vime_tiny.json").write_text(json.dumps(meta))
+        return out
     torch.manual_seed(seed)
     model = cls_model(cfg).to(getattr(torch, dtype))
     with torch.no_grad():  # random norms too, so a wrong norm placement cannot hide behind ones
@@ -99,3 +121,65 @@ def make_tiny_checkpoint(
     meta = {"generator": "vime.tiny_model", "arch": arch, "seed": seed}
     (out / "vime_tiny.json").write_text(json.dumps(meta))
     return out
+
+
+def _stream_weights(out: Path, cfg, cls_model, *, dtype, seed: int, std: float, device: str, max_shard_bytes: int):
+    """init="stream": the parameters' names and shapes from the model built on the meta device (no memory), each
+    drawn by its own generator (seeded by seed and its name, so the draw does not depend on order or threads),
+    several at once, written shard by shard; then config.json and generation_config.json as `save_pretrained`
+    writes them."""
+    import hashlib
+    import os
+    import sys
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    with torch.device("meta"):
+        model = cls_model(cfg)
+    params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # a tied head is the embedding: once
+    dev = torch.device(device)
+
+    def draw(item):
+        name, shape = item
+        g = torch.Generator(device=dev)
+        g.manual_seed(int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1)
+        x = torch.randn(shape, generator=g, device=dev, dtype=torch.float32)
+        x = 1.0 + 0.1 * x if name.endswith("norm.weight") else x.mul_(std)
+        return name, x.to(dtype).cpu().contiguous()
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    nbytes = {name: elem * torch.Size(shape).numel() for name, shape in params}
+    shards, cur, size = [], [], 0
+    for name, shape in params:
+        if cur and size + nbytes[name] > max_shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append((name, shape))
+        size += nbytes[name]
+    if cur:
+        shards.append(cur)
+    total = sum(nbytes.values())
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map = {}
+    workers = 4 if dev.type == "cuda" else max(1, min(16, os.cpu_count() or 1))
+    t0, done = time.perf_counter(), 0
+    with ThreadPoolExecutor(workers) as pool:
+        for i, (fname, shard) in enumerate(zip(names, shards)):
+            tensors = dict(pool.map(draw, shard))
+            save_file(tensors, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in tensors})
+            done += sum(nbytes[n] for n in tensors)
+            del tensors
+            print(f"make_tiny_checkpoint: {fname} ({i + 1}/{len(names)}), {done / 2**30:.1f} of {total / 2**30:.1f} GiB "
+                  f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    if len(shards) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    cfg.architectures = [cls_model.__name__]
+    cfg.save_pretrained(out)
+    GenerationConfig.from_model_config(cfg).save_pretrained(out)
