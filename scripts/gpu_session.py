@@ -47,6 +47,9 @@ STEPS: dict[str, tuple[int, str]] = {
     "parity_strict_bf16": (300, f"{_PARITY} --dtype bfloat16 --update-weights"),
     "parity_strict_megatron": (300, f"{_PARITY} --scorer megatron --update-weights"),
     "parity_strict_tp2": (300, f"{_PARITY} --tp 2 --cuda-graphs off"),
+    # session 30: the strict engine's TP merges gather through vLLM's own communicator, which its CUDA graphs capture:
+    # the experiment that would prove the strict decode graphs at TP=2 (two GPUs; strict_tp_graphs_experiment in the JSON)
+    "parity_strict_tp2_graphs": (300, f"VIME_STRICT_TP_GRAPHS=1 {_PARITY} --tp 2 --cuda-graphs on"),
     "parity_native": (300, f"{_PARITY} --mode native"),
     # CUDA graphs: the strict engine's decode graphs (no compile) and stock vLLM compiled with graphs, each with a weight
     # update; 32 sequences at a time so decode batches of many sizes replay captured graphs
@@ -80,6 +83,18 @@ STEPS: dict[str, tuple[int, str]] = {
                                      "--tag h200_loop_grpo_qwen3_gpu_fa3 --out {out} strict:rlkernel.ops.attention=fa3"),
     # rollout tokens/s at the Qwen3-0.6B shape (random weights, bf16), 256 prompts x 128 tokens: strict (eager) vs stock
     # vLLM eager and with CUDA graphs
+    # issue 15 on eight H200s (nvidia-h200-x8, staged): a random Qwen3-8B drawn on the GPU (make_tiny_checkpoint --init
+    # stream, 4 GiB shards) and the synthetic dapo-layout set; then the native arm, then the strict arm beside it in
+    # a second call on the same warm machine (--reuse native). Responses capped at 512 tokens: a random 8B model seldom
+    # samples EOS, so every response would run to the recipe's 7,168 (say so with the figures)
+    "qwen3_8b_ckpt": (420, "python3 scripts/make_tiny_checkpoint.py /models/Qwen3-8B --vocab-size 151936 --hidden-size 4096 "
+                           "--intermediate-size 12288 --num-layers 36 --num-heads 32 --num-kv-heads 8 --head-dim 128 "
+                           "--max-position-embeddings 40960 --dtype bfloat16 --untied --init stream --device cuda && "
+                           "python3 scripts/make_dataset.py /data/dapo-math-17k.parquet --task addition --n 17000"),
+    "loop_qwen3_8b_native": (590, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_8b --steps 20 --arms native "
+                                  "--out {out} rollout.max_tokens=512 rollout.max_model_len=2560"),
+    "loop_qwen3_8b_strict": (590, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_8b --steps 20 --arms native,strict "
+                                  "--reuse native --out {out} rollout.max_tokens=512 rollout.max_model_len=2560"),
     "qwen06_ckpt": (180, "python3 scripts/make_tiny_checkpoint.py /tmp/q06 --vocab-size 151936 --hidden-size 1024 --intermediate-size 3072 "
                          "--num-layers 28 --num-heads 16 --num-kv-heads 8 --head-dim 128"),
     "rollout_bench": (540, "python3 scripts/bench_rollout.py --model /tmp/q06 --dtype bfloat16 --num-prompts 256 --prompt-len 64 "
