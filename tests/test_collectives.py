@@ -132,6 +132,34 @@ def _run_group(group) -> dict:
     out["gather_used"] = len(_COLLECTIVES) == n2  # the list all_gather was not called
     out["gather_equal"] = torch.equal(checked.view(torch.int32), via.view(torch.int32))
     out["mismatch_gather"] = _error(lambda: C.all_gather(torch.zeros(2, 3 + rank), group))
+    out["uniform_head"] = _uniform_head(rank, world, group)
+    return out
+
+
+def _uniform_head(rank: int, world: int, group) -> dict:
+    """The head's layout of rlkernel's own TP heads (rank r holds `rows` rows from r * rows; the padded vocab a whole
+    number of shards): the vocab-parallel ops with the ranges computed (check=False) against gathered (check=True)."""
+    rows = TILE * -(-VOCAB_PADDED // (TILE * world))
+    out = {}
+    for case in LOGPROB_CASES:
+        _, dtype, temperature = case
+        hidden, weight, targets = _logprob_inputs(dtype)
+        full = torch.cat([weight, torch.full((rows * world - VOCAB_PADDED, HID), 1e30, dtype=dtype)])  # padding rows
+        shard = full[rank * rows : (rank + 1) * rows].clone()
+        kw = dict(vocab_start=rank * rows, vocab_size=VOCAB, temperature=temperature, group=group)
+        n0 = len(_COLLECTIVES)
+        lp = C.vocab_parallel_logprob(hidden, shard, targets, **kw)
+        n1 = len(_COLLECTIVES)
+        lp_c = C.vocab_parallel_logprob(hidden, shard, targets, check=False, **kw)
+        n2 = len(_COLLECTIVES)
+        ent, ent_c = C.vocab_parallel_entropy(hidden, shard, **kw), C.vocab_parallel_entropy(hidden, shard, check=False, **kw)
+        want = rlkernel.linear_logprob(hidden, weight[:VOCAB], targets, temperature)
+        out[case[0]] = {"collectives": (n1 - n0, n2 - n1), "equal": torch.equal(lp.view(torch.int32), lp_c.view(torch.int32)),
+                        "equal_one_process": torch.equal(lp_c.view(torch.int32), want.view(torch.int32)),
+                        "entropy_equal": torch.equal(ent.view(torch.int32), ent_c.view(torch.int32))}
+    # a call off that layout is refused on the rank that makes it (before any collective: no rank is left waiting)
+    out["off_layout"] = _error(lambda: C.vocab_parallel_logprob(hidden, shard, targets, vocab_start=rank * rows + TILE,
+                                                                vocab_size=VOCAB, group=group, check=False))
     return out
 
 
@@ -291,6 +319,21 @@ def test_the_layers_reduction_skips_the_shape_check_and_its_collective(runs):
         for res in runs[world]:
             assert res["collectives"] == (2, 1) and res["unchecked_equal"], (world, res["collectives"])
             assert res["gather_used"] and res["gather_equal"], world  # TensorParallel.gather: the engine's transport
+
+
+def test_the_heads_vocab_ranges_are_computed_without_a_collective(runs):
+    """vocab_parallel_logprob / _entropy(check=False), what rlkernel's own TP heads call (Megatron's output layer, the
+    trainer's forward and backward): the ranks' shard ranges computed from the layout rank * rows instead of gathered
+    (on a GPU that gather waits for the device: a host stall a head call) — one collective fewer, the same bits as the
+    checked call and as the one-process linear_logprob; a vocab_start off that layout raises."""
+    for world in WORLDS:
+        for res in runs[world]:
+            head = res["uniform_head"]
+            for case in LOGPROB_CASES:
+                r = head[case[0]]
+                assert r["collectives"] == (2, 1), (world, case[0], r)
+                assert r["equal"] and r["equal_one_process"] and r["entropy_equal"], (world, case[0], r)
+            assert "computed layout puts rank r's shard at r * rows" in head["off_layout"], head["off_layout"]
 
 
 def test_cross_rank_mismatch_raises_on_every_rank(runs):

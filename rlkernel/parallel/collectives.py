@@ -238,16 +238,25 @@ def _check_shards(ranges: list[list[int]], vocab_size: int) -> None:
         raise ValueError(f"vocab_parallel_logprob: shards cover [0, {end}) but the vocab is [0, {vocab_size}); per-rank ranges {ranges}")
 
 
-def _vocab_shards(who, hidden, weight_shard, vocab_start, vocab_size, temperature, group):
-    """Checks shared by the vocab-parallel ops; (this rank's [lo, hi), every rank's meta, tiles per rank)."""
+def _vocab_shards(who, hidden, weight_shard, vocab_start, vocab_size, temperature, group, check=True):
+    """Checks shared by the vocab-parallel ops; (this rank's [lo, hi), every rank's meta, tiles per rank).
+    check=False: the ranks' ranges are computed, not gathered (see vocab_parallel_logprob)."""
     if hidden.dim() != 2 or weight_shard.dim() != 2 or weight_shard.shape[1] != hidden.shape[1]:
         raise ValueError(f"{who}: want hidden [T, H], weight_shard [rows, H]; got {tuple(hidden.shape)}, {tuple(weight_shard.shape)}")
     if vocab_size <= 0 or vocab_start < 0 or not temperature > 0:
         raise ValueError(f"{who}: need vocab_size > 0, vocab_start >= 0, temperature > 0; got {vocab_size}, {vocab_start}, {temperature}")
-    lo, hi = min(vocab_start, vocab_size), min(vocab_start + weight_shard.shape[0], vocab_size)
-    meta = _gather_ints([lo, hi, hidden.shape[0], vocab_size], hidden.device, group)
-    if any(m[2:] != meta[0][2:] for m in meta):
-        raise ValueError(f"{who}: ranks disagree on (tokens, vocab_size): {[m[2:] for m in meta]}")
+    rows = weight_shard.shape[0]
+    lo, hi = min(vocab_start, vocab_size), min(vocab_start + rows, vocab_size)
+    if check:
+        meta = _gather_ints([lo, hi, hidden.shape[0], vocab_size], hidden.device, group)
+        if any(m[2:] != meta[0][2:] for m in meta):
+            raise ValueError(f"{who}: ranks disagree on (tokens, vocab_size): {[m[2:] for m in meta]}")
+    else:
+        world, rank = _world(group)
+        if vocab_start != rank * rows:
+            raise ValueError(f"{who}(check=False): the computed layout puts rank r's shard at r * rows; rank {rank} holds "
+                             f"{rows} rows from vocab_start {vocab_start}, not {rank * rows}: pass check=True for another layout")
+        meta = [[min(r * rows, vocab_size), min((r + 1) * rows, vocab_size), hidden.shape[0], vocab_size] for r in range(world)]
     _check_shards([m[:2] for m in meta], vocab_size)
     return (lo, hi), meta, [-(-(end - start) // VOCAB_TILE) for start, end, *_ in meta]
 
@@ -292,12 +301,14 @@ def _sum_tiles_over_ranks(parts, counts, meta, group):
 
 @torch.no_grad()
 def vocab_parallel_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, *, vocab_start: int, vocab_size: int, temperature: float = 1.0,
-                           group=None) -> torch.Tensor:
+                           group=None, check: bool = True) -> torch.Tensor:
     """float32 entropy of softmax(hidden @ lm_head.T / T) over the true vocab, the lm_head split over ranks by
     vocab rows; forward only. The global log-sum-exp is the (m, l) tile tree of `vocab_parallel_logprob`; each
     rank then sums p*z inside its tiles, the per-tile sums are gathered and summed by the tree of
-    `rlkernel.linear_entropy` over the global tile list — bitwise equal to it on every rank."""
-    (lo, hi), meta, n_tiles = _vocab_shards("vocab_parallel_entropy", hidden, weight_shard, vocab_start, vocab_size, temperature, group)
+    `rlkernel.linear_entropy` over the global tile list — bitwise equal to it on every rank. check: as in
+    `vocab_parallel_logprob`."""
+    (lo, hi), meta, n_tiles = _vocab_shards("vocab_parallel_entropy", hidden, weight_shard, vocab_start, vocab_size, temperature, group,
+                                            check)
     impl = _strict_logprob_impl(hidden.device)
     if impl.name == "triton":
         from ..backends.triton import ops as tops
@@ -321,7 +332,7 @@ def vocab_parallel_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor, *, 
 
 @torch.no_grad()
 def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, vocab_size: int, temperature: float = 1.0, group=None,
-                           return_lse: bool = False):
+                           return_lse: bool = False, check: bool = True):
     """float32 log p(targets) with the lm_head split over ranks by vocab rows; forward only (no autograd).
 
     hidden [T, H] and targets [T] are the same on every rank; weight_shard holds
@@ -334,6 +345,12 @@ def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
     multiples raise ValueError on every rank. On the GPU (the Triton implementation)
     the tiles and the tree are its fused kernel's, so the result equals the one-GPU
     `rlkernel.linear_logprob` bit for bit likewise. return_lse: also the log-sum-exp [T].
+    check: first gather every rank's shard range, token count and vocab size (any contiguous tile-aligned layout;
+    ranks that disagree raise on every rank) — one more collective, and on a GPU a host wait for the device (the ints
+    come back to the host) a call. check=False: the caller guarantees the layout rlkernel's own TP heads use — every
+    rank holds weight_shard.shape[0] rows from rank * that, the same hidden rows and vocab_size on every rank — so the
+    ranges are computed on each rank (a vocab_start off that layout raises here; the tile-boundary checks still run).
+    The same bits either way.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"vocab_parallel_logprob: want hidden [T, H], targets [T]; got {tuple(hidden.shape)}, {tuple(targets.shape)}")
@@ -342,7 +359,8 @@ def vocab_parallel_logprob(hidden: torch.Tensor, weight_shard: torch.Tensor, tar
         torch._assert_async(((targets >= 0) & (targets < vocab_size)).all(), "vocab_parallel_logprob: targets outside the vocab")
     elif targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
         raise ValueError(f"vocab_parallel_logprob: targets outside [0, {vocab_size})")
-    (lo, hi), meta, n_tiles = _vocab_shards("vocab_parallel_logprob", hidden, weight_shard, vocab_start, vocab_size, temperature, group)
+    (lo, hi), meta, n_tiles = _vocab_shards("vocab_parallel_logprob", hidden, weight_shard, vocab_start, vocab_size, temperature, group,
+                                            check)
     impl = _strict_logprob_impl(hidden.device)
     local_t = targets - vocab_start
     if impl.name == "triton":

@@ -24,7 +24,7 @@ class VocabParallelLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, start, vocab_size, temperature, group, segment_rows=None):
         lp, lse = vocab_parallel_logprob(hidden, weight, targets, vocab_start=start, vocab_size=vocab_size, temperature=temperature,
-                                         group=group, return_lse=True)
+                                         group=group, return_lse=True, check=False)  # (rank * rows: megatron_spec's head)
         prims, shard = strict_prims(hidden.device), weight.shape[0]
         lo, hi = min(group.rank() * shard, vocab_size), min((group.rank() + 1) * shard, vocab_size)
         ctx.save_for_backward(hidden, weight, targets, lse)
@@ -143,5 +143,7 @@ def local_backward_per_tile(hidden, weight, targets, lse, g, start, span, segmen
 
 def vocab_parallel_logprob_fn(hidden, weight, targets, start, vocab_size, temperature, group, segment_rows=None):
     """Differentiable float32 log p(targets) with the lm_head split over `group` by vocab rows. With `segment_rows`
-    (rows per canonical vocab segment, the shard a whole number of them) dL/dhidden is TP invariant."""
+    (rows per canonical vocab segment, the shard a whole number of them) dL/dhidden is TP invariant. Every rank holds
+    weight.shape[0] rows from start = rank * that (the layout whose ranges the forward computes instead of gathering:
+    vocab_parallel_logprob(check=False); another start raises)."""
     return VocabParallelLogprob.apply(hidden, weight, targets, start, vocab_size, temperature, group, segment_rows)
