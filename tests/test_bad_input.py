@@ -56,6 +56,7 @@ BAD = [  # (overrides, key the message must name, a phrase of the problem or fix
     (["trainer.cp=4", "trainer.token_segments=2", "run.executor=ray"], "trainer.token_segments", "multiple of trainer.cp=4"),
     (["trainer.token_segments=2", "rlkernel.mode=native"], "trainer.token_segments", "strict contract"),
     (["trainer.token_segments=2", "algorithm.entropy_coef=0.01"], "trainer.token_segments", "entropy bonus"),
+    (["trainer.micro_batch_tokens=-1"], "trainer.micro_batch_tokens", ">= 0"),
     (["rollout.num_engines=2", "run.executor=inprocess"], "rollout.num_engines", "need the Ray executor"),
     (["resources.nodes=2"], "resources.nodes", "one node"),
     (["run.call_timeout_s=0"], "run.call_timeout_s", "> 0"),

@@ -140,3 +140,54 @@ def test_provenance_and_restored_settings(strict_run, checkpoint):
             trainer.update(b)
     with pytest.raises(ValueError, match="entropy"):
         TrainerConfig(tp=2, grpo=GRPOConfig(entropy_coef=0.01))
+
+
+def test_micro_batches_cut_whole_samples_in_order():
+    """TrainBatch.micro_batches: consecutive runs of whole samples within the token budget (a longer sample alone), every
+    per-sample field sliced alike; 0 or a budget above the batch: the batch itself; a negative budget raises."""
+    b = _batch(0)  # samples of 12, 40, 17 and 30 tokens
+    assert b.micro_batches(0) == [b] and b.micro_batches(99) == [b]
+    parts = b.micro_batches(50)
+    assert [len(p.sequences) for p in parts] == [1, 1, 2] and [p.num_tokens for p in parts] == [12, 40, 47]
+    assert [len(p.sequences) for p in b.micro_batches(20)] == [1, 1, 1, 1]  # 40 and 30 exceed it: each alone
+    assert sum((p.sequences for p in parts), []) == b.sequences
+    assert torch.equal(torch.cat([p.advantages for p in parts]), b.advantages)
+    assert all(torch.equal(x, y) for x, y in zip([m for p in parts for m in p.loss_mask], b.loss_mask))
+    assert all(torch.equal(x, y) for x, y in zip([m for p in parts for m in p.rollout_logprobs], b.rollout_logprobs))
+    with pytest.raises(ValueError, match=">= 0"):
+        b.micro_batches(-1)
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        TrainerConfig(micro_batch_tokens=-5)
+
+
+def test_strict_scores_do_not_depend_on_the_micro_batches(checkpoint):
+    """Scoring in micro-batches (trainer micro_batch_tokens) gives the whole batch's logprobs bit for bit on the strict
+    path (batch invariance). The native path's difference, if any, is printed (a record: this CPU's BLAS may agree)."""
+    batch = _batch(STEPS)
+    scores = {}
+    for mode in ("strict", "native"):
+        for budget in (0, 50):
+            with MegatronTrainer(TrainerConfig(mode=mode, seed=7, threads=2, micro_batch_tokens=budget)) as trainer:
+                trainer.load_hf(checkpoint)
+                scores[mode, budget] = torch.cat(trainer.score(batch))
+    assert torch.equal(scores["strict", 0].view(torch.int32), scores["strict", 50].view(torch.int32))
+    print("native scores differing between whole batch and micro-batches:",
+          int((scores["native", 0] != scores["native", 50]).sum()), "of", scores["native", 0].numel())
+
+
+def test_micro_batches_accumulate_the_batch_update(checkpoint, strict_run):
+    """An update in micro-batches of at most 50 tokens (three backward passes, gradients accumulated; every mean over
+    tokens divided by the whole batch's count) is deterministic run to run, bit for bit, and is the whole-batch update
+    up to the order its gradients are summed in: losses, metrics, grad norms and weights within float32 rounding."""
+    with threads(2):
+        a, b = _train(checkpoint, micro_batch_tokens=50), _train(checkpoint, micro_batch_tokens=50)
+    _equal_runs(a, b)
+    for whole, parts in zip(strict_run["metrics"], a["metrics"]):
+        for k in ("loss", "grad_norm", "kl", "entropy", "clip_fraction", "approx_kl_old", "tis_weight_mean", "ratio_max"):
+            assert abs(whole[k] - parts[k]) <= 1e-5 * max(1.0, abs(whole[k])), (k, whole[k], parts[k])
+        assert parts["tokens"] == whole["tokens"] and (parts["micro_batches"], whole["micro_batches"]) == (3, 1)
+    moved = 0
+    for name, w in strict_run["weights"].items():
+        assert torch.allclose(w, a["weights"][name], rtol=1e-4, atol=1e-6), name
+        moved += int(not torch.equal(w, a["weights"][name]))
+    print("tensors whose bits differ from the whole-batch update:", moved, "of", len(strict_run["weights"]))

@@ -63,6 +63,33 @@ class TrainBatch:
             rollout_logprobs=[torch.from_numpy(r.rollout_logprobs.copy()) for r in records],
         )
 
+    def micro_batches(self, max_tokens: int) -> list["TrainBatch"]:
+        """The batch cut into consecutive runs of whole samples of at most `max_tokens` tokens each (prompt + response;
+        a sample longer than that is a run of its own), in order — a function of the batch and `max_tokens` alone, so
+        every rank and every run cuts it alike. 0: the batch itself. What the trainer's forwards and backwards take one
+        at a time (trainer.micro_batch_tokens): activation memory bounded by the budget, not the batch."""
+        if max_tokens < 0:
+            raise ValueError(f"micro_batches: max_tokens must be >= 0 (0: one micro-batch), got {max_tokens}")
+        if not max_tokens or self.num_tokens <= max_tokens:
+            return [self]
+        cuts, used = [0], 0
+        for i, seq in enumerate(self.sequences):
+            if used and used + len(seq) > max_tokens:
+                cuts.append(i)
+                used = 0
+            used += len(seq)
+        cuts.append(len(self.sequences))
+        return [self.select(a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+
+    def select(self, a: int, b: int) -> "TrainBatch":
+        """Samples a .. b-1 (every per-sample field sliced alike)."""
+        def part(x):
+            return None if x is None else x[a:b]
+
+        return TrainBatch(sequences=self.sequences[a:b], prompt_lens=self.prompt_lens[a:b], loss_mask=self.loss_mask[a:b],
+                          temperature=self.temperature, weight_version=self.weight_version, advantages=part(self.advantages),
+                          rollout_logprobs=part(self.rollout_logprobs), old_logprobs=part(self.old_logprobs))
+
     # Pickling (Ray moves batches between roles): each per-sample list travels as one flat
     # tensor plus lengths. Ray serialises every tensor of a list on its own (measured: 256
     # five-element tensors cost 146 ms a call, one tensor 4 ms); values are unchanged.

@@ -186,6 +186,11 @@ class TrainerSection:
     # two, a multiple of cp) = every sum over tokens per segment and one tree, so runs at CP=1, 2, ... S with the same S
     # are bitwise equal (slower: attention's backward by pieces, one GEMM per segment for each weight gradient)
     token_segments: int = 1
+    # the update's forwards and backwards (and scoring's) take the batch in runs of whole samples of at most this many
+    # tokens, the gradients accumulated over them (activation memory bounded by this, not by the batch: a full-size
+    # batch at 8B does not fit one forward); 0: the whole batch at once. The strict path's logprobs are the same bits
+    # either way (batch invariance); the gradients are summed micro-batch by micro-batch (another order than 0's)
+    micro_batch_tokens: int = 0
     # profile the update of this step (0-based; the update that makes weight version N+1) with torch.profiler:
     # run_dir/profile/update_step_N.json (host and device time, kernel launches, the host's waits for the device). That
     # step's wall times include the profiler's overhead
@@ -212,6 +217,9 @@ class TrainerSection:
             _positive(f"trainer.{k}", getattr(self, k))
         if self.threads is not None:
             _positive("trainer.threads", self.threads, example="2 (or null: keep the process setting)")
+        _require(isinstance(self.micro_batch_tokens, int) and self.micro_batch_tokens >= 0, "trainer.micro_batch_tokens",
+                 f"must be an int >= 0 (0: the whole batch at once), got {self.micro_batch_tokens!r}",
+                 "set trainer.micro_batch_tokens=16384 (or 0)")
         s = self.token_segments
         _require(isinstance(s, int) and s >= 1 and not s & (s - 1) and (s == 1 or s % self.cp == 0), "trainer.token_segments",
                  f"must be a power of two and a multiple of trainer.cp={self.cp} (1: off), got {s}",

@@ -60,8 +60,13 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     return k3 if estimator == "k3" else torch.clamp(k3, -10.0, 10.0)
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return tree_sum((x * mask).reshape(-1), dim=0) / tree_sum(mask.reshape(-1), dim=0).clamp_min(1.0)
+def token_count(mask: torch.Tensor) -> torch.Tensor:
+    """The masked means' denominator: the mask's sum (a 0-d tensor), at least 1."""
+    return tree_sum(mask.float().reshape(-1), dim=0).clamp_min(1.0)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor, denominator: torch.Tensor | None = None) -> torch.Tensor:
+    return tree_sum((x * mask).reshape(-1), dim=0) / (token_count(mask) if denominator is None else denominator)
 
 
 def grpo_loss(
@@ -75,6 +80,7 @@ def grpo_loss(
     rollout_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     read_back: bool = True,
+    denominator: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level GRPO loss. All inputs are per token [T] (advantages broadcast per token).
 
@@ -83,7 +89,9 @@ def grpo_loss(
     rollout_logprobs: needed only for TIS. read_back=False: the metrics stay 0-d tensors on the
     loss's device (`read_metrics` turns them into floats in one read): a trainer on a GPU reads
     them after its optimizer step, so the host is not made to wait for the forward before it
-    launches the backward.
+    launches the backward. denominator: what the masked means divide by (default: this mask's
+    `token_count`); a micro-batch passes the whole batch's, so the micro-batches' losses and mean
+    metrics add up to the batch's (`combine_metrics`).
     """
     mask = mask.float()
     ratio = torch.exp(logprobs - old_logprobs)
@@ -96,27 +104,48 @@ def grpo_loss(
             raise ValueError("tis_cap is set but no rollout_logprobs were given")
         w = torch.clamp(torch.exp(old_logprobs - rollout_logprobs), max=cfg.tis_cap).detach()
         pg = pg * w
-        metrics["tis_weight_mean"] = _masked_mean(w, mask)
+        metrics["tis_weight_mean"] = _masked_mean(w, mask, denominator)
     loss_tok = pg
     if cfg.kl_coef:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
         kl = kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator)
         loss_tok = loss_tok + cfg.kl_coef * kl
-        metrics["kl"] = _masked_mean(kl.detach(), mask)
+        metrics["kl"] = _masked_mean(kl.detach(), mask, denominator)
     if cfg.entropy_coef:
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs entropy")
         loss_tok = loss_tok - cfg.entropy_coef * entropy
     if entropy is not None:
-        metrics["entropy"] = _masked_mean(entropy.detach(), mask)
-    loss = _masked_mean(loss_tok, mask)
+        metrics["entropy"] = _masked_mean(entropy.detach(), mask, denominator)
+    loss = _masked_mean(loss_tok, mask, denominator)
     with torch.no_grad():
-        metrics["clip_fraction"] = _masked_mean((pg2 > pg1).float(), mask)
-        metrics["approx_kl_old"] = _masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
+        metrics["clip_fraction"] = _masked_mean((pg2 > pg1).float(), mask, denominator)
+        metrics["approx_kl_old"] = _masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask, denominator)
         one = torch.ones((), dtype=ratio.dtype, device=ratio.device)  # no token: 1.0, decided on the device (no read)
         metrics["ratio_max"] = torch.where(mask.any(), (ratio * mask).max(), one) if ratio.numel() else one
     return loss, (read_metrics(metrics) if read_back else metrics)
+
+
+MAX_METRICS = ("ratio_max",)  # combined over micro-batches by max; every other grpo_loss metric is a masked mean
+
+
+def combine_metrics(parts: list[dict]) -> dict:
+    """grpo_loss's metrics of the micro-batches of one batch (each called with the batch's `denominator`) as the
+    batch's: the masked means added in micro-batch order, the maxima by max. One part: itself."""
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for k in parts[0]:
+        vals = [p[k] for p in parts]
+        if k in MAX_METRICS:
+            out[k] = torch.stack(vals).max() if isinstance(vals[0], torch.Tensor) else max(vals)
+        else:
+            total = vals[0]
+            for v in vals[1:]:
+                total = total + v
+            out[k] = total
+    return out
 
 
 def read_metrics(metrics: dict) -> dict[str, float]:

@@ -191,7 +191,7 @@ class TrainerRole:
         grpo = GRPOConfig(clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
                           entropy_coef=a.entropy_coef, tis_cap=a.tis_cap, normalize_adv_std=a.normalize_adv_std)
         self.trainer = MegatronTrainer(TrainerConfig(
-            mode=cfg.rlkernel.mode, ops=cfg.rlkernel.side_ops("trainer"), tp=t.tp, cp=t.cp, token_segments=t.token_segments, dtype=cfg.model.dtype,
+            mode=cfg.rlkernel.mode, ops=cfg.rlkernel.side_ops("trainer"), tp=t.tp, cp=t.cp, token_segments=t.token_segments, micro_batch_tokens=t.micro_batch_tokens, dtype=cfg.model.dtype,
             seed=cfg.run.seed, threads=t.threads, lr=t.lr, grad_clip=t.grad_clip, grpo=grpo,
             rank=rank, world_size=world_size, init_method=init_method, device="cuda" if cfg.resources.gpus else "cpu",
             row_segments=cfg.rlkernel.row_segments, kernel_manifest=_kernel_manifest(cfg), compile_workers=t.compile_workers,

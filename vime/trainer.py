@@ -57,7 +57,7 @@ from rlkernel.parallel import token_segments
 
 from .batch import Scored, TrainBatch
 from .gate import ScoreDigest
-from .grpo import GRPOConfig, grpo_loss, read_metrics
+from .grpo import GRPOConfig, combine_metrics, grpo_loss, read_metrics, token_count
 
 _MODES = ("strict", "native")
 _QK_NORMS = ("q_layernorm", "k_layernorm")
@@ -84,6 +84,9 @@ class TrainerConfig:
     # canonical token segments of the update's backward (rlkernel.parallel.token_segments): 1 = off; S (a power of two,
     # a multiple of cp) = every sum over tokens per segment, merged by one tree, so CP=1, 2, ... S give the same bits
     token_segments: int = 1
+    # the update's forwards and backwards (and scoring's forwards) take the batch in runs of whole samples of at most
+    # this many tokens (TrainBatch.micro_batches), the gradients accumulated over them; 0: the whole batch at once
+    micro_batch_tokens: int = 0
     lr: float = 1e-5
     betas: tuple = (0.9, 0.999)
     adam_eps: float = 1e-8
@@ -120,6 +123,8 @@ class TrainerConfig:
         if s > 1 and self.grpo.entropy_coef:
             raise ValueError("token_segments > 1 with an entropy bonus (grpo.entropy_coef) is not supported: the entropy "
                              "head's gradient is not token-segmented; set entropy_coef=0 or token_segments=1")
+        if not isinstance(self.micro_batch_tokens, int) or self.micro_batch_tokens < 0:
+            raise ValueError(f"micro_batch_tokens must be an int >= 0 (0: the whole batch at once), got {self.micro_batch_tokens!r}")
         if self.world_size > 1 and (not 0 <= self.rank < self.world_size or not (self.init_method or "").startswith("file://")):
             raise ValueError(f"a group of {self.world_size} trainer processes needs 0 <= rank < world_size and a file:// init_method, "
                              f"got rank {self.rank}, init_method {self.init_method!r}")
@@ -356,7 +361,8 @@ class MegatronTrainer:
             return lp, None  # no native vocab-parallel entropy: the metric is absent (null), never made up
         with torch.no_grad():  # a metric only at TP>1 (config refuses an entropy bonus there): bitwise the TP=1 value
             ent = rk.vocab_parallel_entropy(hidden[rows_l].detach(), model.output_weight.detach(), vocab_start=self.tp_group.rank() * self.spec.padded_vocab // tp,
-                                            vocab_size=vocab, temperature=batch.temperature, group=self.tp_group)
+                                            vocab_size=vocab, temperature=batch.temperature, group=self.tp_group,
+                                            check=False)  # rank * rows: the ranges computed, not gathered
         return lp, gather(ent)
 
     def _local_forward(self, model, ids, cu, rows, longest: int | None = None):
@@ -411,7 +417,8 @@ class MegatronTrainer:
         # scoring may reuse packed weights: the optimizer updates them in place (version moves)
         with torch.no_grad(), self._policy(pack_weights=True), self.op_provenance.collect():
             self.model.eval()
-            lps = [t.cpu() for t in self._response_logprobs(self.model, batch, packed=packed)]
+            mbs = batch.micro_batches(self.config.micro_batch_tokens)
+            lps = [t.cpu() for mb in mbs for t in self._response_logprobs(self.model, mb, packed=packed if len(mbs) == 1 else None)]
         pos = positions_from_cu_seqlens(cu)  # the positions StrictCoreAttention rotates by
         digest = ScoreDigest.of(tokens=ids.cpu(), lengths=(cu[1:] - cu[:-1]).cpu(), positions=pos.cpu(), scored_positions=pos[rows].cpu(),
                                 targets=ids[rows + 1].cpu(), loss_mask=torch.cat(batch.loss_mask).cpu(),
@@ -425,9 +432,9 @@ class MegatronTrainer:
         g, dev = self.config.grpo, self.config.device
         if batch.advantages is None or batch.advantages.shape != (len(batch.sequences),):
             raise ValueError("update: batch.advantages must be a [B] tensor")
-        lens = torch.tensor(batch.response_lens)
-        adv = torch.repeat_interleave(batch.advantages.float(), lens).to(dev)
         mask = torch.cat(batch.loss_mask).to(dev)
+        mbs = batch.micro_batches(self.config.micro_batch_tokens)
+        denominator = token_count(mask) if len(mbs) > 1 else None  # (one micro-batch: grpo_loss's own, the same value)
         s = self.config.token_segments
         segmented = token_segments.segments(s // self.config.cp) if s > 1 else contextlib.nullcontext()
         with self._policy(), self.op_provenance.collect(), segmented:
@@ -436,33 +443,47 @@ class MegatronTrainer:
                 self._ddp.zero_grad_buffer()
             self.optimizer.zero_grad(set_to_none=True)
             token_segments.clear(self.model.parameters())  # nothing pending from an update that raised
-            lps, entropy = self._response_logprobs(self.model, batch, entropy=True)
-            lp = torch.cat(lps)
-            if entropy is not None and not g.entropy_coef:  # the bonus needs its gradient (TP=1); the metric is free of it
-                entropy = entropy.detach()
-            old = torch.cat(batch.old_logprobs).to(dev) if batch.old_logprobs is not None else lp.detach()
-            ref = roll = None
-            if g.kl_coef:
-                with torch.no_grad():
-                    ref = torch.cat(self._response_logprobs(self.ref_model, batch))
-            if g.tis_cap is not None:
-                if batch.rollout_logprobs is None:
-                    raise ValueError("update: tis_cap is set but the batch has no rollout_logprobs")
-                roll = torch.cat(batch.rollout_logprobs).to(dev)
-            # the metrics stay on the device until the step is done, and the loss is checked once the backward is
-            # launched: no read-back between the forward and the backward (the host launches the backward while the
-            # device still runs the forward); a non-finite loss still stops the update before the optimizer steps
-            loss, metrics = grpo_loss(lp, old, adv, mask, g, ref_logprobs=ref, rollout_logprobs=roll, entropy=entropy, read_back=False)
-            inputs = {"advantages": batch.advantages, "old_logprobs": old, "logprobs": lp, "ref_logprobs": ref, "rollout_logprobs": roll}
-            loss.backward()
+            if g.tis_cap is not None and batch.rollout_logprobs is None:
+                raise ValueError("update: tis_cap is set but the batch has no rollout_logprobs")
+            # one forward and backward per micro-batch (trainer micro_batch_tokens; one: the whole batch), the
+            # gradients accumulated in order; every mean over tokens divides by the whole batch's token count, so the
+            # losses and metrics add up to the batch's (combine_metrics)
+            losses, parts, inputs = [], [], []
+            for mb in mbs:
+                lps, entropy = self._response_logprobs(self.model, mb, entropy=True)
+                lp = torch.cat(lps)
+                if entropy is not None and not g.entropy_coef:  # the bonus needs its gradient (TP=1); the metric is free of it
+                    entropy = entropy.detach()
+                old = torch.cat(mb.old_logprobs).to(dev) if mb.old_logprobs is not None else lp.detach()
+                ref = roll = None
+                if g.kl_coef:
+                    with torch.no_grad():
+                        ref = torch.cat(self._response_logprobs(self.ref_model, mb))
+                if g.tis_cap is not None:
+                    roll = torch.cat(mb.rollout_logprobs).to(dev)
+                adv = torch.repeat_interleave(mb.advantages.float(), torch.tensor(mb.response_lens)).to(dev)
+                # the metrics stay on the device until the step is done, and the loss is checked once the backward is
+                # launched: no read-back between the forward and the backward (the host launches the backward while the
+                # device still runs the forward); a non-finite loss still stops the update before the optimizer steps
+                loss, metrics = grpo_loss(lp, old, adv, torch.cat(mb.loss_mask).to(dev), g, ref_logprobs=ref, rollout_logprobs=roll,
+                                          entropy=entropy, read_back=False, denominator=denominator)
+                inputs.append({"advantages": mb.advantages, "old_logprobs": old, "logprobs": lp.detach(), "ref_logprobs": ref,
+                               "rollout_logprobs": roll})
+                loss.backward()
+                losses.append(loss.detach())
+                parts.append(metrics)
+            loss, metrics = losses[0], combine_metrics(parts)
+            for more in losses[1:]:
+                loss = loss + more
             if not torch.isfinite(loss):
-                raise NonFiniteUpdateError(self._nonfinite("loss", loss.item(), inputs))
+                joined = {k: None if inputs[0][k] is None else torch.cat([i[k] for i in inputs]) for k in inputs[0]}
+                raise NonFiniteUpdateError(self._nonfinite("loss", loss.item(), joined))
             grad_norm = self._cuda_step() if self._ddp is not None else self._cpu_step()
             if not math.isfinite(grad_norm):  # _cpu_step refuses to step on it; Megatron's DDP checks before its step
                 raise NonFiniteUpdateError(self._nonfinite("global grad norm", grad_norm, inputs))
         self.weight_version += 1
         metrics = read_metrics({**metrics, "loss": loss.detach()})  # one read, after the step
-        metrics.update(grad_norm=grad_norm, weight_version=self.weight_version, tokens=int(mask.numel()),
+        metrics.update(grad_norm=grad_norm, weight_version=self.weight_version, tokens=int(mask.numel()), micro_batches=len(mbs),
                        time_compile=self._compile_seconds())
         return metrics
 
