@@ -149,6 +149,7 @@ def _step_metrics(step, records, stats, cmp, upd, version, t) -> dict:
         # of the score and update: the trainer's first launches of rlkernel's Triton kernels (compiling them, once per
         # machine: Triton caches them); None off CUDA
         "time_compile": upd.get("time_compile"),
+        "micro_batches": upd.get("micro_batches"),  # the update's forward + backward passes (trainer.micro_batch_tokens)
     }
 
 
