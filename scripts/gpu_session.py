@@ -41,6 +41,9 @@ STEPS: dict[str, tuple[int, str]] = {
     "gpu_tests": (300, "python3 -m pytest -q -p no:cacheprovider tests/test_gpu_reference.py tests/test_fa3.py tests/test_dispatch.py tests/test_triton_launch.py tests/test_gemm_gluon.py"),
     # the fast launch path (backends/triton/launch.py) runs Triton's own compiled kernel for every specialization tried
     "launch_tests": (240, "python3 -m pytest -q -p no:cacheprovider tests/test_triton_launch.py tests/test_gemm_gluon.py"),
+    # context parallelism's GPU path (session 31, written on a CPU: the interpreter checked float32 only): the packed
+    # pieces forward and the virtual-sequence backward on the Triton kernels, float32 and bfloat16 (one GPU)
+    "cp_pieces": (120, "python3 scripts/check_cp_pieces.py float32 && python3 scripts/check_cp_pieces.py bfloat16"),
     "launch_bench": (240, "python3 scripts/bench_launch.py --out {out}"),
     "tiny_ckpt": (120, f"python3 scripts/make_tiny_checkpoint.py {TQ} --head-dim 64"),
     "parity_strict": (300, _PARITY),

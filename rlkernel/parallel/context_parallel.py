@@ -8,8 +8,14 @@ query (positions [a, e) of the sequence, keys [0, e)) run by the attention contr
 composition (rlkernel.backends.reference.attention.attend: the key chunks in the contract's
 order, the same (m, l, o) chain per query row). So every query row gets the bits of CP=1
 — the chunked-prefill == packed-prefill invariance the attention tests prove — whatever the
-CP size. The forward runs the strict op's paged form (the CPU kernels, or the Triton kernel on CUDA:
-the rollout engine's own implementation), so the same code serves both devices. The backward (one
+CP size. On the CPU the forward runs the strict op's paged form (the CPU kernels: the rollout
+engine's own implementation) and the backward the composition in float32. On CUDA with the Triton
+implementation (session 31, written on a CPU: checked under Triton's interpreter in float32,
+`scripts/check_cp_pieces.py`; `gpu_session.py cp_pieces` runs it on a GPU) the forward is one launch of
+the packed kernel over every piece (attention_pieces: the paged form's bits, keys by TMA, with the lse)
+and the backward the strict attention backward kernel, each piece a sequence of its own whose rows
+before its queries are zeros (`triton_pieces_backward`) — the composition there launched one float32
+GEMM per head and piece and held the scores of every piece in float32. The backward (one
 node, `CPAttention`) runs the rank's queries one token segment at a time: a key's gradient is the
 float32 tree over the segments' partials, then over the ranks, cast once. Each rank is one segment
 unless token segments are on (rlkernel.parallel.token_segments: S fixed by the run, CP=1 included,
@@ -99,6 +105,75 @@ def _piece_backward(q, k, v, out, g, geometry, scale, prims):
     return dq_full, dk_full, dv_full
 
 
+# ---- on the GPU (the Triton implementation): the packed kernel's pieces forward, the FlashAttention-2-shaped backward ----
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built index tensor on `device`: on CUDA through pinned memory, without waiting for the device."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def _rows(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """cat(arange(s, s + n) for s, n in zip(starts, lens)) on the host (int64)."""
+    if not lens.numel():
+        return torch.zeros(0, dtype=torch.long)
+    return torch.repeat_interleave(starts - torch.cumsum(lens, 0) + lens, lens) + torch.arange(int(lens.sum()))
+
+
+def triton_pieces_forward(q, k, v, geometry, scale):
+    """(out, lse float32) of the local queries q [T_l, Hq, D] against the gathered k/v [T, Hkv, D]: every piece (the
+    host's `pieces` geometry) in one launch of the packed kernel (attention.attention_pieces: keys by TMA, chunks
+    anchored at each sequence's first key — the bits of the paged form the CPU path runs and of attention_varlen), the
+    host's bounds for the grid (no read-back). Rows outside the pieces (the stream's padding): zeros."""
+    from ..backends.triton.attention import attention_pieces
+
+    qs, ql, fp, ks, kl = geometry
+    out = torch.zeros_like(q)
+    lse = torch.zeros(q.shape[:2], device=q.device, dtype=torch.float32)
+    if not ql.numel():
+        return out, lse
+    idx = _to_device(torch.stack([qs, ql, ks, kl]).to(torch.int32), q.device)
+    o, l_ = attention_pieces(q, k, v, idx[0], idx[1], idx[2], idx[3], max_query_len=int(ql.max()),
+                             max_kv_len=int(kl.max()), scale=scale, return_lse=True)
+    a, b = int(qs[0]), int(qs[0] + ql.sum())  # the pieces are the local rows' contiguous runs, in order
+    out[a:b], lse[a:b] = o[a:b], l_[a:b]
+    return out, lse
+
+
+def triton_pieces_backward(q, k, v, out, lse, g, geometry, scale):
+    """(dq [T_l, Hq, D], dk, dv [T, Hkv, D]) float32 of the pieces `geometry` describes (rows outside them: zero), by
+    the strict GPU attention backward (attention_bwd.attention_varlen_backward). Each piece becomes a sequence of its
+    own: its kl keys (gathered rows ks ..) with the piece's queries, outputs, lse and dO at its last ql positions and
+    zeros before them — rows whose dO and delta are zero add exact zeros to every key's gradient, so a key's gradient
+    sums the piece's queries alone, in the kernel's fixed walk anchored at the sequence's first key: a function of the
+    piece (and so of the token segment) alone, never of the CP layout. dk / dv come back in float32 (the partials
+    the canonical tree merges); each key appears in one piece here."""
+    from ..backends.triton.attention_bwd import attention_varlen_backward
+
+    qs, ql, fp, ks, kl = geometry
+    dq = torch.zeros(q.shape, device=q.device)
+    dk, dv = torch.zeros(k.shape, device=q.device), torch.zeros(v.shape, device=q.device)
+    if not ql.numel():
+        return dq, dk, dv
+    vstart = torch.cumsum(kl, 0) - kl  # each piece's first row in the virtual packed stream
+    cu_v = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(kl, 0)])
+    parts = (_rows(vstart + fp, ql), _rows(qs, ql), _rows(ks, kl), cu_v)
+    sizes = [len(p) for p in parts]
+    vrows, lrows, krows, cu_v = _to_device(torch.cat(parts), q.device).split(sizes)
+    n_v = int(kl.sum())
+
+    def virtual(x):
+        y = x.new_zeros((n_v, *x.shape[1:]))
+        y[vrows] = x[lrows]
+        return y
+
+    dq_v, dk_v, dv_v = attention_varlen_backward(virtual(q), k[krows], v[krows], virtual(out), virtual(lse),
+                                                 virtual(g.to(q.dtype)), cu_v.to(torch.int32), scale=scale,
+                                                 max_seqlen=int(kl.max()), kv_grad_dtype=torch.float32)
+    dq[lrows] = dq_v[vrows].float()
+    dk[krows], dv[krows] = dk_v, dv_v
+    return dq, dk, dv
+
+
 class CPAttention(torch.autograd.Function):
     """Strict causal attention of this CP rank's queries q [T_l, Hq, D] against the keys and values of the whole stream:
     k/v [T_l, Hkv, D] of every rank gathered in rank order; the forward by pieces (`_piece_forward`). Backward, one
@@ -109,32 +184,41 @@ class CPAttention(torch.autograd.Function):
     on the CP size. Without them each rank is one segment (exact, not CP invariant)."""
 
     @staticmethod
-    def forward(ctx, q, k_local, v_local, cu_seqlens, offset, group, scale, prims, n):
+    def forward(ctx, q, k_local, v_local, cu_seqlens, offset, group, scale, prims, n, triton=False):
         k = _gather(k_local, group).reshape(-1, *k_local.shape[1:])
         v = _gather(v_local, group).reshape(-1, *v_local.shape[1:])
-        out = _piece_forward(q, k, v, pieces(cu_seqlens, offset, q.shape[0]), scale)
-        ctx.save_for_backward(q, k, v, out)
+        geometry = pieces(cu_seqlens, offset, q.shape[0])
+        if triton:
+            out, lse = triton_pieces_forward(q, k, v, geometry, scale)
+            ctx.save_for_backward(q, k, v, out, lse)
+        else:
+            out = _piece_forward(q, k, v, geometry, scale)
+            ctx.save_for_backward(q, k, v, out)
         ctx.cu, ctx.offset, ctx.group, ctx.scale, ctx.prims, ctx.n = cu_seqlens, offset, group, scale, prims, n
+        ctx.triton = triton
         ctx.rank = torch.distributed.get_rank(group) if group is not None and group.size() > 1 else 0
         return out
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, out = ctx.saved_tensors
+        q, k, v, out, *lse = ctx.saved_tensors
         t_l, n = q.shape[0], ctx.n
         seg = t_l // n
         dq = torch.zeros(q.shape, device=q.device)
         dks, dvs = [], []
         for j in range(n):  # each segment alone: pieces relative to the rank's rows, so q/out/g are indexed as before
             qs, ql, fp, ks, kl = pieces(ctx.cu, ctx.offset + j * seg, seg)
-            dq_j, dk_j, dv_j = _piece_backward(q, k, v, out, g, (qs + j * seg, ql, fp, ks, kl), ctx.scale, ctx.prims)
+            if ctx.triton:
+                dq_j, dk_j, dv_j = triton_pieces_backward(q, k, v, out, lse[0], g, (qs + j * seg, ql, fp, ks, kl), ctx.scale)
+            else:
+                dq_j, dk_j, dv_j = _piece_backward(q, k, v, out, g, (qs + j * seg, ql, fp, ks, kl), ctx.scale, ctx.prims)
             dq = dq + dq_j  # disjoint rows: each row's value from one segment, exactly
             dks.append(dk_j)
             dvs.append(dv_j)
         dk = tree_all_reduce([tree_sum(torch.stack(dks), dim=0)], ctx.group, check=False)
         dv = tree_all_reduce([tree_sum(torch.stack(dvs), dim=0)], ctx.group, check=False)
         rows = slice(ctx.rank * t_l, (ctx.rank + 1) * t_l)
-        return dq.to(q.dtype), dk[rows].to(k.dtype), dv[rows].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk[rows].to(k.dtype), dv[rows].to(v.dtype), None, None, None, None, None, None, None
 
 
 def cp_attention(q, k_local, v_local, cu_seqlens, offset: int, group, scale: float | None = None) -> torch.Tensor:
@@ -150,7 +234,10 @@ def cp_attention(q, k_local, v_local, cu_seqlens, offset: int, group, scale: flo
     n = 1 if state is None else state.n_local
     if q.shape[0] % n:
         raise ValueError(f"cp_attention: {q.shape[0]} local tokens do not split into {n} token segments")
-    return CPAttention.apply(q, k_local, v_local, cu_seqlens, offset, group, scale, impl.prims, n)
+    # on the GPU the Triton implementation's kernels (the packed pieces forward, its backward); elsewhere the paged form
+    # and the composition's backward
+    triton = impl.name == "triton" and q.is_cuda
+    return CPAttention.apply(q, k_local, v_local, cu_seqlens, offset, group, scale, impl.prims, n, triton)
 
 
 class GatherRows(torch.autograd.Function):

@@ -283,7 +283,7 @@ def _attn_combine(o_ptr, qs_ptr, ql_ptr, kl_ptr, po_ptr, pml_ptr, lse_ptr, sot, 
 
 
 def _launch(q, k, v, out, bt, q_start, q_len, kv_len, kv_start, n_tiles, max_kv, scale, paged, split, cfg,
-            strides_kv, lse=None, walk="flat"):
+            strides_kv, lse=None, walk="flat", gluon=True):
     if walk not in ("flat", "nested"):
         raise ValueError(f"attention: walk must be 'flat' or 'nested', got {walk!r}")
     T, hq, d = q.shape
@@ -308,7 +308,7 @@ def _launch(q, k, v, out, bt, q_start, q_len, kv_len, kv_start, n_tiles, max_kv,
     store_lse = lse is not None
     lse = lse if store_lse else out  # unused
     tma = not paged and _tma_ok(k, v, skh, d)
-    if tma and q.is_cuda and attention_gluon.unsupported_reason(q, k, cfg, G, d, paged=paged, split=split, tma=tma,
+    if gluon and tma and q.is_cuda and attention_gluon.unsupported_reason(q, k, cfg, G, d, paged=paged, split=split, tma=tma,
                                                                  walk=walk) is None:
         dispatch.note_kernel("attention gluon prefill")
         return attention_gluon.launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt,
@@ -386,6 +386,29 @@ def attention_varlen(q, k, v, cu_seqlens, *, scale=None, max_seqlen=None, split=
     return (out, lse) if return_lse else out
 
 
+def attention_pieces(q, k, v, q_start, q_len, kv_start, kv_len, *, max_query_len, max_kv_len, scale=None, config=None,
+                     return_lse=False):
+    """Queries against packed keys: request b's rows q[q_start[b] : q_start[b] + q_len[b]] are the last q_len[b] of its
+    kv_len[b] positions, whose keys and values are k / v rows kv_start[b] .. kv_start[b] + kv_len[b] - 1 — context
+    parallelism's pieces (a rank's queries against the gathered stream, rlkernel.parallel.context_parallel). The packed
+    kernel (K / V through TMA where they load so), chunks anchored at each request's first key: the bits of
+    attention_paged on the same keys (and of attention_varlen where q_len == kv_len). The Gluon prefill is not used:
+    its first-use check covers q_len == kv_len only. int32 index tensors on q's device; max_query_len / max_kv_len: the
+    host's bounds (no read-back). return_lse: also lse float32 [T, Hq] (rows outside the pieces unwritten)."""
+    cfg = config or C.ATTENTION
+    _check_qkv(q, k.shape[1], k.shape[2])
+    if k.stride() != v.stride() or k.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], device=q.device, dtype=torch.float32) if return_lse else None
+    if max_query_len > 0:
+        n_tiles = cdiv(max_query_len, cfg.block_m // (q.shape[1] // k.shape[1]))
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        _launch(q, k, v, out, q_start, q_start, q_len, kv_len, kv_start, n_tiles, max_kv_len, scale, False, None, cfg,
+                (0, k.stride(0), k.stride(1), k.shape[1]), lse, gluon=False)
+    return (out, lse) if return_lse else out
+
+
 def attention_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None,
                     max_query_len=None, max_seq_len=None, split=None, config=None, walk="flat"):
     """Queries against a paged KV cache [num_blocks, block_size, Hkv, D] (decode, chunked prefill).
@@ -456,7 +479,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
                     D_P2=next_pow2(d), num_warps=4)
 
 
-__all__ = ["attention_varlen", "attention_paged", "write_kv_cache"]
+__all__ = ["attention_varlen", "attention_pieces", "attention_paged", "write_kv_cache"]
 
 # the launches on launch.py's fast path: the kernels Triton's own kernel[grid](...) would run, less host time
 _attn_fwd_fast = fast(_attn_fwd)

@@ -215,12 +215,15 @@ def _inner_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens, *, scale=None, max_seqlen=None, config=None):
+def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens, *, scale=None, max_seqlen=None, config=None,
+                              kv_grad_dtype=None):
     """(dq, dk, dv) of attention_varlen(q, k, v, cu_seqlens, scale=scale) given its out, its lse
     (float32 [T, Hq], natural log: attention_varlen(..., return_lse=True)) and dout = dL/dout.
 
     q, out, dout [T, Hq, D]; k, v [T, Hkv, D]; cu_seqlens [B+1]. Gradients come back in the
-    inputs' dtypes; rows outside cu_seqlens[0]:cu_seqlens[-1] get zeros.
+    inputs' dtypes (dk and dv in kv_grad_dtype where given: float32 keeps the kernel's fp32 sums
+    unrounded, for a caller that adds partials, as context parallelism's pieces do); rows outside
+    cu_seqlens[0]:cu_seqlens[-1] get zeros.
     """
     if q.dim() != 3 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"attention_varlen_backward: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -245,7 +248,8 @@ def attention_varlen_backward(q, k, v, out, lse, dout, cu_seqlens, *, scale=None
         max_seqlen = int(q_len.max()) if q_len.numel() else 0
     elif q_len.numel():  # the caller's bound sizes the grid: a shorter one would leave rows without gradients
         torch._assert_async((q_len <= max_seqlen).all(), "attention_varlen_backward: a sequence is longer than max_seqlen")
-    dq, dk, dv = (torch.zeros(x.shape, device=x.device, dtype=x.dtype) for x in (q, k, v))
+    dq = torch.zeros(q.shape, device=q.device, dtype=q.dtype)
+    dk, dv = (torch.zeros(x.shape, device=x.device, dtype=kv_grad_dtype or x.dtype) for x in (k, v))
     if max_seqlen == 0:
         return dq, dk, dv
     scale = d ** -0.5 if scale is None else float(scale)
