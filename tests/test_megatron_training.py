@@ -15,6 +15,9 @@ its exported weights put the strict scorer back in agreement with it.
    close; with torch's NaN fill of fresh allocations on (poisoned) a run equals the default run (fill off); a failed start (tp=2 in a world of 1) raises and leaves no process group behind.
 5. Misuse raises: exporting a version the model is not at, updating without advantages.
 """
+import copy
+import math
+
 import pytest
 import torch
 
@@ -23,7 +26,8 @@ from rlkernel.models import StrictDecoder
 from vime.batch import TrainBatch
 from vime.grpo import GRPOConfig
 from vime.tiny_model import make_tiny_checkpoint
-from vime.trainer import MegatronTrainer, TrainerConfig
+from vime.trainer import MegatronTrainer, NonFiniteUpdateError, TrainerConfig
+from test_honest_metrics import NAN, _batch as _adv_batch  # the census's batches
 
 STEPS = 3
 GRPO = GRPOConfig(kl_coef=0.05, kl_estimator="k3", tis_cap=2.0, entropy_coef=0.01)
@@ -191,3 +195,61 @@ def test_micro_batches_accumulate_the_batch_update(checkpoint, strict_run):
         assert torch.allclose(w, a["weights"][name], rtol=1e-4, atol=1e-6), name
         moved += int(not torch.equal(w, a["weights"][name]))
     print("tensors whose bits differ from the whole-batch update:", moved, "of", len(strict_run["weights"]))
+
+
+def test_bf16_updates_go_through_float32_master_weights(checkpoint):
+    """bf16 without Megatron's optimizer (the CPU; CUDA at CP > 1 or with token segments): AdamW steps float32 masters
+    and rounds them once into the parameters. An update of 1e-5 on weights of ~0.08 is below half a bf16 place for most
+    of them: the masters move nearly everywhere while the bf16 parameters move almost nowhere — what stepping the bf16
+    parameters in place would have kept (nothing). The masters travel in state_dict: a resumed trainer continues from
+    them, bit for bit."""
+    from vime.trainer import MasterWeightsAdamW
+
+    cfg = dict(dtype="bfloat16", lr=1e-5, seed=7, threads=2, grpo=GRPO, micro_batch_tokens=50)
+    with MegatronTrainer(TrainerConfig(**cfg)) as t:
+        t.load_hf(checkpoint)
+        opt = t.optimizer
+        assert isinstance(opt, MasterWeightsAdamW) and any(m is not p for p, m in zip(opt.params, opt.masters))
+        p0 = [p.detach().clone() for p in opt.params]
+        t.update(_batch(0))
+        moved_m = moved_p = n = 0
+        for p, m, w in zip(opt.params, opt.masters, p0):
+            if m is p:
+                continue
+            assert m.dtype == torch.float32 and torch.equal(p.detach(), m.detach().to(p.dtype)), "one rounding"
+            moved_m += int((m.detach() != w.float()).sum())
+            moved_p += int((p.detach() != w).sum())
+            n += w.numel()
+        assert moved_m > 0.9 * n and moved_p < 0.2 * n, (moved_m, moved_p, n)
+        state = copy.deepcopy(t.optimizer.state_dict())  # (a checkpoint writes it out; the live one moves on)
+        t.update(_batch(1))
+        after = [m.detach().clone() for m in t.optimizer.masters]
+    with MegatronTrainer(TrainerConfig(**cfg)) as r:  # resumed: weights of step 1 (rounded) + the saved state
+        r.load_hf(checkpoint)
+        r.optimizer.load_state_dict(state)
+        with torch.no_grad():  # the checkpoint's weights: the masters rounded
+            for p, m in zip(r.optimizer.params, r.optimizer.masters):
+                p.copy_(m)
+        r.weight_version = 1
+        r.update(_batch(1))
+        assert all(torch.equal(a, m.detach()) for a, m in zip(after, r.optimizer.masters))
+
+
+def test_nonfinite_update_in_micro_batches_with_master_weights_never_steps(tmp_path):
+    """The same refusals when the update runs in micro-batches (trainer micro_batch_tokens: the inputs' census spans all
+    of them) and steps bf16 parameters through float32 masters: nothing stepped, no gradient left in the parameters or
+    the masters, and the next step is normal."""
+    ckpt = make_tiny_checkpoint(tmp_path, vocab_size=128, seed=5)
+    with MegatronTrainer(TrainerConfig(lr=1e-3, seed=0, dtype="bfloat16", micro_batch_tokens=15)) as t:
+        t.load_hf(ckpt)
+        for batch, what, culprit in ((_adv_batch([1.0, NAN, -1.0, 0.5]), "loss", r"advantages 1/4"),
+                                     (_adv_batch([1e30, -1e30, 1e30, -1e30]), "global grad norm", r"advantages 0/4")):
+            before = t.export_weights(0)
+            with pytest.raises(NonFiniteUpdateError, match=f"the {what} is .*optimizer was not stepped.*{culprit}"):
+                t.update(batch)
+            after = t.export_weights(0)
+            assert t.weight_version == 0 and t.optimizer.state_dict()["adamw"]["state"] == {}
+            assert all(torch.equal(before[k], after[k]) for k in before)
+            assert all(p.grad is None for p in t.model.parameters()) and all(m.grad is None for m in t.optimizer.masters)
+        good = t.update(_adv_batch([1.0, -1.0, 0.5, -0.5]))
+        assert good["weight_version"] == 1 and good["micro_batches"] == 4 and math.isfinite(good["grad_norm"]) and good["grad_norm"] > 0

@@ -24,7 +24,8 @@ Why this shape:
   scripts/gpu_tp_parity.py; no GPU in CI.
 * Determinism (seed, torch threads, `torch.use_deterministic_algorithms`) is set by the
   engine, restored by `close()`, and recorded in `self.provenance`.
-* bf16 on CPU updates bf16 params in place (no fp32 master copy); train in float32 here.
+* bf16 without Megatron's optimizer (the CPU, and CUDA at CP > 1 or with token segments): torch AdamW over
+  float32 master copies (`MasterWeightsAdamW`), the gradients gathered into them in float32.
 * A non-finite loss or global grad norm stops the update before the optimizer steps
   (`NonFiniteUpdateError`, naming which inputs were non-finite): weights, optimizer state
   and version stay as they were, so a diverged step never becomes a weight version.
@@ -130,6 +131,53 @@ class TrainerConfig:
                              f"got rank {self.rank}, init_method {self.init_method!r}")
         if self.grpo.entropy_coef and self.tp > 1:
             raise ValueError("entropy_coef > 0 needs the full-vocab entropy, implemented for tp=1 only (the vocab-parallel head has none yet)")
+
+
+class MasterWeightsAdamW:
+    """torch AdamW over float32 master copies of the model's parameters that are not float32 (the explicit step's
+    mixed precision, as Megatron's optimizer keeps it): gradients gathered into the masters in float32 (`accumulate`,
+    after each micro-batch's backward), the update made in float32, then rounded once into the parameter. Without it a
+    bf16 parameter stepped in place drops every update below half its last place (lr 1e-6 on weights of ~0.02: all of
+    them). float32 parameters are stepped as they are (the same bits as plain AdamW). state_dict holds the masters, so a
+    resumed run continues from them, not from the rounded weights."""
+
+    def __init__(self, params, **kw):
+        self.params = list(params)
+        self.masters = [p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        self._master = {id(p): m for p, m in zip(self.params, self.masters)}
+        self.inner = torch.optim.AdamW(self.masters, foreach=False, **kw)
+
+    def holder(self, p):
+        """Where `p`'s gradient lives at the step: its master (float32), or `p` itself when it is float32."""
+        return self._master[id(p)]
+
+    def accumulate(self) -> None:
+        """Move every non-float32 parameter's gradient into its master's, adding in float32."""
+        for p, m in zip(self.params, self.masters):
+            if m is not p and p.grad is not None:
+                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                p.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        self.inner.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.inner.step()
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)  # one rounding into the parameter's dtype
+
+    def state_dict(self) -> dict:
+        return {"adamw": self.inner.state_dict(), "masters": [m.detach() for p, m in zip(self.params, self.masters) if m is not p]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state["adamw"])
+        with torch.no_grad():
+            for m, saved in zip((m for p, m in zip(self.params, self.masters) if m is not p), state["masters"]):
+                m.copy_(saved)
 
 
 class NonFiniteUpdateError(FloatingPointError):
@@ -470,17 +518,21 @@ class MegatronTrainer:
                 inputs.append({"advantages": mb.advantages, "old_logprobs": old, "logprobs": lp.detach(), "ref_logprobs": ref,
                                "rollout_logprobs": roll})
                 loss.backward()
+                if isinstance(self.optimizer, MasterWeightsAdamW):  # bf16 gradients summed over micro-batches in float32
+                    self.optimizer.accumulate()
                 losses.append(loss.detach())
                 parts.append(metrics)
             loss, metrics = losses[0], combine_metrics(parts)
             for more in losses[1:]:
                 loss = loss + more
+            def joined() -> dict:  # the micro-batches' inputs as the batch's (for the error's census)
+                return {k: None if inputs[0][k] is None else torch.cat([i[k] for i in inputs]) for k in inputs[0]}
+
             if not torch.isfinite(loss):
-                joined = {k: None if inputs[0][k] is None else torch.cat([i[k] for i in inputs]) for k in inputs[0]}
-                raise NonFiniteUpdateError(self._nonfinite("loss", loss.item(), joined))
+                raise NonFiniteUpdateError(self._nonfinite("loss", loss.item(), joined()))
             grad_norm = self._cuda_step() if self._ddp is not None else self._cpu_step()
             if not math.isfinite(grad_norm):  # _cpu_step refuses to step on it; Megatron's DDP checks before its step
-                raise NonFiniteUpdateError(self._nonfinite("global grad norm", grad_norm, inputs))
+                raise NonFiniteUpdateError(self._nonfinite("global grad norm", grad_norm, joined()))
         self.weight_version += 1
         metrics = read_metrics({**metrics, "loss": loss.detach()})  # one read, after the step
         metrics.update(grad_norm=grad_norm, weight_version=self.weight_version, tokens=int(mask.numel()), micro_batches=len(mbs),
@@ -527,8 +579,11 @@ class MegatronTrainer:
                                       adam_eps=c.adam_eps, clip_grad=clip, bf16=c.dtype == "bfloat16", use_distributed_optimizer=False)
             self.optimizer = get_megatron_optimizer(opt_cfg, [self._ddp])
             return
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=c.lr, betas=tuple(c.betas), eps=c.adam_eps,
-                                           weight_decay=c.weight_decay, foreach=False)
+        kw = dict(lr=c.lr, betas=tuple(c.betas), eps=c.adam_eps, weight_decay=c.weight_decay)
+        if all(p.dtype == torch.float32 for p in self.model.parameters()):
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), foreach=False, **kw)
+        else:  # bf16: float32 master weights (MasterWeightsAdamW), as Megatron's optimizer on the DDP path
+            self.optimizer = MasterWeightsAdamW(self.model.parameters(), **kw)
 
     def _cuda_step(self) -> float:
         """Megatron's finalize_model_grads, then its optimizer. Strict: the global grad norm is rlkernel's
@@ -574,30 +629,35 @@ class MegatronTrainer:
         # token segments: the weights' gradients wait as per-segment partials; merged here over the rank's segments and
         # the CP ranks by one tree (already summed over CP: the loop below skips them)
         merged = {id(p) for p in token_segments.finalize(self.model.parameters(), self.cp_group)}
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        # where each gradient lives from here: the parameter, or its float32 master (bf16 parameters)
+        masters = isinstance(self.optimizer, MasterWeightsAdamW)
+        if masters:
+            self.optimizer.accumulate()
+        h = self.optimizer.holder if masters else (lambda p: p)  # noqa: E731
+        params = [p for p in self.model.parameters() if h(p).grad is not None]
         strict = self.config.mode == "strict"
         policy = rk.ExecutionPolicy(mode=self.config.mode, ops=dict(self.config.ops))
         if policy.choice("rms_norm") == "native":
             for p in self._qk_norms:  # replicated, but each TP rank's grad covers only its own heads
-                if p.grad is not None:
-                    p.grad = self._reduce(p.grad, self.tp_group)
+                if h(p).grad is not None:
+                    h(p).grad = self._reduce(h(p).grad, self.tp_group)
         if self.cp_group is not None:  # each CP rank's grads cover its own tokens (and, through the key/value gather, the
             for p in params:           # others' queries): their sum over ranks, by the canonical tree on the strict path
                 if id(p) not in merged:
-                    p.grad = self._reduce(p.grad, self.cp_group)
+                    h(p).grad = self._reduce(h(p).grad, self.cp_group)
         dp = self.dp_group.size()
         if dp > 1:
             for p in params:
-                p.grad = self._reduce(p.grad, self.dp_group) / dp
+                h(p).grad = self._reduce(h(p).grad, self.dp_group) / dp
         if strict:
-            norm = canonical_grad_norm(self.model.named_parameters(), self.tp_group)
+            norm = canonical_grad_norm(self.model.named_parameters(), self.tp_group, grad=lambda p: h(p).grad)
         else:
             sharded = [p for p in params if getattr(p, "tensor_model_parallel", False)]
             replicated = [p for p in params if not getattr(p, "tensor_model_parallel", False)]
 
             def sq(ps):
-                parts = [tree_sum(p.grad.float().square().reshape(-1), dim=0) for p in ps]
+                parts = [tree_sum(h(p).grad.float().square().reshape(-1), dim=0) for p in ps]
                 return tree_sum(torch.stack(parts), dim=0) if parts else torch.zeros((), device=self.config.device)
 
             norm = torch.sqrt(self._reduce(sq(sharded).reshape(1), self.tp_group)[0] + sq(replicated))
-        return self._clip_and_step(norm, [p.grad for p in params])
+        return self._clip_and_step(norm, [h(p).grad for p in params])
