@@ -618,7 +618,9 @@ class MegatronTrainer:
     def _reduce(self, t: torch.Tensor, group) -> torch.Tensor:
         if group.size() == 1:
             return t
-        return (rk.tree_all_reduce if self.config.mode == "strict" else rk.native_all_reduce)([t], group)
+        if self.config.mode == "strict":  # every rank holds the same parameters: no shape check (a host wait a call on a GPU)
+            return rk.tree_all_reduce([t], group, check=False)
+        return rk.native_all_reduce([t], group)
 
     def _cpu_step(self) -> float:
         """Megatron's finalize_model_grads + clip_grad_norm, for a model without DDP; then AdamW. Strict: the grad norm
