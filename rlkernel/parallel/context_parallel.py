@@ -11,7 +11,7 @@ order, the same (m, l, o) chain per query row). So every query row gets the bits
 CP size. On the CPU the forward runs the strict op's paged form (the CPU kernels: the rollout
 engine's own implementation) and the backward the composition in float32. On CUDA with the Triton
 implementation (session 31, written on a CPU: checked under Triton's interpreter in float32,
-`scripts/check_cp_pieces.py`; `gpu_session.py cp_pieces` runs it on a GPU) the forward is one launch of
+`scripts/check_cp_pieces.py`; on an H200 in float32 and bfloat16 by `gpu_session.py cp_pieces`, session 31) the forward is one launch of
 the packed kernel over every piece (attention_pieces: the paged form's bits, keys by TMA, with the lse)
 and the backward the strict attention backward kernel, each piece a sequence of its own whose rows
 before its queries are zeros (`triton_pieces_backward`) — the composition there launched one float32
