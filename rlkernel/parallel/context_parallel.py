@@ -127,15 +127,15 @@ def triton_pieces_forward(q, k, v, geometry, scale):
     from ..backends.triton.attention import attention_pieces
 
     qs, ql, fp, ks, kl = geometry
-    out = torch.zeros_like(q)
-    lse = torch.zeros(q.shape[:2], device=q.device, dtype=torch.float32)
     if not ql.numel():
-        return out, lse
+        return torch.zeros_like(q), torch.zeros(q.shape[:2], device=q.device, dtype=torch.float32)
     idx = _to_device(torch.stack([qs, ql, ks, kl]).to(torch.int32), q.device)
-    o, l_ = attention_pieces(q, k, v, idx[0], idx[1], idx[2], idx[3], max_query_len=int(ql.max()),
-                             max_kv_len=int(kl.max()), scale=scale, return_lse=True)
+    out, lse = attention_pieces(q, k, v, idx[0], idx[1], idx[2], idx[3], max_query_len=int(ql.max()),
+                                max_kv_len=int(kl.max()), scale=scale, return_lse=True)
     a, b = int(qs[0]), int(qs[0] + ql.sum())  # the pieces are the local rows' contiguous runs, in order
-    out[a:b], lse[a:b] = o[a:b], l_[a:b]
+    for t in (out, lse):  # the rows no piece wrote (the kernel leaves them as allocated): zeros, in place
+        t[:a].zero_()
+        t[b:].zero_()
     return out, lse
 
 
