@@ -315,6 +315,34 @@ def test_trainer_cp2_rollout_tp2(tmp, strict_run):
         assert rows[0][k] == rows_a[0][k], k
 
 
+def test_weight_sync_by_handles_at_tp2(tmp, strict_run):
+    """rollout.weight_sync=handles on the CPU: each trainer rank (TP=2, gloo) shares its full weights as torch IPC
+    handles (shared memory here, CUDA IPC on colocated GPUs) and each worker of the engine at rollout TP=2 opens those
+    of the trainer rank on its own device (vime.roles.handles_for_engines, vllm_worker.pick_handles) — no file, no copy
+    through the driver. Strict: the run equals run A (TP=1, weights through host memory) bit for bit — every metric
+    line but wall clock, every record: each step's weights arrived whole (a stale or partial engine would mismatch the
+    trainer's scores, which every step compares). Stock vLLM (the native arm) takes the same handles through
+    vLLM's own reload in each worker: versions advance and the drift stays the kernels' (< 1e-3), not stale weights'."""
+    from vime.controller import WALL_CLOCK_FIELDS
+
+    a, rows_a, _ = strict_run
+    out = tmp / "handles"
+    rows = _train(tmp, out, *RESUMABLE, "trainer.tp=2", "rollout.tp=2", "rollout.weight_sync=handles")
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["weight_sync"] == "handles" and prov["trainer"]["world_size"] == 2
+    assert prov["rollout"]["engine_args"]["worker"]["tp_ranks"] == [[0, 2], [1, 2]]
+    assert json.loads((a / "provenance.json").read_text())["weight_sync"] == "host"
+    clockless = lambda rs: [{k: v for k, v in m.items() if k not in WALL_CLOCK_FIELDS} for m in rs]  # noqa: E731
+    assert [m["mismatch_count"] for m in rows] == [0, 0, 0] and clockless(rows) == clockless(rows_a)
+    for step in range(3):
+        assert _same_records(*(read_records(d / "records" / f"step_{step:06d}.parquet") for d in (out, a))), step
+    native = _train(tmp, tmp / "handles_native", "trainer.total_steps=3", "rlkernel.mode=native", "trainer.tp=2", "rollout.tp=2",
+                    "rollout.weight_sync=handles")
+    assert json.loads((tmp / "handles_native" / "provenance.json").read_text())["rollout"]["engine"] == "stock"
+    assert [m["rollout_weight_version"] for m in native] == [0, 1, 2]
+    assert all(m["comparable"] and m["compared_tokens"] > 0 and m["max_abs_diff"] < 1e-3 for m in native)
+
+
 def test_micro_batches_with_cp2_equal_cp1(tmp):
     """The update in micro-batches (trainer.micro_batch_tokens: runs of whole samples within 64 tokens, gradients
     accumulated) composes with context parallelism and token segments: a CP=2 run equals the CP=1 run with the same

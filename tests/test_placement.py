@@ -8,7 +8,7 @@ import os
 import pytest
 
 from vime.config import load_config
-from vime.roles import default_enforce_eager, gpu_memory_utilization, gpu_placement, ipc_weight_sync
+from vime.roles import default_enforce_eager, gpu_memory_utilization, gpu_placement, handles_for_engines, ipc_weight_sync
 from helpers import last_json
 
 
@@ -57,13 +57,20 @@ def test_one_gpu_colocated_shares_the_device_and_syncs_by_ipc():
     native, _ = load_config("grpo_qwen3_gpu", ["rlkernel.mode=native"])
     assert ipc_weight_sync(native)  # stock vLLM too: the handles are opened beside it and fed to its own reload
     assert not ipc_weight_sync(load_config("grpo_qwen3_gpu", ["resources.colocate=false", "resources.gpus=2"])[0])
+    assert not ipc_weight_sync(load_config("grpo_qwen3_gpu", ["rollout.weight_sync=host"])[0])  # asked for the host path
     assert gpu_memory_utilization(load_config("grpo_qwen3_gpu", ["rollout.gpu_memory_utilization=0.3"])[0]) == 0.3
 
 
 def test_eight_gpu_layouts():
     cfg, _ = load_config("grpo_qwen3_8b")  # TP4 x CP2 trainer, two engines at TP4, colocated
     assert gpu_placement(cfg, visible="") == {"trainer": [str(i) for i in range(8)], "engines": ["0,1,2,3", "4,5,6,7"]}
-    assert not ipc_weight_sync(cfg)
+    assert ipc_weight_sync(cfg)  # every engine worker's GPU holds a trainer rank: each opens that rank's handles
+    payloads = [{"device": f"cuda:{g}", "rank": g, "handles": {}} for g in range(8)]
+    assert [[p["rank"] for p in e] for e in handles_for_engines(payloads, 2, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="need as many trainer ranks' handles, got 4"):
+        handles_for_engines(payloads[:4], 2, 4)
+    assert not ipc_weight_sync(load_config("grpo_qwen3_8b", ["trainer.cp=1"])[0])  # 4 ranks for 8 engine workers: host
+    assert ipc_weight_sync(load_config("grpo_qwen3_8b", ["rollout.num_engines=1"])[0])  # 4 workers on ranks 0-3's GPUs
     apart, _ = load_config("grpo_qwen3_8b", ["resources.colocate=false", "resources.gpus=16"])
     assert gpu_placement(apart, visible="")["engines"] == ["8,9,10,11", "12,13,14,15"]
     with pytest.raises(ValueError, match="needs 8 GPUs but 4 are visible"):

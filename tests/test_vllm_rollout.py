@@ -232,7 +232,8 @@ if reload:
     new = load_file(target + "/model.safetensors")  # HF tensors as the trainer exports them (no tied head)
     if how == "handles":  # the colocated GPU path: handles opened beside the engine, CUDA tensors kept where they are;
         # on the CPU there is no CUDA IPC, so each "handle" rebuilds to the tensor itself
-        eng.update_weights_ipc({k: ((lambda t: t), (v,)) for k, v in new.items()}, 1)
+        from rlkernel.integrations.vllm_worker import device_ident
+        eng.update_weights_ipc([{"device": device_ident("cpu"), "rank": 0, "handles": {k: ((lambda t: t), (v,)) for k, v in new.items()}}], 1)
     else:
         eng.update_weights(new, 1)
     print(json.dumps([before, run()]))

@@ -157,8 +157,16 @@ class RolloutSection:
     # production default (compiled, CUDA graphs) and the strict engine captures decode-only CUDA graphs without compiling
     # (at rollout.tp=1, where they are proved; eager at tp>1)
     enforce_eager: Optional[bool] = None
+    # how the trainer's weights reach the engines after each update. "auto": "handles" where it applies (GPUs, colocated,
+    # Ray, and every engine GPU holds a trainer rank), else "host". "handles": each trainer rank shares its full weights
+    # as torch IPC handles (CUDA IPC on a GPU: a device-to-device copy; shared memory on the CPU) and every engine worker
+    # opens those of the trainer rank on its own device. "host": the weights gathered to trainer rank 0's host memory and
+    # sent on (TP>1 engines read them from one file).
+    weight_sync: str = "auto"
 
     def __post_init__(self):
+        _require(self.weight_sync in ("auto", "handles", "host"), "rollout.weight_sync",
+                 f"must be auto, handles or host, got {self.weight_sync!r}", "set rollout.weight_sync=auto")
         _require(0 <= self.gpu_memory_utilization < 1, "rollout.gpu_memory_utilization",
                  f"must be in [0, 1) (0: automatic), got {self.gpu_memory_utilization}", "set rollout.gpu_memory_utilization=0.45")
         for k in ("max_tokens", "max_model_len", "temperature", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_gb",
@@ -409,6 +417,15 @@ class VimeConfig:
                      f"fa3 is not proven under context parallelism (trainer.cp={t.cp}): CP's attention runs the paged form on a "
                      "page table of block size 1, which FA3's load-time probe does not cover (pages of 16 and 64) and FA3 "
                      "refuses to differentiate", "set rlkernel.ops.attention=strict for CP runs, or trainer.cp=1")
+        if r.weight_sync == "handles":
+            _require(self.run.executor == "ray", "rollout.weight_sync", "handles pass between processes: they need the Ray executor "
+                     f"(run.executor={self.run.executor} runs the roles in this process, where the tensors pass by reference)",
+                     "set run.executor=ray, or rollout.weight_sync=auto")
+            _require(r.num_engines * r.tp <= t.tp * t.cp, "rollout.weight_sync", f"handles need a trainer rank on every engine "
+                     f"device: rollout.tp*num_engines={r.tp * r.num_engines} workers, trainer tp*cp={t.tp * t.cp} ranks",
+                     "set rollout.weight_sync=host, or give the trainer at least as many ranks as the engines have workers")
+            _require(res.gpus == 0 or res.colocate, "rollout.weight_sync", "CUDA IPC handles open on the GPU that holds them: "
+                     "the engines must share the trainer's GPUs (resources.colocate=false here)", "set resources.colocate=true, or rollout.weight_sync=host")
         if res.gpus == 0:  # the CPU loop: trainer ranks (gloo) and vLLM-CPU engines, all on this node
             _require(res.nodes == 1, "resources.nodes", f"{res.nodes} is not supported on CPU (resources.gpus=0): the CPU loop runs on one node",
                      "set resources.nodes=1")

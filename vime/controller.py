@@ -162,9 +162,9 @@ def compare_step(records, scored, rollout_version: int, rollout_vocab: int) -> t
 
 
 def sync_weights(cfg: VimeConfig, trainer, rollout, version: int, run_dir: Path, model_path: Path) -> None:
-    """The trainer's weights of `version` into every engine: CUDA IPC handles where the trainer and one strict engine share
-    a GPU (roles.ipc_weight_sync: a device-to-device copy), else HF tensors through host memory; kept on disk too with
-    run.save_weights."""
+    """The trainer's weights of `version` into every engine: IPC handles where every engine worker shares a device with
+    a trainer rank (roles.ipc_weight_sync, rollout.weight_sync: on GPUs a device-to-device copy), else HF tensors
+    through host memory; kept on disk too with run.save_weights."""
     from .roles import ipc_weight_sync
 
     if ipc_weight_sync(cfg):
@@ -251,8 +251,10 @@ def _roles(cfg: VimeConfig, model_path: Path, resume: checkpoint.ResumePoint | N
 
 
 def _write_provenance(run_dir, cfg, config_dict, rollout, trainer):
+    from .roles import ipc_weight_sync
+
     prov = {"config": config_dict, "rollout": rollout.call("provenance"), "trainer": trainer.call("provenance"),
-            "torch": torch.__version__, "pid": os.getpid()}
+            "weight_sync": "handles" if ipc_weight_sync(cfg) else "host", "torch": torch.__version__, "pid": os.getpid()}
     engine_segments = (prov["rollout"].get("rlkernel") or {}).get("row_segments")
     if engine_segments is not None and engine_segments != prov["trainer"].get("row_segments"):
         raise RuntimeError(f"the rollout engine's strict model runs {engine_segments} canonical K segments but the trainer "

@@ -66,11 +66,22 @@ def default_enforce_eager(cfg: VimeConfig) -> bool:
 
 
 def ipc_weight_sync(cfg: VimeConfig) -> bool:
-    """Whether the trainer hands its weights to the engine as CUDA IPC handles (no copy through host memory or a file):
-    one trainer process and one engine (strict or stock) at TP=1, on the same GPU (colocated), in separate processes
-    (Ray)."""
-    return bool(cfg.resources.gpus and cfg.resources.colocate and cfg.run.executor == "ray" and cfg.rollout.num_engines == 1
-                and cfg.rollout.tp == 1 and cfg.trainer.tp * cfg.trainer.cp == 1)
+    """Whether the trainer hands its weights to the engines as IPC handles (rollout.weight_sync): "handles" always (the
+    config checked that it can), "auto" on GPUs where every engine worker's GPU holds a trainer rank — colocated, Ray
+    (separate processes), rollout.tp * num_engines <= trainer.tp * trainer.cp. No copy through host memory or a file."""
+    r, t = cfg.rollout, cfg.trainer
+    if r.weight_sync != "auto":
+        return r.weight_sync == "handles"
+    return bool(cfg.resources.gpus and cfg.resources.colocate and cfg.run.executor == "ray" and r.num_engines * r.tp <= t.tp * t.cp)
+
+
+def handles_for_engines(payloads: list[dict], num_engines: int, tp: int) -> list[list[dict]]:
+    """Trainer ranks' weight handles (one payload a rank, rank order) as each engine's list, one per worker: engine e's
+    worker i opens those of trainer rank e * tp + i — the rank on its GPU under gpu_placement's colocated layout (both
+    start at the first GPU); the worker checks the device (rlkernel.integrations.vllm_worker.pick_handles)."""
+    if num_engines * tp > len(payloads):
+        raise ValueError(f"{num_engines} engine(s) of {tp} worker(s) need as many trainer ranks' handles, got {len(payloads)}")
+    return [payloads[e * tp:(e + 1) * tp] for e in range(num_engines)]
 
 
 class RolloutRole:
@@ -234,15 +245,23 @@ class TrainerRole:
         return hf if self.rank == 0 else None
 
     def export_weights_ipc(self, version: int) -> dict:
-        """The full HF-named weights as CUDA IPC handles (torch's own reduction: (rebuild function, args)), for an engine
-        process on the same GPU; the tensors stay referenced here until `release_ipc`."""
+        """This rank's full HF-named weights as torch IPC handles (torch's own reduction: (rebuild function, args)) for the
+        engine worker on the same device: on a GPU, CUDA IPC of tensors gathered over TP on the GPU; on the CPU, shared
+        memory ("file_system" sharing: a name any process on this host opens). {"device", "rank", "handles"}; the
+        tensors stay referenced here until `release_ipc`."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        if self.trainer.config.device != "cuda" or self.trainer.tp_group.size() != 1:
-            raise RuntimeError("IPC weight sync needs one trainer process on a CUDA device")
-        self._ipc_keep = self.trainer.export_weights(version, device="cuda")
-        torch.cuda.synchronize()
-        return {k: reduce_tensor(v.contiguous()) for k, v in self._ipc_keep.items()}
+        from rlkernel.integrations.vllm_worker import device_ident
+
+        on_gpu = self.trainer.config.device == "cuda"
+        self._ipc_keep = self.trainer.export_weights(version, device="cuda" if on_gpu else "cpu")
+        if on_gpu:
+            torch.cuda.synchronize()
+        else:
+            torch.multiprocessing.set_sharing_strategy("file_system")  # fds cannot cross to vLLM's worker processes; names can
+            self._ipc_keep = {k: v.contiguous().share_memory_() for k, v in self._ipc_keep.items()}
+        return {"device": device_ident("cuda" if on_gpu else "cpu"), "rank": self.rank,
+                "handles": {k: reduce_tensor(v.contiguous()) for k, v in self._ipc_keep.items()}}
 
     def release_ipc(self) -> None:
         self._ipc_keep = None
@@ -370,6 +389,8 @@ class TrainerGroup:
             raise RuntimeError(f"trainer ranks disagree on the GRPO loss: {[u['loss'] for u in out]}")
         if method == "provenance":
             return out[0] | {"world_size": self.world, "ranks": len(out)}
+        if method == "export_weights_ipc":  # every rank's handles: each engine worker opens those on its own device
+            return out
         return out[0]
 
     def _load_state(self, state: dict) -> None:
@@ -395,6 +416,7 @@ class RolloutEngines:
         after it died; `version`: the weight version the engines start at (a resumed checkpoint's)."""
         self.executor, self.weights_for, self.version = executor, weights_for, version
         self.restarts = 0  # engines restarted since the last take_restarts
+        self.tp = cfg.rollout.tp
         gpus = gpu_placement(cfg).get("engines")
         self.engines = [executor.spawn(RolloutRole, cfg, model_path, f"vllm-{e}", name=f"rollout[vllm-{e}]",
                                        env={"CUDA_VISIBLE_DEVICES": gpus[e]} if gpus else None)
@@ -446,7 +468,11 @@ class RolloutEngines:
         if method == "update_weights" and n > 1:
             tensors, version = args
             args = (self.executor.share(tensors), version)
-        out = self._all(method, [args] * n)
+        if method == "update_weights_ipc":  # trainer ranks' handles (rank order): each engine those of its workers' GPUs
+            payloads, version = args
+            out = self._all(method, [(mine, version) for mine in handles_for_engines(payloads, n, self.tp)])
+        else:
+            out = self._all(method, [args] * n)
         if method in ("update_weights", "update_weights_ipc", "set_weight_version"):
             self.version = int(args[0] if method == "set_weight_version" else args[1])
         if method == "take_provenance":

@@ -317,27 +317,35 @@ class VLLMRollout:
                 self._load_in_workers("rlkernel_load_weights", path, version)
         self._now_at(version)
 
-    def update_weights_ipc(self, handles: dict, version: int) -> None:
-        """Like update_weights, from the trainer's CUDA tensors shared as IPC handles (a colocated trainer on this GPU):
-        a device-to-device copy; nothing goes through host memory or a file. TP=1. The strict engine's worker opens
-        the handles itself; for the stock engine (its worker in this process) they are opened here and handed to
-        vLLM's own `reload_weights(weights_iterator=...)` as CUDA tensors — no code of ours runs inside it."""
+    def update_weights_ipc(self, payloads: list[dict], version: int) -> None:
+        """Like update_weights, from tensors trainer processes share as IPC handles: `payloads` holds, per TP rank of
+        this engine, one trainer rank's {"device", "rank", "handles"} (vime.roles.handles_for_engines) made on that
+        worker's own device — CUDA IPC on a colocated GPU (a device-to-device copy), shared memory on the CPU; nothing
+        goes through a file. Each worker opens its own rank's (and checks the device): the strict engine through its
+        worker extension; a stock engine through vLLM's `collective_rpc` running `stock_load_ipc`, which hands them to
+        vLLM's own `reload_weights(weights_iterator=...)` where they are — no code of ours inside the engine otherwise.
+        A stock engine at TP=1 with its engine core in this process opens them here and reloads the same way."""
         self._check_version(version)
-        if self.config.tp != 1:
-            raise ValueError("IPC weight updates need rollout TP=1")
+        if len(payloads) != self.config.tp:
+            raise ValueError(f"update_weights_ipc: {len(payloads)} trainer ranks' handles for an engine of rollout.tp={self.config.tp}")
         if self.config.engine == "rlkernel":
-            self._load_in_workers("rlkernel_load_ipc", handles, version)
-        else:
-            if not self.config.in_process:
-                raise ValueError("IPC weight updates of the stock engine need its engine core in this process")
+            self._load_in_workers("rlkernel_load_ipc", payloads, version)
+        elif self.config.tp == 1 and self.config.in_process:
             from rlkernel.integrations import vllm_compat
-            from rlkernel.integrations.vllm_worker import open_ipc_handles
+            from rlkernel.integrations.vllm_worker import open_ipc_handles, pick_handles
 
-            tensors = open_ipc_handles(handles)
+            kind = "cuda" if torch.cuda.is_available() else "cpu"
+            tensors = open_ipc_handles(pick_handles(payloads, 0, kind))
             vllm_compat.reload_weights_from_tensors(self.llm, tensors, self._tied, on_device=True)
-            if torch.cuda.is_available():
+            if kind == "cuda":
                 torch.cuda.synchronize()  # copied before the sender may free or overwrite its tensors
             del tensors
+        else:
+            from rlkernel.integrations.vllm_worker import stock_load_ipc
+
+            got = self.llm.collective_rpc(stock_load_ipc, args=(payloads, self._tied))
+            if sorted(g["tp_rank"] for g in got) != list(range(self.config.tp)):
+                raise RuntimeError(f"the stock engine's weight update did not reach every TP rank: {got}")
         self._now_at(version)
 
     def write_checkpoint(self, tensors: dict[str, torch.Tensor], directory: str | Path) -> Path:

@@ -366,18 +366,17 @@ class MegatronTrainer:
 
     def export_weights(self, version: int, device: str = "cpu") -> dict[str, torch.Tensor]:
         """Full HF-named state dict (gathered over TP, vocab padding dropped) of weight version `version`, on the CPU
-        (device="cuda": on the model's device, TP=1 only — what a colocated engine opens through CUDA IPC)."""
+        (device="cuda": on the model's device, gathered there — what a colocated engine opens through CUDA IPC)."""
         from rlkernel.integrations.megatron_convert import gather_shards, megatron_to_hf
 
         self._need_model()
         if version != self.weight_version:
             raise ValueError(f"export_weights: asked for version {version}, the model is at {self.weight_version}")
         local = {k: v.detach() for k, v in self.model.state_dict().items()}
-        if device != "cpu":
-            if self.tp_group.size() != 1:
-                raise ValueError("export_weights(device='cuda') is for one trainer rank (TP=1); TP ranks gather to the CPU")
+        if device != "cpu" and self.tp_group.size() == 1:
             return {k: v.detach().clone() for k, v in megatron_to_hf([local], self.spec).items()}
-        return megatron_to_hf(gather_shards(local, dict(self.model.named_parameters()), self.tp_group), self.spec)
+        shards = gather_shards(local, dict(self.model.named_parameters()), self.tp_group, keep_device=device != "cpu")
+        return megatron_to_hf(shards, self.spec)
 
     # ------------------------------------------------------------------ scoring
     def _need_model(self):

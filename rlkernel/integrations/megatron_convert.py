@@ -139,19 +139,22 @@ def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], cfg: MegatronSp
     return {k: v.contiguous().clone() for k, v in hf.items()}
 
 
-def gather_shards(local: Mapping[str, torch.Tensor], params: Mapping[str, torch.nn.Parameter], group) -> list[dict[str, torch.Tensor]]:
-    """Every TP rank's state dict, on every rank, on the CPU: TP-sharded params all-gathered (rank order) on the
-    param's own device (NCCL has no CPU tensors), replicated ones local."""
+def gather_shards(local: Mapping[str, torch.Tensor], params: Mapping[str, torch.nn.Parameter], group,
+                  keep_device: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Every TP rank's state dict, on every rank, on the CPU (keep_device: where the gather left them, the params' own
+    device): TP-sharded params all-gathered (rank order) on the param's own device (NCCL has no CPU tensors),
+    replicated ones local."""
     from rlkernel import all_gather
 
     world = group.size()
+    move = (lambda x: x) if keep_device else (lambda x: x.cpu())  # noqa: E731
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
     for name, t in local.items():
         if world > 1 and getattr(params.get(name), "tensor_model_parallel", False):
             on = params[name].device
-            parts = [p.cpu() for p in all_gather(t.detach().to(on).unsqueeze(0), group, dim=0).unbind(0)]
+            parts = [move(p) for p in all_gather(t.detach().to(on).unsqueeze(0), group, dim=0).unbind(0)]
         else:
-            parts = [t.detach().cpu()] * world
+            parts = [move(t.detach())] * world
         for r in range(world):
             shards[r][name] = parts[r]
     return shards

@@ -99,6 +99,13 @@ def reload_weights_from_tensors(llm, tensors: dict[str, torch.Tensor], tied: boo
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
 
 
+def worker_tp_rank() -> int:
+    """This vLLM worker's tensor-parallel rank (`vllm.distributed`, the same call in 0.25 and 0.32)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 def contract_logprobs_mode(tp: int = 1) -> str:
     """The `logprobs_mode` the strict engine runs with here: "raw_logprobs" on vLLM 0.25's CUDA platform at TP=1 (its V2
     model runner, which refuses "raw_logits"; the strict model's sampler wrapper makes the reported values the

@@ -6,10 +6,40 @@ RPC serialisation between processes, paths do); every worker copies them into
 the model's parameters in place and stamps the model with the new version.
 The caller then resets the prefix cache (cached KV was computed with the old
 weights). Loaded through `worker_extension_cls`, vLLM's official hook.
-On a GPU shared with the trainer (colocated, one trainer process, TP=1), `rlkernel_load_ipc`
-takes the trainer's CUDA tensors as IPC handles instead: a device-to-device copy, no file.
+Where the trainer shares a worker's device (colocated GPUs; the CPU), `rlkernel_load_ipc` takes the
+trainer's tensors as IPC handles instead — each worker those of the trainer rank on its own device: a
+device-to-device copy on a GPU, no file.
 """
 from __future__ import annotations
+
+
+def device_ident(kind: str) -> str:
+    """Which physical device this process's current `kind` ("cuda" or "cpu") is, the same string in every process that
+    sees it: the GPU's UUID (whatever CUDA_VISIBLE_DEVICES numbers it), or the host for CPU memory."""
+    import socket
+
+    import torch
+
+    if kind == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        uuid = getattr(props, "uuid", None)  # torch >= 2.1; else the PCI address (also unique on one host)
+        where = uuid if uuid is not None else ":".join(str(getattr(props, k, "?")) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id"))
+        return f"cuda:{where}@{socket.gethostname()}"
+    return "cpu:" + socket.gethostname()
+
+
+def pick_handles(payloads: list[dict], rank: int, kind: str) -> dict:
+    """The IPC handles TP rank `rank` of an engine opens: payloads[rank] (one trainer rank's {"device", "rank",
+    "handles"}, vime.roles.handles_for_engines), after checking it was made on this worker's own device — CUDA IPC opens
+    only there, and another placement would be a silent wrong copy or a crash."""
+    if not 0 <= rank < len(payloads):
+        raise RuntimeError(f"engine worker of TP rank {rank} got handles for {len(payloads)} worker(s)")
+    mine, here = payloads[rank], device_ident(kind)
+    if mine["device"] != here:
+        raise RuntimeError(f"engine worker of TP rank {rank} is on {here} but its weight handles come from trainer rank {mine['rank']} "
+                           f"on {mine['device']}: the engines and trainer ranks must share devices in gpu_placement's order "
+                           "(set rollout.weight_sync=host for other layouts)")
+    return mine["handles"]
 
 
 def open_ipc_handles(handles: dict) -> dict:
@@ -36,14 +66,19 @@ class StrictWorkerExtension:
         """The same update from tensors handed over in memory (an engine whose worker runs in the caller's process)."""
         return self._load(tensors, version)
 
-    def rlkernel_load_ipc(self, handles: dict, version: int) -> dict:
-        """The same update from CUDA tensors another process on this GPU shares: `handles` maps HF names to torch's
-        IPC reduction (rebuild function, args); each tensor is opened, copied into the model, and released."""
+    def rlkernel_load_ipc(self, payloads: list[dict], version: int) -> dict:
+        """The same update from tensors a trainer process on this worker's device shares: `payloads` holds one trainer
+        rank's {"device", "rank", "handles"} per TP rank of this engine (handles: HF names to torch's IPC reduction,
+        (rebuild function, args)); this worker opens its own rank's, copies them into the model, and releases them."""
         import torch
 
-        out = self._load(open_ipc_handles(handles), version)
-        torch.cuda.synchronize()  # the copies are done before the sender may free or overwrite its tensors
-        return out
+        model = self.model_runner.get_model()
+        on = next(model.parameters()).device
+        rank = model.tp.rank if getattr(model, "tp", None) is not None else 0
+        out = self._load(open_ipc_handles(pick_handles(payloads, rank, on.type)), version)
+        if on.type == "cuda":
+            torch.cuda.synchronize()  # the copies are done before the sender may free or overwrite its tensors
+        return out | {"from_rank": payloads[rank]["rank"]}
 
     def rlkernel_weight_digests(self) -> dict:
         """{HF name: digest of this rank's tensor}: what the model holds now (a check that an update arrived as sent;
@@ -85,3 +120,20 @@ class StrictWorkerExtension:
             "contract_sampler_calls": int(getattr(model, "contract_sampler_calls", 0)),  # sampler steps it has served so far
             "compile_ahead": getattr(model, "compile_ahead_stats", None),  # GPU: the Triton kernels compiled ahead at start
         }
+
+
+def stock_load_ipc(worker, payloads: list[dict], tied: bool) -> dict:
+    """Runs inside a stock vLLM worker (collective_rpc with this function, vLLM's official way to run code on its
+    workers; no extension class, so the stock engine stays stock): its TP rank's handles opened and handed to vLLM's own
+    `reload_weights(weights_iterator=...)` where they are (on the GPU: no host copy)."""
+    import torch
+
+    from . import vllm_compat
+
+    kind = "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
+    rank = vllm_compat.worker_tp_rank()
+    tensors = vllm_compat.checkpoint_tensors(open_ipc_handles(pick_handles(payloads, rank, kind)), tied, on_device=True)
+    worker.reload_weights(weights_iterator=list(tensors.items()), is_checkpoint_format=True)
+    if kind == "cuda":
+        torch.cuda.synchronize()
+    return {"tp_rank": rank, "from_rank": payloads[rank]["rank"], "tensors": len(tensors)}
