@@ -84,6 +84,11 @@ STEPS: dict[str, tuple[int, str]] = {
     "loop_qwen3_parallel": (580, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --parallel --out {out}"),
     "loop_qwen3_fa3_parallel": (580, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 20 --parallel "
                                      "--tag h200_loop_grpo_qwen3_gpu_fa3 --out {out} strict:rlkernel.ops.attention=fa3"),
+    # nvidia-h200-x2, staged: the loop with the trainer at TP=2 and one engine at rollout TP=2 on the same two GPUs, weights
+    # synced by CUDA IPC handles (each worker opens those of the trainer rank on its GPU; session 32), both arms, 8 steps
+    "loop_qwen3_tp2_handles": (590, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 8 --arms native,strict "
+                                    "--tag h200x2_loop_tp2_handles --out {out} resources.gpus=2 trainer.tp=2 rollout.tp=2 "
+                                    "rollout.weight_sync=handles"),
     # rollout tokens/s at the Qwen3-0.6B shape (random weights, bf16), 256 prompts x 128 tokens: strict (eager) vs stock
     # vLLM eager and with CUDA graphs
     # issue 15 on eight H200s (nvidia-h200-x8, staged): a random Qwen3-8B drawn on the GPU (make_tiny_checkpoint --init
