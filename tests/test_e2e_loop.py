@@ -322,7 +322,8 @@ def test_weight_sync_by_handles_at_tp2(tmp, strict_run):
     through the driver. Strict: the run equals run A (TP=1, weights through host memory) bit for bit — every metric
     line but wall clock, every record: each step's weights arrived whole (a stale or partial engine would mismatch the
     trainer's scores, which every step compares). Stock vLLM (the native arm) takes the same handles through
-    vLLM's own reload in each worker: versions advance and the drift stays the kernels' (< 1e-3), not stale weights'."""
+    vLLM's own reload in each worker: versions advance and the drift stays the kernels' (< 1e-3), not stale weights'
+    (with the reload in `stock_load_ipc` skipped, step 1's max |diff| was 1.43: this check fails)."""
     from vime.controller import WALL_CLOCK_FIELDS
 
     a, rows_a, _ = strict_run
@@ -336,10 +337,10 @@ def test_weight_sync_by_handles_at_tp2(tmp, strict_run):
     assert [m["mismatch_count"] for m in rows] == [0, 0, 0] and clockless(rows) == clockless(rows_a)
     for step in range(3):
         assert _same_records(*(read_records(d / "records" / f"step_{step:06d}.parquet") for d in (out, a))), step
-    native = _train(tmp, tmp / "handles_native", "trainer.total_steps=3", "rlkernel.mode=native", "trainer.tp=2", "rollout.tp=2",
+    native = _train(tmp, tmp / "handles_native", "trainer.total_steps=2", "rlkernel.mode=native", "trainer.tp=2", "rollout.tp=2",
                     "rollout.weight_sync=handles")
     assert json.loads((tmp / "handles_native" / "provenance.json").read_text())["rollout"]["engine"] == "stock"
-    assert [m["rollout_weight_version"] for m in native] == [0, 1, 2]
+    assert [m["rollout_weight_version"] for m in native] == [0, 1]
     assert all(m["comparable"] and m["compared_tokens"] > 0 and m["max_abs_diff"] < 1e-3 for m in native)
 
 
