@@ -77,6 +77,21 @@ def test_eight_gpu_layouts():
         gpu_placement(cfg, visible="0,1,2,3")
 
 
+def test_engine_worker_refuses_handles_from_another_device():
+    """An engine worker opens only the handles a trainer rank made on its own device (pick_handles): a payload from
+    another GPU (a layout that does not colocate them in gpu_placement's order) is refused, naming both devices and
+    the fix, instead of opening a handle that is not there or copying the wrong rank's tensors."""
+    from rlkernel.integrations.vllm_worker import device_ident, pick_handles
+
+    here = device_ident("cpu")
+    mine = {"device": here, "rank": 3, "handles": {"w": "h"}}
+    assert pick_handles([{"device": "cuda:GPU-other", "rank": 2, "handles": {}}, mine], 1, "cpu") == {"w": "h"}
+    with pytest.raises(RuntimeError, match=r"TP rank 0 is on cpu:.* from trainer rank 2 on cuda:GPU-other.*rollout.weight_sync=host"):
+        pick_handles([{"device": "cuda:GPU-other", "rank": 2, "handles": {}}, mine], 0, "cpu")
+    with pytest.raises(RuntimeError, match="TP rank 2 got handles for 2 worker"):
+        pick_handles([mine, mine], 2, "cpu")
+
+
 def test_bad_memory_fraction_is_refused():
     with pytest.raises(Exception, match="rollout.gpu_memory_utilization"):
         load_config("grpo_qwen3_gpu", ["rollout.gpu_memory_utilization=1.5"])

@@ -18,7 +18,8 @@ Tied models have no `output_layer.weight` and no `lm_head.weight` on export (HF 
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -113,8 +114,13 @@ def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], cfg: MegatronSp
     def cat(name, dim):
         return torch.cat([s[name] for s in shards], dim=dim)
 
+    class _Own(dict):  # each entry copied as it is made (never a view of a shard or of a live parameter), so a lazy
+        def __setitem__(self, k, v):  # gather (gather_shards) frees each name's parts before the next name's
+            super().__setitem__(k, v.contiguous().clone())
+
     first = shards[0]
-    hf = {"model.embed_tokens.weight": cat(_EMBED, 0)[: d.vocab_size]}
+    hf = _Own()
+    hf["model.embed_tokens.weight"] = cat(_EMBED, 0)[: d.vocab_size]
     for i in range(d.num_layers):
         m, h = _mg(i), _hf(i)
         for mg_name, hf_name in _LAYER_NORMS:
@@ -136,25 +142,72 @@ def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], cfg: MegatronSp
     hf["model.norm.weight"] = first["final_layernorm.weight"]
     if not d.tie_word_embeddings:
         hf["lm_head.weight"] = cat("output_layer.weight", 0)[: d.vocab_size]
-    return {k: v.contiguous().clone() for k, v in hf.items()}
+    return dict(hf)
 
 
 def gather_shards(local: Mapping[str, torch.Tensor], params: Mapping[str, torch.nn.Parameter], group,
-                  keep_device: bool = False) -> list[dict[str, torch.Tensor]]:
+                  keep_device: bool = False) -> "LazyShards":
     """Every TP rank's state dict, on every rank, on the CPU (keep_device: where the gather left them, the params' own
     device): TP-sharded params all-gathered (rank order) on the param's own device (NCCL has no CPU tensors),
-    replicated ones local."""
-    from rlkernel import all_gather
+    replicated ones local. Lazily, one name at a time (LazyShards): every rank must read the names in the same order
+    (megatron_to_hf's), and only the last name's parts stay alive — an export holds its output and one parameter's
+    gather, not every shard of the model besides (at 8B in bf16 on a GPU: 16 GB, not ~48)."""
+    return LazyShards(local, params, group, keep_device)
 
-    world = group.size()
-    move = (lambda x: x) if keep_device else (lambda x: x.cpu())  # noqa: E731
-    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
-    for name, t in local.items():
-        if world > 1 and getattr(params.get(name), "tensor_model_parallel", False):
-            on = params[name].device
-            parts = [move(p) for p in all_gather(t.detach().to(on).unsqueeze(0), group, dim=0).unbind(0)]
+
+class LazyShards(Sequence):
+    """gather_shards' result: shards[r][name] is rank r's part of `name`, all-gathered over `group` when a name is
+    first read after another (a collective: every rank reads the same names in the same order); the previous name's
+    parts are dropped first."""
+
+    def __init__(self, local, params, group, keep_device: bool):
+        self.local, self.params, self.group, self.keep_device = local, params, group, keep_device
+        self.world = group.size()
+        self._name, self._parts, self.gathers = None, None, 0
+        self.gathered: list = []  # a weak reference to each gather's output: dead once its name is done (a test reads it)
+
+    def __len__(self) -> int:
+        return self.world
+
+    def __getitem__(self, r):
+        if isinstance(r, slice):
+            return [self[i] for i in range(*r.indices(self.world))]
+        if not -self.world <= r < self.world:
+            raise IndexError(r)
+        return _RankView(self, r % self.world)
+
+    def part(self, name: str, r: int) -> torch.Tensor:
+        if name != self._name:
+            self._name, self._parts = None, None  # the previous name's parts go before this one's gather
+            self._name, self._parts = name, self._gather(name)
+        return self._parts[r]
+
+    def _gather(self, name: str) -> list[torch.Tensor]:
+        from rlkernel import all_gather
+
+        t = self.local[name].detach()
+        if self.world > 1 and getattr(self.params.get(name), "tensor_model_parallel", False):
+            on = self.params[name].device
+            out = all_gather(t.to(on).unsqueeze(0), self.group, dim=0)
+            self.gathered.append(weakref.ref(out))
+            parts = list(out.unbind(0))
+            self.gathers += 1
         else:
-            parts = [move(t.detach())] * world
-        for r in range(world):
-            shards[r][name] = parts[r]
-    return shards
+            parts = [t] * self.world
+        return parts if self.keep_device else [p.cpu() for p in parts]
+
+
+class _RankView(Mapping):
+    def __init__(self, shards: LazyShards, rank: int):
+        self.shards, self.rank = shards, rank
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.shards.local:
+            raise KeyError(name)
+        return self.shards.part(name, self.rank)
+
+    def __iter__(self):
+        return iter(self.shards.local)
+
+    def __len__(self) -> int:
+        return len(self.shards.local)
