@@ -107,7 +107,11 @@ def _lazy_export_body(rank, case, dtype, tp):
     shards = gather_shards(local, params, dist.group.WORLD)
     back = megatron_to_hf(shards, cfg)
     gc.collect()
-    return {"equal": set(back) == set(hf) and all(torch.equal(back[n], t) for n, t in hf.items()),
+    again = gather_shards(local, params, dist.group.WORLD)  # rank 0 keeps the export, rank 1 only takes part
+    kept = megatron_to_hf(again, cfg, keep=rank == 0)
+    return {"kept": len(kept) if rank else all(torch.equal(kept[n], t) for n, t in hf.items()) and set(kept) == set(hf),
+            "again_gathers": again.gathers,
+            "equal": set(back) == set(hf) and all(torch.equal(back[n], t) for n, t in hf.items()),
             "gathers": shards.gathers, "sharded": sum(bool(p.tensor_model_parallel) for p in params.values()),
             "alive": sum(r() is not None for r in shards.gathered[:-1])}
 
@@ -118,10 +122,13 @@ def test_lazy_gather_exports_one_parameter_at_a_time(tmp_path, case):
     checkpoint the shards came from, each TP-sharded parameter gathered exactly once, and after the export no gathered
     parameter but the last is still alive (weak references to each gather's output): an export needs its output plus
     one parameter's gather (on a GPU at 8B: 16 GB, not the ~48 GB of every shard, the joined tensors and their copies
-    at once). Keeping every gather (the eager gather_shards before session 32) fails it: 10 of 11 alive."""
+    at once). Keeping every gather (the eager gather_shards before session 32) fails it: 10 of 11 alive. A rank that
+    only takes part (keep=False: the host path's ranks but 0) runs the same gathers and holds nothing."""
     from helpers import run_gloo_ranks
 
-    for r in run_gloo_ranks(2, _lazy_export_body, (case, "float32", 2), str(tmp_path)):
-        assert r["equal"]
+    ranks = run_gloo_ranks(2, _lazy_export_body, (case, "float32", 2), str(tmp_path))
+    assert ranks[0]["kept"] is True and ranks[1]["kept"] == 0  # keep=False: the gathers, nothing held
+    for r in ranks:
+        assert r["equal"] and r["again_gathers"] == r["gathers"]
         assert r["gathers"] == r["sharded"] > 0
         assert r["alive"] == 0, r

@@ -241,7 +241,7 @@ class TrainerRole:
 
     def export_weights(self, version: int) -> dict | None:
         """The full HF-named weights; in a group every rank takes part in the gather, rank 0 returns them."""
-        hf = self.trainer.export_weights(version)
+        hf = self.trainer.export_weights(version, keep=self.rank == 0)  # the others only take part in the gathers
         return hf if self.rank == 0 else None
 
     def export_weights_ipc(self, version: int) -> dict:

@@ -364,9 +364,10 @@ class MegatronTrainer:
         """rlkernel op calls since the last take: {op: [{backend, contract_id, device, calls}]}."""
         return self.op_provenance.take()
 
-    def export_weights(self, version: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    def export_weights(self, version: int, device: str = "cpu", keep: bool = True) -> dict[str, torch.Tensor]:
         """Full HF-named state dict (gathered over TP, vocab padding dropped) of weight version `version`, on the CPU
-        (device="cuda": on the model's device, gathered there — what a colocated engine opens through CUDA IPC)."""
+        (device="cuda": on the model's device, gathered there — what a colocated engine opens through CUDA IPC).
+        keep=False: this rank takes part in the TP gathers and returns {} (its group's rank 0 returns the weights)."""
         from rlkernel.integrations.megatron_convert import gather_shards, megatron_to_hf
 
         self._need_model()
@@ -376,7 +377,7 @@ class MegatronTrainer:
         if device != "cpu" and self.tp_group.size() == 1:
             return megatron_to_hf([local], self.spec)  # every entry its own copy (megatron_to_hf clones as it goes)
         shards = gather_shards(local, dict(self.model.named_parameters()), self.tp_group, keep_device=device != "cpu")
-        return megatron_to_hf(shards, self.spec)
+        return megatron_to_hf(shards, self.spec, keep=keep)
 
     # ------------------------------------------------------------------ scoring
     def _need_model(self):

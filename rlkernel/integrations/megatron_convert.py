@@ -105,8 +105,10 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], cfg: MegatronSpecConfig, rank
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
-def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], cfg: MegatronSpecConfig) -> dict[str, torch.Tensor]:
-    """HF-named full tensors from every TP rank's state dict (rank order); replicated params from rank 0."""
+def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], cfg: MegatronSpecConfig, keep: bool = True) -> dict[str, torch.Tensor]:
+    """HF-named full tensors from every TP rank's state dict (rank order); replicated params from rank 0. keep=False:
+    every shard read in the same order (a lazy gather's collectives) but nothing kept — {} (a rank that only takes
+    part in another rank's export)."""
     d = cfg.decoder
     if len(shards) != cfg.tp:
         raise ValueError(f"megatron_to_hf: got {len(shards)} shards for tp={cfg.tp}")
@@ -116,7 +118,8 @@ def megatron_to_hf(shards: Sequence[Mapping[str, torch.Tensor]], cfg: MegatronSp
 
     class _Own(dict):  # each entry copied as it is made (never a view of a shard or of a live parameter), so a lazy
         def __setitem__(self, k, v):  # gather (gather_shards) frees each name's parts before the next name's
-            super().__setitem__(k, v.contiguous().clone())
+            if keep:
+                super().__setitem__(k, v.contiguous().clone())
 
     first = shards[0]
     hf = _Own()
