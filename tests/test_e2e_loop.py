@@ -328,7 +328,9 @@ def test_weight_sync_by_handles_at_tp2(tmp, strict_run):
 
     a, rows_a, _ = strict_run
     out = tmp / "handles"
-    rows = _train(tmp, out, *RESUMABLE, "trainer.tp=2", "rollout.tp=2", "rollout.weight_sync=handles")
+    # run A's steps without its per-step checkpoints (CI time; no metric or record depends on them)
+    rows = _train(tmp, out, *(o for o in RESUMABLE if not o.startswith("run.save_every")), "trainer.tp=2", "rollout.tp=2",
+                  "rollout.weight_sync=handles")
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["weight_sync"] == "handles" and prov["trainer"]["world_size"] == 2
     assert prov["rollout"]["engine_args"]["worker"]["tp_ranks"] == [[0, 2], [1, 2]]
