@@ -259,9 +259,9 @@ class TrainerRole:
             torch.cuda.synchronize()
         else:
             torch.multiprocessing.set_sharing_strategy("file_system")  # fds cannot cross to vLLM's worker processes; names can
-            self._ipc_keep = {k: v.contiguous().share_memory_() for k, v in self._ipc_keep.items()}
-        return {"device": device_ident("cuda" if on_gpu else "cpu"), "rank": self.rank,
-                "handles": {k: reduce_tensor(v.contiguous()) for k, v in self._ipc_keep.items()}}
+            self._ipc_keep = {k: v.share_memory_() for k, v in self._ipc_keep.items()}
+        return {"device": device_ident("cuda" if on_gpu else "cpu"), "rank": self.rank,  # (export: contiguous copies)
+                "handles": {k: reduce_tensor(v) for k, v in self._ipc_keep.items()}}
 
     def release_ipc(self) -> None:
         self._ipc_keep = None

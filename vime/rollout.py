@@ -323,23 +323,13 @@ class VLLMRollout:
         worker's own device — CUDA IPC on a colocated GPU (a device-to-device copy), shared memory on the CPU; nothing
         goes through a file. Each worker opens its own rank's (and checks the device): the strict engine through its
         worker extension; a stock engine through vLLM's `collective_rpc` running `stock_load_ipc`, which hands them to
-        vLLM's own `reload_weights(weights_iterator=...)` where they are — no code of ours inside the engine otherwise.
-        A stock engine at TP=1 with its engine core in this process opens them here and reloads the same way."""
+        vLLM's own `reload_weights(weights_iterator=...)` where they are — no code of ours inside the engine otherwise
+        (at TP=1 with the engine core in this process, that worker is in this process)."""
         self._check_version(version)
         if len(payloads) != self.config.tp:
             raise ValueError(f"update_weights_ipc: {len(payloads)} trainer ranks' handles for an engine of rollout.tp={self.config.tp}")
         if self.config.engine == "rlkernel":
             self._load_in_workers("rlkernel_load_ipc", payloads, version)
-        elif self.config.tp == 1 and self.config.in_process:
-            from rlkernel.integrations import vllm_compat
-            from rlkernel.integrations.vllm_worker import open_ipc_handles, pick_handles
-
-            kind = "cuda" if torch.cuda.is_available() else "cpu"
-            tensors = open_ipc_handles(pick_handles(payloads, 0, kind))
-            vllm_compat.reload_weights_from_tensors(self.llm, tensors, self._tied, on_device=True)
-            if kind == "cuda":
-                torch.cuda.synchronize()  # copied before the sender may free or overwrite its tensors
-            del tensors
         else:
             from rlkernel.integrations.vllm_worker import stock_load_ipc
 

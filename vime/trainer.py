@@ -374,8 +374,6 @@ class MegatronTrainer:
         if version != self.weight_version:
             raise ValueError(f"export_weights: asked for version {version}, the model is at {self.weight_version}")
         local = {k: v.detach() for k, v in self.model.state_dict().items()}
-        if device != "cpu" and self.tp_group.size() == 1:
-            return megatron_to_hf([local], self.spec)  # every entry its own copy (megatron_to_hf clones as it goes)
         shards = gather_shards(local, dict(self.model.named_parameters()), self.tp_group, keep_device=device != "cpu")
         return megatron_to_hf(shards, self.spec, keep=keep)
 

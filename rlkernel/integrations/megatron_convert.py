@@ -172,12 +172,10 @@ class LazyShards(Sequence):
     def __len__(self) -> int:
         return self.world
 
-    def __getitem__(self, r):
-        if isinstance(r, slice):
-            return [self[i] for i in range(*r.indices(self.world))]
-        if not -self.world <= r < self.world:
-            raise IndexError(r)
-        return _RankView(self, r % self.world)
+    def __getitem__(self, r: int):
+        if not 0 <= r < self.world:
+            raise IndexError(r)  # (also ends Sequence's iteration)
+        return _RankView(self, r)
 
     def part(self, name: str, r: int) -> torch.Tensor:
         if name != self._name:

@@ -90,12 +90,12 @@ def reload_weights(llm, directory: str | Path) -> None:
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory), "is_checkpoint_format": True})
 
 
-def reload_weights_from_tensors(llm, tensors: dict[str, torch.Tensor], tied: bool, on_device: bool = False) -> None:
+def reload_weights_from_tensors(llm, tensors: dict[str, torch.Tensor], tied: bool) -> None:
     """The same in-place reload from tensors in memory (the method's `weights_iterator`, in both 0.25 and 0.32): for an
     engine whose worker runs in this process (TP=1, in-process engine core), so nothing is written or serialised.
-    `on_device`: the tensors stay where they are (CUDA tensors opened from a colocated trainer's IPC handles)."""
+    (IPC handles take vllm_worker.stock_load_ipc, inside each worker.)"""
     check_version()
-    items = list(checkpoint_tensors(tensors, tied, on_device).items())
+    items = list(checkpoint_tensors(tensors, tied).items())
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
 
 
