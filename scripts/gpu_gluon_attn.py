@@ -59,7 +59,12 @@ VARIANTS = {
     "stages3": dict(stages=3),
     "mask_every_chunk": dict(nfull=0),
     "skip_rescale": dict(skip=1),
+    "qreg": dict(qreg=1),
+    "qk_first": dict(qk_first=1),
+    "qreg_qk_first": dict(qreg=1, qk_first=1),
+    "qreg_qk_first_s3": dict(qreg=1, qk_first=1, stages=3),
     "diag_no_softmax": dict(diag=1),
+    "diag_no_softmax_qreg": dict(diag=1, qreg=1),
     "diag_no_qk": dict(diag=2),
 }
 
@@ -69,9 +74,10 @@ def compile_sm90(variant, G=4, d=128):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0), **VARIANTS[variant]}
+    kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST), **VARIANTS[variant]}
     const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
-                 NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], num_warps=4)
+                 NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], QREG=kw["qreg"], QK_FIRST=kw["qk_first"],
+                 num_warps=4)
     desc = f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>"  # the descriptors' layout, as the library makes it
     sig = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
            "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32", "sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32",
@@ -190,7 +196,7 @@ def _smi() -> dict:
     return {"t": round(time.time() - T0, 1), "smi": r.stdout.strip()}
 
 
-def ab_run(n: int, out: Path) -> int:
+def ab_run(n: int, out: Path, variants=()) -> int:
     """Is the Gluon kernel's gain larger than the spread of timing one kernel twice? Both kernels and SDPA in turn,
     n rounds, twice: on a rested card and after ~10 s of cuBLAS GEMMs (the strict harness times attention after its
     GEMM sweep: session 27 call 5 read 2.83 ms there against 2.43 in this script)."""
@@ -212,7 +218,13 @@ def ab_run(n: int, out: Path) -> int:
     fns = {"triton": lambda: _triton_kernel(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L)),
            "library_gluon": lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L),
            "sdpa": lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)}
-    res = {"device": torch.cuda.get_device_name(), "rounds": n, "phases": {}}
+    for var in variants:  # the library's kernel with a variant's knobs (its bits checked against the Triton kernel)
+        fns[var] = lambda var=var: gluon_varlen(q, k, v, cu, L, var)
+    res_bits = {}
+    if variants:
+        ref = _triton_kernel(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L))
+        res_bits = {var: bool(torch.equal(fns[var](), ref)) for var in variants}
+    res = {"device": torch.cuda.get_device_name(), "rounds": n, "phases": {}, "variants_equal_triton": res_bits}
     for phase in ("rested", "after_gemm_load"):
         if phase == "after_gemm_load":
             a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -233,7 +245,13 @@ def ab_run(n: int, out: Path) -> int:
                                 "spread_ms": {name: round(max(t) - min(t), 4) for name, t in times.items()},
                                 "library_vs_triton": round(med["triton"] / med["library_gluon"], 3),
                                 "library_vs_sdpa": round(med["sdpa"] / med["library_gluon"], 3),
-                                "triton_vs_sdpa": round(med["sdpa"] / med["triton"], 3)}
+                                "triton_vs_sdpa": round(med["sdpa"] / med["triton"], 3),
+                                # per-round ratios' medians: a drift of the card's clock between rounds cancels
+                                "vs_sdpa_rounds_median": {name: round(statistics.median(
+                                    [s_ / t_ for s_, t_ in zip(times["sdpa"], times[name])]), 3) for name in fns},
+                                "vs_library_rounds_median": {name: round(statistics.median(
+                                    [s_ / t_ for s_, t_ in zip(times["library_gluon"], times[name])]), 3)
+                                    for name in fns}}
         log(phase, {kk: vv for kk, vv in res["phases"][phase].items() if kk != "clocks"})
     out.mkdir(parents=True, exist_ok=True)
     (out / "h200_gluon_attn_ab.json").write_text(json.dumps(res, indent=1) + "\n")
@@ -249,9 +267,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ab", type=int, default=0, help="only the A/B run: the Triton kernel, the library's (Gluon) and "
                                                        "SDPA timed in turn N times at 8 x 4,096, before and after a "
                                                        "heavy GEMM load, with the card's clocks read between")
+    ap.add_argument("--ab-variants", default="", help="with --ab: VARIANTS also timed in each round")
     args = ap.parse_args(argv)
     if args.ab:
-        return ab_run(args.ab, Path(args.out))
+        return ab_run(args.ab, Path(args.out), [x for x in args.ab_variants.split(",") if x])
     names = [n for n in args.variants.split(",") if n]
     res = {"triton": triton.__version__, "compiled_sm90": {}}
     for name in names:

@@ -44,6 +44,17 @@ STEPS: dict[str, tuple[int, str]] = {
     # context parallelism's GPU path (session 31, written on a CPU: the interpreter checked float32 only): the packed
     # pieces forward and the virtual-sequence backward on the Triton kernels, float32 and bfloat16 (one GPU)
     "cp_pieces": (120, "python3 scripts/check_cp_pieces.py float32 && python3 scripts/check_cp_pieces.py bfloat16"),
+    # session 33: the attention prefill's variants (the query tile in registers, q.k^T before p.v) bit-checked against
+    # the Triton kernel and timed, then interleaved rounds against SDPA; Nsight Compute's counters on the kernels that
+    # cap issue 10's last ratios (attention prefill, the segmented o GEMM, each beside SDPA / cuBLAS)
+    "attn_variants": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096,q06_8x4096 "
+                           "--variants production,qreg,qk_first,qreg_qk_first,qreg_qk_first_s3,diag_no_softmax,"
+                           "diag_no_softmax_qreg && python3 scripts/gpu_gluon_attn.py --out {out} --ab 5 "
+                           "--ab-variants qreg,qk_first,qreg_qk_first"),
+    "ncu_probe": (420, "ncu --clock-control none --profile-from-start off --set full -f -o /tmp/probe "
+                       "python3 scripts/gpu_ncu_probe.py && ncu -i /tmp/probe.ncu-rep --page details > {out}/ncu_details.txt "
+                       "&& ncu -i /tmp/probe.ncu-rep --page raw --csv > /tmp/raw.csv && gzip -c /tmp/raw.csv > {out}/ncu_raw.csv.gz "
+                       "&& ls -la /tmp/probe.ncu-rep {out}"),
     "launch_bench": (240, "python3 scripts/bench_launch.py --out {out}"),
     "tiny_ckpt": (120, f"python3 scripts/make_tiny_checkpoint.py {TQ} --head-dim 64"),
     "parity_strict": (300, _PARITY),

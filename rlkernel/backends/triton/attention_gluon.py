@@ -57,6 +57,8 @@ def off():
     — the reference side of the benchmarks and tests that compare the two."""
     return switched_off(sys.modules[__name__])
 
+QREG = 0  # q.k^T's query tile from registers (`_consumer`; 0 until timed on the GPU)
+QK_FIRST = 0  # chunk c's q.k^T issued before chunk c - 1's p.v (`_consumer`; 0 until timed on the GPU)
 STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's spread of each other; 2 stages 0.6x)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
@@ -93,27 +95,39 @@ if _IMPORT_ERROR is None:
         """attention._chunk between its two dots (s already masked): the new row max, alpha, p, l, acc * alpha, and p
         as the bf16 A operand of the p.v wgmma. SKIP: leave acc alone when no row's max moved (every alpha is then
         1.0 exactly, and acc * 1.0 == acc bit for bit), at the cost of a tile-wide test (a cross-warp reduction)."""
-        m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.where(m_new == m, 1.0, gl.exp2(m - m_safe))
-        p32 = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
-        l = l * alpha + gl.sum(p32, 1)
+        m_new, alpha, l, p = _stats(s, m, l, qk_scale, p_layout)
         if SKIP:
             if gl.max((m_new != m).to(gl.int32), 0) != 0:
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         else:
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        return m_new, l, acc, gl.convert_layout(p32.to(gl.bfloat16), p_layout)
+        return m_new, l, acc, p
+
+    @gluon.jit
+    def _stats(s, m, l, qk_scale, p_layout: gl.constexpr):
+        """`_softmax` without the accumulator's rescale: the new row max, alpha, l and p (bf16, the p.v operand)."""
+        m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.where(m_new == m, 1.0, gl.exp2(m - m_safe))
+        p32 = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
+        l = l * alpha + gl.sum(p32, 1)
+        return m_new, alpha, l, gl.convert_layout(p32.to(gl.bfloat16), p_layout)
 
     @gluon.jit
     def _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt, sqh,
                   sot, soh, hq, qk_scale, pair, nc_cta, WHICH: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STORE_LSE: gl.constexpr,
-                  NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr):
+                  NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr, QREG: gl.constexpr,
+                  QK_FIRST: gl.constexpr):
         """One query tile (consumer WHICH of the CTA's two), ping-ponged with the other (module docstring).
         NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
         SKIP: `_softmax`'s rescale skip where no row's max moved (0 in production until timed; the same bits).
-        DIAG (measurement only, other bits; never set by the library): 1 skips the softmax, 2 skips q.k^T."""
+        DIAG (measurement only, other bits; never set by the library): 1 skips the softmax, 2 skips q.k^T.
+        QREG: q.k^T takes the query tile from registers (loaded once from shared memory) instead of shared memory: the
+        wgmma then reads only K from shared memory (q.k^T's 64-column chain reads 2 KB of Q and 2 KB of K a k-step).
+        QK_FIRST: a turn issues chunk c's q.k^T before chunk c - 1's p.v and waits for q.k^T alone, so chunk c's row
+        max, exp2 and row sum run while that p.v still runs; the rescale of acc (and a segment's fold) waits for it.
+        Both are the same ops on the same values (the bits are checked against the Triton kernel)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -141,6 +155,10 @@ if _IMPORT_ERROR is None:
             q = gl.load(q_ptr + qrow[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=row_ok[:, None], other=0.0)
             q_smem.store(q)
             fence_async_shared()
+            if QREG:
+                qa = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+            else:
+                qa = q_smem
             rs = gl.arange(0, BLOCK_M, layout=row_s)
             qpos = first + gl.minimum(tok0 + rs // G, q_len - 1)
             kcol = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -154,7 +172,7 @@ if _IMPORT_ERROR is None:
             # chunk 0: q.k^T in the first turn (consumer 0 first: a fresh barrier passes parity 1)
             mbarrier.wait(ready.index(0), 0)
             mbarrier.wait(turn.index(WHICH), 1 - WHICH)
-            s_tok = warpgroup_mma(q_smem, bufs_k.index(0).permute((1, 0)), zero_s, is_async=True)
+            s_tok = warpgroup_mma(qa, bufs_k.index(0).permute((1, 0)), zero_s, is_async=True)
             mbarrier.arrive(turn.index(1 - WHICH), count=1)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             s = gl.where(kcol[None, :] <= qpos[:, None], s, float("-inf"))
@@ -164,30 +182,61 @@ if _IMPORT_ERROR is None:
                 sp = (c - 1) % S
                 mbarrier.wait(ready.index(st), (c // S) & 1)
                 mbarrier.wait(turn.index(WHICH), (c & 1) ^ (1 - WHICH))
-                acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
-                if DIAG == 2:
+                if QK_FIRST:
+                    s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
+                    acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
                     mbarrier.arrive(turn.index(1 - WHICH), count=1)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-                    s = zero_s + c
-                else:
-                    s_tok = warpgroup_mma(q_smem, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
-                    mbarrier.arrive(turn.index(1 - WHICH), count=1)
-                    acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
-                mbarrier.arrive(empty.index(sp), count=1)
-                if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: fold the finished one (its last p.v is in acc)
-                    M, L, O = _merge(M, L, O, m, l, acc, row_o)
-                    m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-                    l = gl.zeros([BLOCK_M], gl.float32, row_s)
-                    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-                if DIAG == 1:
-                    p = gl.convert_layout(s.to(gl.bfloat16), p_layout)
-                else:
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
                     if NFULL:
                         if c >= n_full:
                             s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
                     else:
                         s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
-                    m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
+                    if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: its stats start afresh
+                        m_in = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+                        l_in = gl.zeros([BLOCK_M], gl.float32, row_s)
+                    else:
+                        m_in = m
+                        l_in = l
+                    m_c, alpha, l_c, p_c = _stats(s, m_in, l_in, qk_scale, p_layout)
+                    # p (chunk c - 1's, the running p.v's operand) stays alive until that p.v is done; p_c, l_c and
+                    # alpha pass through the wait so that they are computed before it (else the compiler sinks the
+                    # exp2s below it and nothing overlaps)
+                    acc, p, p_c, l_c, alpha = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p, p_c, l_c, alpha))
+                    p = p_c
+                    mbarrier.arrive(empty.index(sp), count=1)
+                    if (c % SEG_CHUNKS) == 0:  # fold the finished segment (its last p.v is in acc); acc * alpha of
+                        M, L, O = _merge(M, L, O, m, l, acc, row_o)  # a zero accumulator is zero
+                        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+                    else:
+                        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    m = m_c
+                    l = l_c
+                else:
+                    acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
+                    if DIAG == 2:
+                        mbarrier.arrive(turn.index(1 - WHICH), count=1)
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+                        s = zero_s + c
+                    else:
+                        s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
+                        mbarrier.arrive(turn.index(1 - WHICH), count=1)
+                        acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
+                    mbarrier.arrive(empty.index(sp), count=1)
+                    if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: fold the finished one (its last p.v is in acc)
+                        M, L, O = _merge(M, L, O, m, l, acc, row_o)
+                        m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+                        l = gl.zeros([BLOCK_M], gl.float32, row_s)
+                        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+                    if DIAG == 1:
+                        p = gl.convert_layout(s.to(gl.bfloat16), p_layout)
+                    else:
+                        if NFULL:
+                            if c >= n_full:
+                                s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
+                        else:
+                            s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
+                        m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
             sl = (nc_cta - 1) % S
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(empty.index(sl), count=1)
@@ -223,7 +272,8 @@ if _IMPORT_ERROR is None:
     def _prefill_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, sqt, sqh, sot, soh, qk_scale,
                         n_pairs, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, NFULL: gl.constexpr,
-                        DIAG: gl.constexpr, SKIP: gl.constexpr, num_warps: gl.constexpr):
+                        DIAG: gl.constexpr, SKIP: gl.constexpr, QREG: gl.constexpr, QK_FIRST: gl.constexpr,
+                        num_warps: gl.constexpr):
         """Grid (pairs of query tiles, the pair holding the latest tokens first; requests; kv heads)."""
         TOK: gl.constexpr = BLOCK_M // G
         pair = n_pairs - 1 - gl.program_id(0)
@@ -252,11 +302,11 @@ if _IMPORT_ERROR is None:
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,
                          sqt, sqh, sot, soh, hq, qk_scale, pair, nc_cta, 0, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
-                         STORE_LSE, NFULL, DIAG, SKIP)),
+                         STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
             (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty, turn,
                          sqt, sqh, sot, soh, hq, qk_scale, pair, nc_cta, 1, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
-                         STORE_LSE, NFULL, DIAG, SKIP)),
+                         STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
         ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
 
     _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
@@ -341,7 +391,7 @@ def kv_layout(block_n: int, d: int):
 
 
 def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag,
-                 skip):
+                 skip, qreg, qk_first):
     """(grid, positional args, keyword args) of one `_prefill_kernel` launch: what `launch` runs and `verify` checks."""
     rows, hkv, d = k.shape
     lay = kv_layout(cfg.block_n, d)
@@ -352,27 +402,27 @@ def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale,
             out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs)
     kwargs = dict(G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
                   SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull,
-                  DIAG=diag, SKIP=skip, num_warps=4, enable_fp_fusion=False)
+                  DIAG=diag, SKIP=skip, QREG=qreg, QK_FIRST=qk_first, num_warps=4, enable_fp_fusion=False)
     return (n_pairs, q_len.shape[0], hkv), args, kwargs
 
 
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0, skip=0):
+           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST):
     """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None), through
     launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time)."""
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
-                                      stages, nfull, diag, skip)
+                                      stages, nfull, diag, skip, qreg, qk_first)
     _LAUNCHES[0] += 1
     _prefill_fast[grid](*args, **kwargs)
     return out
 
 
 def verify(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0, skip=0) -> dict:
+           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST) -> dict:
     """`launch`'s arguments through launch.py's `FastKernel.verify`: runs the kernel three times (fast path, fast path
     again, Triton's own `run`) into `out` / `lse` and says whether all three ran one compiled kernel (a GPU's check)."""
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
-                                      stages, nfull, diag, skip)
+                                      stages, nfull, diag, skip, qreg, qk_first)
     return _prefill_fast.verify(grid, *args, **kwargs)
 
 
