@@ -186,12 +186,14 @@ def _float_ops(ttgir: str) -> set:
                           ttgir))
 
 
-def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90():
+@pytest.mark.parametrize("variant", ["production", "qreg", "qk_first", "qreg_qk_first"])
+def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90(variant):
     """attention_gluon's prefill (Gluon, warp-specialised) claims the bits of attention._attn_fwd: equal on the H200
     (session 27, `gpu_gluon_attn.py`), and here for any later edit — both kernels compiled for sm_90, their row
     reductions (max, sum) run on the same layout (NVMMA v3, 4 warps, instr 16 x 64 x 16, which fixes the order), they
     use the same kinds of float ops (maxnumf, never NaN-propagating maximumf; no contracted fma) and the same wgmma
-    shapes; the Gluon kernel has its producer warp's register hand-over and TMA loads, and no spills."""
+    shapes; the Gluon kernel has its producer warp's register hand-over and TMA loads, and no spills. Also for the
+    schedule knobs (session 33: the query tile from registers, q.k^T issued before p.v), which move no arithmetic."""
     pytest.importorskip("triton.experimental.gluon")
     import sys
     from pathlib import Path
@@ -206,7 +208,7 @@ def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90():
     sig = {a: _ATTN_TYPES.get(a, "i32") for a in _ATTN_ARGS}
     triton_ir = _compile(A._attn_fwd, sig, const, asm="ttgir", enable_fp_fusion=False)
     try:
-        k = GA.compile_sm90("production")
+        k = GA.compile_sm90(variant)
     except Exception as e:  # noqa: BLE001 -- as _compile
         if "ptxas" in str(e) or "CUDA" in str(e):
             pytest.skip(f"this Triton cannot compile for sm_90 here: {str(e)[:200]}")
@@ -222,6 +224,10 @@ def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90():
     assert facts["wgmma_shapes"] == ["m64n128k16", "m64n64k16"], facts
     assert facts["setmaxnreg"] and facts["tma_loads"] >= 2, facts
     assert "0 bytes spill stores" in facts["ptxas"] and "C7514" not in facts["ptxas"], facts["ptxas"]
+    # q.k^T's A operand: a register list with the query tile in registers, else a shared-memory descriptor
+    a_ops = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*(\S)",
+                           k.asm["ptx"]))
+    assert a_ops == ({"{"} if "qreg" in variant else {"%"}), a_ops
 
 
 def test_gluon_prefill_layout_is_made_once_and_is_tritons_default():
