@@ -51,7 +51,7 @@ STEPS: dict[str, tuple[int, str]] = {
                            "--variants production,qreg,qk_first,qreg_qk_first,qreg_qk_first_s3,diag_no_softmax,"
                            "diag_no_softmax_qreg && python3 scripts/gpu_gluon_attn.py --out {out} --ab 5 "
                            "--ab-variants qreg,qk_first,qreg_qk_first"),
-    "ncu_probe": (420, "ncu --clock-control none --profile-from-start off --set full -f -o /tmp/probe "
+    "ncu_probe": (240, "ncu --clock-control none --profile-from-start off --set full -f -o /tmp/probe "
                        "python3 scripts/gpu_ncu_probe.py && ncu -i /tmp/probe.ncu-rep --page details > {out}/ncu_details.txt "
                        "&& ncu -i /tmp/probe.ncu-rep --page raw --csv > /tmp/raw.csv && gzip -c /tmp/raw.csv > {out}/ncu_raw.csv.gz "
                        "&& ls -la /tmp/probe.ncu-rep {out}"),
