@@ -71,15 +71,22 @@ TILES = {t.name: t for t in (
     # at 128 x 192 / 128 x 160 (two accumulators; the tree's waiting partial in shared memory, fp32; 3 stages), where
     # 128 x 128 (0.79-0.89x for o at M >= 512, its unsegmented twin no faster) is the tile that caps them
     _t("seg4_128x192_p", 128, 128, 64, 3, 4, 8, persistent=True, group_m=8),
-    _t("seg4_128x160_p", 128, 128, 32, 3, 4, 8, persistent=True, group_m=8))}
+    _t("seg4_128x160_p", 128, 128, 32, 3, 4, 8, persistent=True, group_m=8),
+    # session 33: Nsight Compute on the H100 read the segmented 128 x 128 tile's tensor pipe 74 % active (cuBLAS's
+    # 256 x 128: 95 %), shared memory's LSU pipe only ~52 % busy, and 32-35 % of warp stalls "long scoreboard" (the
+    # consumers waiting on a stage's data): its 4 stages of 32 KB hold ~2,000 cycles of wgmma ahead, cuBLAS's 4 of
+    # 48 KB twice that. More stages for the same tile (the same bits: stages move no arithmetic)
+    _t("seg4_128x128_p_s5", 128, 128, 0, 5, 4, 8, persistent=True, group_m=8),
+    _t("seg4_128x128_p_s6", 128, 128, 0, 6, 4, 8, persistent=True, group_m=8),
+    _t("seg4_128x128_p_s7", 128, 128, 0, 7, 4, 8, persistent=True, group_m=8))}
 # (a 64 x 256 segmented tile spills on sm_90: 3 live accumulators of 128 registers a thread)
 # which tiles each shape tries (segments: the row-parallel layers). Session 29 call 2 timed 128x96 s5-s8, 64x192 s5 /
 # s6, 128x192 s4 / s5 at qkv and gate_up, and seg4_64x128 / seg4_128x128 (one program a tile) / _p / 128x128_p at o /
 # down (its records: benchmarks/h200_session29/call2); call 3 confirms the picks.
 PLAN = {"qkv": ["64x192_s6", "64x192_s7", "128x96_s6", "128x192_s5", "128x192"],
         "gate_up": ["128x192_s5", "128x192"],
-        "o": ["seg4_64x128", "seg4_128x128_p", "seg4_128x192_p", "seg4_128x160_p", "128x128_p"],
-        "down": ["seg4_64x128", "seg4_128x128_p", "seg4_128x192_p", "seg4_128x160_p", "128x128_p"],
+        "o": ["seg4_128x128_p", "seg4_128x128_p_s5", "seg4_128x128_p_s6", "seg4_128x128_p_s7", "128x128_p"],
+        "down": ["seg4_128x128_p", "seg4_128x128_p_s5", "seg4_128x128_p_s6", "seg4_128x128_p_s7", "128x128_p"],
         "lm_head": ["128x128", "128x128_p", "128x192_s5", "128x192_s5_p", "128x256", "128x256_p", "64x192_s6",
                     "64x192_s6_p"]}
 
@@ -113,7 +120,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seg-ms", default="256,512,1024,4096,16384", help="rows for o / down (4 segments)")
     args = ap.parse_args(argv)
     res = {"triton": triton.__version__, "compiled_sm90": {}}
+    wanted = {t for g in args.gemms.split(",") for t in PLAN.get(g, [])}
     for name in TILES:
+        if name not in wanted and not args.compile_only:  # only the rows' tiles (each compile ~2 s on this host)
+            continue
         try:
             res["compiled_sm90"][name] = facts(GG.compile_sm90(TILES[name]))
         except Exception as e:  # noqa: BLE001 -- a tile this Triton cannot build is recorded
