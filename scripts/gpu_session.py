@@ -50,8 +50,9 @@ STEPS: dict[str, tuple[int, str]] = {
     # (session 33 call 1 ran it with qreg,qk_first,qreg_qk_first,qreg_qk_first_s3,diag_no_softmax_qreg: all bit-equal,
     # none faster; since then the persistent walk)
     "attn_variants": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096,q06_8x4096,"
-                           "q8b_4x1024 --variants production,persist,persist_s3,diag_no_softmax && python3 "
-                           "scripts/gpu_gluon_attn.py --out {out} --ab 5 --ab-variants persist,persist_s3"),
+                           "q8b_4x1024 --variants production,persist,persist_s3,ostore,persist_ostore,diag_no_softmax && "
+                           "python3 scripts/gpu_gluon_attn.py --out {out} --ab 5 --ab-variants persist,persist_s3,ostore,"
+                           "persist_ostore"),
     # the segmented 128 x 128 tile with 4-7 stages at o / down (session 33's ncu: its consumers wait on data)
     "gemm_stages": (240, "python3 scripts/gpu_gluon_gemm.py --out {out} --gemms o,down --seg-ms 1024,4096,16384"),
     "ncu_probe": (240, "ncu --clock-control none --profile-from-start off --set full -f -o /tmp/probe "

@@ -186,7 +186,8 @@ def _float_ops(ttgir: str) -> set:
                           ttgir))
 
 
-@pytest.mark.parametrize("variant", ["production", "qreg", "qk_first", "qreg_qk_first", "persist"])
+@pytest.mark.parametrize("variant", ["production", "qreg", "qk_first", "qreg_qk_first", "persist",
+                                     "persist_ostore"])
 def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90(variant):
     """attention_gluon's prefill (Gluon, warp-specialised) claims the bits of attention._attn_fwd: equal on the H200
     (session 27, `gpu_gluon_attn.py`), and here for any later edit — both kernels compiled for sm_90, their row

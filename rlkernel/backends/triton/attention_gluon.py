@@ -58,6 +58,7 @@ def off():
     return switched_off(sys.modules[__name__])
 
 QREG = 0  # q.k^T's query tile from registers (`_consumer`; 0 until timed on the GPU)
+OSTORE = 0  # the output tile stored 16 bytes a thread (`_consumer`; 0 until timed on the GPU)
 PERSIST = 0  # one CTA per SM walking the work items (`_prefill_kernel`; 0 until timed on the GPU)
 QK_FIRST = 0  # chunk c's q.k^T issued before chunk c - 1's p.v (`_consumer`; 0 until timed on the GPU)
 STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's spread of each other; 2 stages 0.6x)
@@ -120,7 +121,7 @@ if _IMPORT_ERROR is None:
                   BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STORE_LSE: gl.constexpr,
                   NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr, QREG: gl.constexpr,
-                  QK_FIRST: gl.constexpr):
+                  QK_FIRST: gl.constexpr, OSTORE: gl.constexpr):
         """One query tile (consumer WHICH of the CTA's two), ping-ponged with the other (module docstring).
         NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
         SKIP: `_softmax`'s rescale skip where no row's max moved (0 in production until timed; the same bits).
@@ -130,6 +131,8 @@ if _IMPORT_ERROR is None:
         QK_FIRST: a turn issues chunk c's q.k^T before chunk c - 1's p.v and waits for q.k^T alone, so chunk c's row
         max, exp2 and row sum run while that p.v still runs; the rescale of acc (and a segment's fold) waits for it.
         Both are the same ops on the same values (the bits are checked against the Triton kernel).
+        OSTORE: the output tile stored from the query load's blocked layout (16 bytes a thread, whole 32-byte sectors)
+        instead of the accumulator's (4 bytes a thread; ncu: 16 of 32 bytes used a sector): the same values moved.
         cb: the chunks this CTA walked before this tile's (0 but in the persistent kernel): the stages' and the turns'
         barrier phases continue from there."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -251,8 +254,12 @@ if _IMPORT_ERROR is None:
             ok_o = (tok_o < q_len) & (ro < TOK * G)
             qrow_o = (q_start + gl.minimum(tok_o, q_len - 1)).to(gl.int64)
             head_o = kvh * G + ro % G
-            gl.store(o_ptr + qrow_o[:, None] * sot + head_o[:, None] * soh + do[None, :], out.to(o_ptr.dtype.element_ty),
-                     mask=ok_o[:, None])
+            if OSTORE:
+                gl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :],
+                         gl.convert_layout(out.to(o_ptr.dtype.element_ty), ld_layout), mask=row_ok[:, None])
+            else:
+                gl.store(o_ptr + qrow_o[:, None] * sot + head_o[:, None] * soh + do[None, :],
+                         out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
             if STORE_LSE:  # attention._store_lse, from the final (M, L), in the score layout's rows
                 tok_s = tok0 + rs // G
                 ok_s = (tok_s < q_len) & (rs < TOK * G)
@@ -295,14 +302,14 @@ if _IMPORT_ERROR is None:
                        sqt, sqh, sot, soh, hq, qk_scale, n_pairs, n_req, hkv, WHICH: gl.constexpr, G: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
                        STORE_LSE: gl.constexpr, NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr,
-                       QREG: gl.constexpr, QK_FIRST: gl.constexpr):
+                       QREG: gl.constexpr, QK_FIRST: gl.constexpr, OSTORE: gl.constexpr):
         """The persistent kernel's consumer: `_consumer` for each of this CTA's work items in turn (`_item`)."""
         cb = 0
         for it in range(gl.program_id(0), n_pairs * n_req * hkv, gl.num_programs(0)):
             pair, req, kvh, kv_start, nc = _item(it, n_pairs, n_req, hkv, ql_ptr, kl_ptr, ks_ptr, BLOCK_M // G, BLOCK_N)
             _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt,
                       sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc, cb, WHICH, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
-                      STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)
+                      STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, OSTORE)
             cb += nc
 
     @gluon.jit
@@ -322,6 +329,7 @@ if _IMPORT_ERROR is None:
                         D: gl.constexpr,
                         SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, NFULL: gl.constexpr,
                         DIAG: gl.constexpr, SKIP: gl.constexpr, QREG: gl.constexpr, QK_FIRST: gl.constexpr,
+                        OSTORE: gl.constexpr,
                         PERSIST: gl.constexpr, num_warps: gl.constexpr):
         """Grid (pairs of query tiles, the pair holding the latest tokens first; requests; kv heads); PERSIST: one CTA
         per SM walking the work items (`_item`), the barriers' phases running on over its items."""
@@ -353,22 +361,26 @@ if _IMPORT_ERROR is None:
             gl.warp_specialize([
                 (_consumer_loop, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, q_all.index(0), bufs_k, bufs_v,
                                   ready, empty, turn, sqt, sqh, sot, soh, hq, qk_scale, n_pairs, n_req, hkv, 0, G,
-                                  BLOCK_M, BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
+                                  BLOCK_M, BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST,
+                                  OSTORE)),
                 (_producer_loop, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, ql_ptr, kl_ptr, ks_ptr, n_pairs, n_req,
                                   hkv, G, BLOCK_M, BLOCK_N, D)),
                 (_consumer_loop, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, q_all.index(1), bufs_k, bufs_v,
                                   ready, empty, turn, sqt, sqh, sot, soh, hq, qk_scale, n_pairs, n_req, hkv, 1, G,
-                                  BLOCK_M, BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
+                                  BLOCK_M, BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST,
+                                  OSTORE)),
             ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready,
                              empty, turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, 0, G, BLOCK_M,
-                             BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
+                             BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST,
+                                  OSTORE)),
                 (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, 0, BLOCK_N, D)),
                 (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready,
                              empty, turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, 1, G, BLOCK_M,
-                             BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
+                             BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST,
+                                  OSTORE)),
             ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
 
     _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
@@ -464,7 +476,7 @@ def kv_layout(block_n: int, d: int):
 
 
 def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag,
-                 skip, qreg, qk_first, persist):
+                 skip, qreg, qk_first, persist, ostore):
     """(grid, positional args, keyword args) of one `_prefill_kernel` launch: what `launch` runs and `verify` checks."""
     rows, hkv, d = k.shape
     lay = kv_layout(cfg.block_n, d)
@@ -475,7 +487,8 @@ def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale,
             out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs, q_len.shape[0], hkv)
     kwargs = dict(G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
                   SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull,
-                  DIAG=diag, SKIP=skip, QREG=qreg, QK_FIRST=qk_first, PERSIST=persist, num_warps=4,
+                  DIAG=diag, SKIP=skip, QREG=qreg, QK_FIRST=qk_first, PERSIST=persist, OSTORE=ostore,
+                  num_warps=4,
                   enable_fp_fusion=False)
     if persist:  # one CTA per SM (at most one per work item)
         return (min(n_pairs * q_len.shape[0] * hkv, _sms(q.device)), 1, 1), args, kwargs
@@ -484,11 +497,12 @@ def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale,
 
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
            nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST,
-           persist=PERSIST):
+           persist=PERSIST, ostore=OSTORE):
     """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None), through
     launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time)."""
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
-                                      stages, nfull, diag, skip, qreg, qk_first, persist)
+                                      stages, nfull, diag, skip, qreg, qk_first, persist,
+                                      ostore)
     _LAUNCHES[0] += 1
     _prefill_fast[grid](*args, **kwargs)
     return out
@@ -496,11 +510,12 @@ def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, 
 
 def verify(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
            nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST,
-           persist=PERSIST) -> dict:
+           persist=PERSIST, ostore=OSTORE) -> dict:
     """`launch`'s arguments through launch.py's `FastKernel.verify`: runs the kernel three times (fast path, fast path
     again, Triton's own `run`) into `out` / `lse` and says whether all three ran one compiled kernel (a GPU's check)."""
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
-                                      stages, nfull, diag, skip, qreg, qk_first, persist)
+                                      stages, nfull, diag, skip, qreg, qk_first, persist,
+                                      ostore)
     return _prefill_fast.verify(grid, *args, **kwargs)
 
 
