@@ -206,6 +206,18 @@ def _smi() -> dict:
     return {"t": round(time.time() - T0, 1), "smi": r.stdout.strip()}
 
 
+def packed_inputs(B: int, L: int, hq: int = 32, hkv: int = 8, d: int = 128):
+    """B requests of L tokens, packed (seed 0, bf16, on the GPU): q, k, v, cu_seqlens and SDPA's [B, H, L, d] views."""
+    import torch
+
+    torch.manual_seed(0)
+    q = torch.randn(B * L, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B * L, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.arange(0, B * L + 1, L, dtype=torch.int32, device="cuda")
+    return q, k, v, cu, tuple(x.view(B, L, -1, d).transpose(1, 2) for x in (q, k, v))
+
+
 def ab_run(n: int, out: Path, variants=()) -> int:
     """Is the Gluon kernel's gain larger than the spread of timing one kernel twice? Both kernels and SDPA in turn,
     n rounds, twice: on a rested card and after ~10 s of cuBLAS GEMMs (the strict harness times attention after its
@@ -217,14 +229,8 @@ def ab_run(n: int, out: Path, variants=()) -> int:
     from triton.testing import do_bench
     from rlkernel.backends.triton import attention as A
 
-    torch.manual_seed(0)
-    B, L, hq, hkv, d = 8, 4096, 32, 8, 128
-    q = torch.randn(B * L, hq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(B * L, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    cu = torch.arange(0, B * L + 1, L, dtype=torch.int32, device="cuda")
-    qb, kb, vb = (x.view(B, L, -1, d).transpose(1, 2) for x in (q, k, v))
-
+    L = 4096
+    q, k, v, cu, (qb, kb, vb) = packed_inputs(8, L)
     fns = {"triton": lambda: _triton_kernel(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L)),
            "library_gluon": lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L),
            "sdpa": lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)}

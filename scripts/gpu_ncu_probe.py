@@ -36,13 +36,8 @@ def main() -> int:
     from rlkernel.backends.triton import attention_gluon as AG
     from rlkernel.backends.triton import gemm_gluon as GG
 
-    torch.manual_seed(0)
-    B, L, hq, hkv, d = 8, 4096, 32, 8, 128
-    q = torch.randn(B * L, hq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(B * L, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    cu = torch.arange(0, B * L + 1, L, dtype=torch.int32, device="cuda")
-    qb, kb, vb = (x.view(B, L, -1, d).transpose(1, 2) for x in (q, k, v))
+    L = 4096
+    q, k, v, cu, (qb, kb, vb) = GA.packed_inputs(8, L)
     M, K, N = 4096, 4096, 4096
     a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
