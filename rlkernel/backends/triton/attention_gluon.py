@@ -116,6 +116,25 @@ if _IMPORT_ERROR is None:
         return m_new, alpha, l, gl.convert_layout(p32.to(gl.bfloat16), p_layout)
 
     @gluon.jit
+    def _mask(s, c, n_full, kcol, qpos, BLOCK_N: gl.constexpr, NFULL: gl.constexpr):
+        """Chunk c's causal mask: on the chunks some row of the tile does not see in full (NFULL) or on every chunk."""
+        if NFULL:
+            if c >= n_full:
+                s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
+        else:
+            s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
+        return s
+
+    @gluon.jit
+    def _chunks(pair, q_len, kv_len, TOK: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The chunks a CTA's pair of query tiles walks: its last live tile's (0 for a pair past the request)."""
+        nc = 0
+        if pair * 2 * TOK < q_len:  # the CTA's last live tile sees the most chunks
+            t_last = gl.minimum(pair * 2 + 1, (q_len - 1) // TOK)
+            nc = (kv_len - q_len + gl.minimum(t_last * TOK + TOK, q_len) - 1) // BLOCK_N + 1
+        return nc
+
+    @gluon.jit
     def _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt, sqh,
                   sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, cb, WHICH: gl.constexpr, G: gl.constexpr,
                   BLOCK_M: gl.constexpr,
@@ -193,11 +212,7 @@ if _IMPORT_ERROR is None:
                     acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
                     mbarrier.arrive(turn.index(1 - WHICH), count=1)
                     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-                    if NFULL:
-                        if c >= n_full:
-                            s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
-                    else:
-                        s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
+                    s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
                     if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: its stats start afresh
                         m_in = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
                         l_in = gl.zeros([BLOCK_M], gl.float32, row_s)
@@ -237,11 +252,7 @@ if _IMPORT_ERROR is None:
                     if DIAG == 1:
                         p = gl.convert_layout(s.to(gl.bfloat16), p_layout)
                     else:
-                        if NFULL:
-                            if c >= n_full:
-                                s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
-                        else:
-                            s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
+                        s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
                         m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
             sl = (cb + nc_cta - 1) % S
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
@@ -291,11 +302,7 @@ if _IMPORT_ERROR is None:
         q_len = gl.load(ql_ptr + req)
         kv_len = gl.load(kl_ptr + req)
         kv_start = gl.load(ks_ptr + req)
-        nc = 0
-        if pair * 2 * TOK < q_len:
-            t_last = gl.minimum(pair * 2 + 1, (q_len - 1) // TOK)
-            nc = (kv_len - q_len + gl.minimum(t_last * TOK + TOK, q_len) - 1) // BLOCK_N + 1
-        return pair, req, kvh, kv_start, nc
+        return pair, req, kvh, kv_start, _chunks(pair, q_len, kv_len, TOK, BLOCK_N)
 
     @gluon.jit
     def _consumer_loop(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn,
@@ -340,10 +347,7 @@ if _IMPORT_ERROR is None:
         q_len = gl.load(ql_ptr + req)
         kv_len = gl.load(kl_ptr + req)
         kv_start = gl.load(ks_ptr + req)
-        nc_cta = 0
-        if pair * 2 * TOK < q_len:  # the CTA's last live tile sees the most chunks
-            t_last = gl.minimum(pair * 2 + 1, (q_len - 1) // TOK)
-            nc_cta = (kv_len - q_len + gl.minimum(t_last * TOK + TOK, q_len) - 1) // BLOCK_N + 1
+        nc_cta = _chunks(pair, q_len, kv_len, TOK, BLOCK_N)
         hq = hkv * G
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
         bufs_k = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
