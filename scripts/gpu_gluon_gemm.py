@@ -78,14 +78,19 @@ TILES = {t.name: t for t in (
     # 48 KB twice that. More stages for the same tile (the same bits: stages move no arithmetic)
     _t("seg4_128x128_p_s5", 128, 128, 0, 5, 4, 8, persistent=True, group_m=8),
     _t("seg4_128x128_p_s6", 128, 128, 0, 6, 4, 8, persistent=True, group_m=8),
-    _t("seg4_128x128_p_s7", 128, 128, 0, 7, 4, 8, persistent=True, group_m=8))}
+    _t("seg4_128x128_p_s7", 128, 128, 0, 7, 4, 8, persistent=True, group_m=8),
+    # session 34, a probe for the attention prefill (its q.k^T is an m64n64 wgmma chain with both operands in shared
+    # memory): the same GEMM with 64-column tiles (m64n64k16, as q.k^T) beside 128x128_p (m64n128k16): the rate of
+    # the narrow wgmma; timing only (unsegmented: other bits than the o layer's segments)
+    _t("128x64_p_s6", 128, 64, 0, 6, 1, 8, persistent=True, group_m=8))}
 # (a 64 x 256 segmented tile spills on sm_90: 3 live accumulators of 128 registers a thread)
 # which tiles each shape tries (segments: the row-parallel layers). Session 29 call 2 timed 128x96 s5-s8, 64x192 s5 /
 # s6, 128x192 s4 / s5 at qkv and gate_up, and seg4_64x128 / seg4_128x128 (one program a tile) / _p / 128x128_p at o /
 # down (its records: benchmarks/h200_session29/call2); call 3 confirms the picks.
 PLAN = {"qkv": ["64x192_s6", "64x192_s7", "128x96_s6", "128x192_s5", "128x192"],
         "gate_up": ["128x192_s5", "128x192"],
-        "o": ["seg4_128x128_p", "seg4_128x128_p_s5", "seg4_128x128_p_s6", "seg4_128x128_p_s7", "128x128_p"],
+        "o": ["seg4_128x128_p", "seg4_128x128_p_s5", "seg4_128x128_p_s6", "seg4_128x128_p_s7", "128x128_p",
+              "128x64_p_s6"],
         "down": ["seg4_128x128_p", "seg4_128x128_p_s5", "seg4_128x128_p_s6", "seg4_128x128_p_s7", "128x128_p"],
         "lm_head": ["128x128", "128x128_p", "128x192_s5", "128x192_s5_p", "128x256", "128x256_p", "64x192_s6",
                     "64x192_s6_p"]}
