@@ -187,15 +187,16 @@ def _float_ops(ttgir: str) -> set:
 
 
 @pytest.mark.parametrize("variant", ["production", "qreg", "qk_first", "qreg_qk_first", "persist",
-                                     "persist_ostore"])
+                                     "persist_ostore", "qk2", "osmem"])
 def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90(variant):
     """attention_gluon's prefill (Gluon, warp-specialised) claims the bits of attention._attn_fwd: equal on the H200
     (session 27, `gpu_gluon_attn.py`), and here for any later edit — both kernels compiled for sm_90, their row
     reductions (max, sum) run on the same layout (NVMMA v3, 4 warps, instr 16 x 64 x 16, which fixes the order), they
     use the same kinds of float ops (maxnumf, never NaN-propagating maximumf; no contracted fma) and the same wgmma
     shapes; the Gluon kernel has its producer warp's register hand-over and TMA loads, and no spills. Also for the
-    schedule knobs (session 33: the query tile from registers, q.k^T issued before p.v, the persistent walk), which
-    move no arithmetic."""
+    schedule knobs (session 33: the query tile from registers, q.k^T issued before p.v, the persistent walk; session 34:
+    two chunks' q.k^T as one m64n128 chain, O in shared memory), which move no arithmetic. ptxas must not serialize
+    the wgmmas (C7511: it does for QK2 with O in registers)."""
     pytest.importorskip("triton.experimental.gluon")
     import sys
     from pathlib import Path
@@ -226,6 +227,7 @@ def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90(variant):
     assert facts["wgmma_shapes"] == ["m64n128k16", "m64n64k16"], facts
     assert facts["setmaxnreg"] and facts["tma_loads"] >= 2, facts
     assert "0 bytes spill stores" in facts["ptxas"] and "C7514" not in facts["ptxas"], facts["ptxas"]
+    assert "C7511" not in facts["ptxas"], facts["ptxas"]
     # q.k^T's A operand: a register list with the query tile in registers, else a shared-memory descriptor
     a_ops = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*(\S)",
                            k.asm["ptx"]))
