@@ -71,11 +71,6 @@ VARIANTS = {
     # ncu also flagged the O stores (16 of 32 bytes used a sector): stored from a 16-byte-a-thread layout instead
     "ostore": dict(ostore=1),
     "persist_ostore": dict(persist=1, ostore=1),
-    # session 34: q.k^T as m64n64 reads the query tile from shared memory once per 64 keys; two chunks' q.k^T as one
-    # m64n128 chain in the even chunk's turn (the softmax per 64-key chunk as before: the same bits)
-    # (O moves to shared memory with it: in registers, ptxas serializes the wgmmas). osmem alone: what that move costs
-    "qk2": dict(qk2=1, osmem=1),
-    "osmem": dict(osmem=1),
     "diag_no_softmax": dict(diag=1),
     "diag_no_softmax_qreg": dict(diag=1, qreg=1),
     "diag_no_qk": dict(diag=2),
@@ -88,11 +83,11 @@ def compile_sm90(variant, G=4, d=128):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST, persist=AG.PERSIST,
-                 ostore=AG.OSTORE, qk2=AG.QK2, osmem=AG.OSMEM),
+                 ostore=AG.OSTORE),
           **VARIANTS[variant]}
     const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
                  NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], QREG=kw["qreg"], QK_FIRST=kw["qk_first"],
-                 PERSIST=kw["persist"], OSTORE=kw["ostore"], QK2=kw["qk2"], OSMEM=kw["osmem"], num_warps=4)
+                 PERSIST=kw["persist"], OSTORE=kw["ostore"], num_warps=4)
     desc = f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>"  # the descriptors' layout, as the library makes it
     sig = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
            "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32", "sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32",

@@ -56,11 +56,6 @@ STEPS: dict[str, tuple[int, str]] = {
     # the segmented 128 x 128 tile with 4-7 stages at o / down (session 33's ncu: its consumers wait on data), and
     # (session 34) a 128 x 64 tile at o beside 128x128_p: the m64n64 wgmma's rate (the attention's q.k^T)
     "gemm_stages": (240, "python3 scripts/gpu_gluon_gemm.py --out {out} --gemms o,down --seg-ms 1024,4096,16384"),
-    # session 34: QK2 (two chunks' q.k^T as one m64n128 chain; with O in shared memory) and OSMEM alone, never run on
-    # a GPU before: last in a call and under `timeout` (a barrier-phase mistake would hang), into {out}/qk2
-    "attn_qk2": (300, "timeout 170 python3 scripts/gpu_gluon_attn.py --out {out}/qk2 --cases q8b_varlen_bits,q8b_8x4096,"
-                      "q06_8x4096,q8b_4x1024 --variants production,qk2,osmem && timeout 120 python3 "
-                      "scripts/gpu_gluon_attn.py --out {out}/qk2 --ab 5 --ab-variants qk2,osmem"),
     "ncu_probe": (240, "ncu --clock-control none --profile-from-start off --set full -f -o /tmp/probe "
                        "python3 scripts/gpu_ncu_probe.py && ncu -i /tmp/probe.ncu-rep --page details > {out}/ncu_details.txt "
                        "&& ncu -i /tmp/probe.ncu-rep --page raw --csv > /tmp/raw.csv && gzip -c /tmp/raw.csv > {out}/ncu_raw.csv.gz "

@@ -58,11 +58,9 @@ def off():
     return switched_off(sys.modules[__name__])
 
 QREG = 0  # q.k^T's query tile from registers (`_consumer`; 0 until timed on the GPU)
-OSTORE = 0  # the output tile stored 16 bytes a thread (`_consumer`; 0 until timed on the GPU)
+OSTORE = 1  # the output tile stored 16 bytes a thread (`_consumer`; session 34, H100: bit-equal, 1.02-1.10x)
 PERSIST = 0  # one CTA per SM walking the work items (`_prefill_kernel`; 0 until timed on the GPU)
 QK_FIRST = 0  # chunk c's q.k^T issued before chunk c - 1's p.v (`_consumer`; 0 until timed on the GPU)
-QK2 = 0  # q.k^T of two chunks in one m64n128 wgmma chain (`_consumer`; 0 until timed on the GPU)
-OSMEM = 0  # the folded segments' output O in shared memory, not registers (`_fold`; 0 until timed on the GPU)
 STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's spread of each other; 2 stages 0.6x)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
@@ -93,17 +91,6 @@ if _IMPORT_ERROR is None:
         L = gl.fma(L, a, l * b)
         O = gl.fma(O, gl.convert_layout(a, row_o)[:, None], o * gl.convert_layout(b, row_o)[:, None])
         return M_new, L, O
-
-    @gluon.jit
-    def _fold(M, L, O, m, l, acc, o_smem, row_o: gl.constexpr, OSMEM: gl.constexpr):
-        """`_merge` of a finished segment into (M, L, O), O in registers or (OSMEM) in shared memory: loaded, merged
-        and stored back by the same threads in the accumulator's layout (the same values either way)."""
-        if OSMEM:
-            M, L, Os = _merge(M, L, o_smem.load(acc.type.layout), m, l, acc, row_o)
-            o_smem.store(Os)
-        else:
-            M, L, O = _merge(M, L, O, m, l, acc, row_o)
-        return M, L, O
 
     @gluon.jit
     def _softmax(s, m, l, acc, qk_scale, row_o: gl.constexpr, p_layout: gl.constexpr, SKIP: gl.constexpr):
@@ -148,109 +135,12 @@ if _IMPORT_ERROR is None:
         return nc
 
     @gluon.jit
-    def _split2(s2, s_layout: gl.constexpr):
-        """A [64, 128] score tile of two chunks as the chunks' [64, 64] tiles (columns 0-63, 64-127) in the one-chunk
-        score layout: registers only (each thread holds the same rows of both halves)."""
-        BM: gl.constexpr = s2.type.shape[0]
-        BN: gl.constexpr = s2.type.shape[1] // 2
-        a, b = gl.split(gl.permute(gl.reshape(s2, [BM, 2, BN]), (0, 2, 1)))
-        return gl.convert_layout(a, s_layout), gl.convert_layout(b, s_layout)
-
-    @gluon.jit
-    def _qk2_turn(p, v_tile, acc, qa, bufs_k, turn, zero_s, gr, c, nc, WHICH: gl.constexpr,
-                  s2_layout: gl.constexpr, s_layout: gl.constexpr):
-        """QK2's turn for chunk c >= 1 (its ring index gr; the caller waited for the turn and the stages): chunk
-        c - 1's p.v, and for an odd c q.k^T of chunks c and c + 1 as one m64n128 chain over ring stages gr and gr + 1
-        (gr even: adjacent rows of the ring's allocation; q.k^T of chunk c alone for the CTA's last chunk); an even
-        c's scores came with chunk c - 1's. Each branch issues and waits for its own wgmmas (ptxas serializes every
-        wgmma of a kernel whose wgmmas stay in flight across a branch). Returns the accumulator, chunk c's scores and
-        the next chunk's (zeros where the turn has none)."""
-        S: gl.constexpr = bufs_k.type.shape[0]
-        BM: gl.constexpr = zero_s.type.shape[0]
-        BN: gl.constexpr = zero_s.type.shape[1]
-        D: gl.constexpr = bufs_k.type.shape[2]
-        if (c % 2 == 1) & (c + 1 < nc):
-            k2 = bufs_k._reinterpret(bufs_k.dtype, [S // 2, 2 * BN, D], bufs_k.type.layout).index((gr % S) // 2)
-            acc_tok = warpgroup_mma(p, v_tile, acc, is_async=True)
-            s2_tok = warpgroup_mma(qa, k2.permute((1, 0)), gl.zeros([BM, 2 * BN], gl.float32, s2_layout),
-                                   is_async=True)
-            mbarrier.arrive(turn.index(1 - WHICH), count=1)
-            acc, s2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s2_tok))
-            s, s_nx = _split2(s2, s_layout)
-        elif c % 2 == 1:
-            acc_tok = warpgroup_mma(p, v_tile, acc, is_async=True)
-            s_tok = warpgroup_mma(qa, bufs_k.index(gr % S).permute((1, 0)), zero_s, is_async=True)
-            mbarrier.arrive(turn.index(1 - WHICH), count=1)
-            acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
-            s_nx = zero_s
-        else:
-            acc_tok = warpgroup_mma(p, v_tile, acc, is_async=True)
-            mbarrier.arrive(turn.index(1 - WHICH), count=1)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-            s = zero_s
-            s_nx = zero_s
-        return acc, s, s_nx
-
-    @gluon.jit
-    def _chunks_qk2(p, acc, m, l, M, L, O, o_smem, qa, bufs_k, bufs_v, ready, empty, turn, zero_s, qk_scale, n_full,
-                    kcol, qpos, nc_cta, cb, WHICH: gl.constexpr, SEG_CHUNKS: gl.constexpr, NFULL: gl.constexpr,
-                    SKIP: gl.constexpr, OSMEM: gl.constexpr, s2_layout: gl.constexpr, s_layout: gl.constexpr,
-                    o_layout: gl.constexpr, p_layout: gl.constexpr):
-        """`_consumer`'s chunks 1.. under QK2 (chunk 0 ran as in production; chunk c sits at ring index cb + c + 1, so
-        that each pair (c, c + 1), c odd, starts at an even stage): an odd chunk's turn runs its softmax and the next
-        chunk's but that chunk's rescale, which the even chunk's turn applies once its predecessor's p.v is in acc —
-        the ops of `_softmax`, in its order; where the even chunk opens a segment its stats start afresh and the
-        finished segment's (m, l) wait for the fold. Returns the state after the last chunk's softmax."""
-        S: gl.constexpr = bufs_k.type.shape[0]
-        BM: gl.constexpr = zero_s.type.shape[0]
-        BN: gl.constexpr = zero_s.type.shape[1]
-        D: gl.constexpr = acc.type.shape[1]
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        gl.static_assert(SEG_CHUNKS % 2 == 0, "QK2 pairs chunks (odd, even): a segment opens at an even chunk")
-        gl.static_assert(S % 2 == 0, "QK2 reads two adjacent stages as one [128, D] tile")
-        p_nx = p
-        alpha_nx = gl.zeros([BM], gl.float32, row_s)
-        m_f = m
-        l_f = l
-        for c in range(1, nc_cta):
-            g = cb + c  # the turns' count
-            gr = g + 1  # the ring's
-            sp = (gr - 1) % S
-            mbarrier.wait(ready.index(gr % S), (gr // S) & 1)
-            if (c % 2 == 1) & (c + 1 < nc_cta):
-                mbarrier.wait(ready.index((gr + 1) % S), ((gr + 1) // S) & 1)
-            mbarrier.wait(turn.index(WHICH), (g & 1) ^ (1 - WHICH))
-            acc, s, s_nx = _qk2_turn(p, bufs_v.index(sp), acc, qa, bufs_k, turn, zero_s, gr, c, nc_cta, WHICH,
-                                     s2_layout, s_layout)
-            mbarrier.arrive(empty.index(sp), count=1)
-            if c % 2 == 1:  # chunk c's softmax, then chunk c + 1's but its rescale
-                s = _mask(s, c, n_full, kcol, qpos, BN, NFULL)
-                m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
-                if c + 1 < nc_cta:
-                    if (c + 1) % SEG_CHUNKS == 0:  # chunk c + 1 opens a segment: its stats start afresh
-                        m_f = m
-                        l_f = l
-                        m = gl.full([BM], float("-inf"), gl.float32, row_s)
-                        l = gl.zeros([BM], gl.float32, row_s)
-                    s_nx = _mask(s_nx, c + 1, n_full, kcol, qpos, BN, NFULL)
-                    m, alpha_nx, l, p_nx = _stats(s_nx, m, l, qk_scale, p_layout)
-            else:  # chunk c - 1's p.v is in acc: chunk c's rescale, or the fold where chunk c opens a segment
-                if c % SEG_CHUNKS == 0:
-                    M, L, O = _fold(M, L, O, m_f, l_f, acc, o_smem, row_o, OSMEM)
-                    acc = gl.zeros([BM, D], gl.float32, o_layout)  # (0 * alpha, alpha >= 0: the same zeros)
-                else:
-                    acc = acc * gl.convert_layout(alpha_nx, row_o)[:, None]
-                p = p_nx
-        return p, acc, m, l, M, L, O
-
-    @gluon.jit
     def _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt, sqh,
                   sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, cb, WHICH: gl.constexpr, G: gl.constexpr,
                   BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STORE_LSE: gl.constexpr,
                   NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr, QREG: gl.constexpr,
-                  QK_FIRST: gl.constexpr, OSTORE: gl.constexpr, QK2: gl.constexpr, o_smem, OSMEM: gl.constexpr):
+                  QK_FIRST: gl.constexpr, OSTORE: gl.constexpr):
         """One query tile (consumer WHICH of the CTA's two), ping-ponged with the other (module docstring).
         NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
         SKIP: `_softmax`'s rescale skip where no row's max moved (0 in production until timed; the same bits).
@@ -263,23 +153,10 @@ if _IMPORT_ERROR is None:
         OSTORE: the output tile stored from the query load's blocked layout (16 bytes a thread, whole 32-byte sectors)
         instead of the accumulator's (4 bytes a thread; ncu: 16 of 32 bytes used a sector): the same values moved.
         cb: the chunks this CTA walked before this tile's (0 but in the persistent kernel): the stages' and the turns'
-        barrier phases continue from there.
-        QK2 (`_chunks_qk2`): after chunk 0, an odd chunk's turn runs q.k^T for it and the next chunk as one m64n128
-        chain over their two ring stages (read as one [128, D] tile: chunk c sits at ring index cb + c + 1, so a pair
-        starts at an even stage, and stages 2i, 2i + 1 are adjacent rows of one allocation), the even chunk's turn only
-        its p.v; each score is the same k16 chain over the head dimension (a wgmma's column count moves no bit: the
-        GEMM tiles' invariance), split into the two chunks' [64, 64] scores in registers, and each chunk's softmax
-        runs as before, in order. Why: q.k^T as m64n64 reads its query tile from shared memory once per 64 keys (the
-        ncu probe: the tensor pipe 49 % busy, 62 % even without the softmax). Needs an even STAGES, an even SEG_CHUNKS
-        and the grid kernel. ptxas serializes every wgmma (C7511) with O in registers, with OSTORE, and with chunk 0
-        in a pair (sm_90 compiles, session 34): QK2 runs with OSMEM, chunk 0 alone.
-        OSMEM: O (the folded segments, read and written once per 512-key segment) in shared memory (o_smem, 32 KB a
-        tile), which frees its 64 registers a thread."""
+        barrier phases continue from there."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-        s2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, 2 * BLOCK_N, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -312,90 +189,75 @@ if _IMPORT_ERROR is None:
             zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
             M = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
             L = gl.zeros([BLOCK_M], gl.float32, row_s)
-            if OSMEM:
-                o_smem.store(gl.zeros([BLOCK_M, D], gl.float32, o_layout))
-                O = 0  # (unused: O lives in o_smem)
-            else:
-                O = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+            O = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
             m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
             l = gl.zeros([BLOCK_M], gl.float32, row_s)
             acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
             # chunk 0: q.k^T in the first turn (consumer 0 first: a fresh barrier passes parity 1)
-            if QK2:  # (ring index cb + 1: `_chunks_qk2`; stage 0's first use was released at the start)
-                mbarrier.arrive(empty.index(0), count=1)
-            gr0 = cb + QK2
-            mbarrier.wait(ready.index(gr0 % S), (gr0 // S) & 1)
+            mbarrier.wait(ready.index(cb % S), (cb // S) & 1)
             mbarrier.wait(turn.index(WHICH), (cb & 1) ^ (1 - WHICH))
-            s_tok = warpgroup_mma(qa, bufs_k.index(gr0 % S).permute((1, 0)), zero_s, is_async=True)
+            s_tok = warpgroup_mma(qa, bufs_k.index(cb % S).permute((1, 0)), zero_s, is_async=True)
             mbarrier.arrive(turn.index(1 - WHICH), count=1)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             s = gl.where(kcol[None, :] <= qpos[:, None], s, float("-inf"))
             m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
-            if QK2:
-                p, acc, m, l, M, L, O = _chunks_qk2(p, acc, m, l, M, L, O, o_smem, qa, bufs_k, bufs_v, ready, empty,
-                                                    turn, zero_s, qk_scale, n_full, kcol, qpos, nc_cta, cb, WHICH,
-                                                    SEG_CHUNKS, NFULL, SKIP, OSMEM, s2_layout, s_layout, o_layout,
-                                                    p_layout)
-            else:
-                for c in range(1, nc_cta):
-                    g = cb + c  # the CTA's chunk count: the stage and both barriers' phases
-                    st = g % S
-                    sp = (g - 1) % S
-                    mbarrier.wait(ready.index(st), (g // S) & 1)
-                    mbarrier.wait(turn.index(WHICH), (g & 1) ^ (1 - WHICH))
-                    if QK_FIRST:
-                        s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
-                        acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
-                        mbarrier.arrive(turn.index(1 - WHICH), count=1)
-                        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-                        s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
-                        if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: its stats start afresh
-                            m_in = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-                            l_in = gl.zeros([BLOCK_M], gl.float32, row_s)
-                        else:
-                            m_in = m
-                            l_in = l
-                        m_c, alpha, l_c, p_c = _stats(s, m_in, l_in, qk_scale, p_layout)
-                        # p (chunk c - 1's, the running p.v's operand) stays alive until that p.v is done; p_c, l_c and
-                        # alpha pass through the wait so that they are computed before it (else the compiler sinks the
-                        # exp2s below it and nothing overlaps)
-                        acc, p, p_c, l_c, alpha = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p, p_c, l_c, alpha))
-                        p = p_c
-                        mbarrier.arrive(empty.index(sp), count=1)
-                        if (c % SEG_CHUNKS) == 0:  # fold the finished segment (its last p.v is in acc); acc * alpha of
-                            M, L, O = _fold(M, L, O, m, l, acc, o_smem, row_o, OSMEM)  # a zero accumulator is zero
-                            acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-                        else:
-                            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                        m = m_c
-                        l = l_c
+            for c in range(1, nc_cta):
+                g = cb + c  # the CTA's chunk count: the stage and both barriers' phases
+                st = g % S
+                sp = (g - 1) % S
+                mbarrier.wait(ready.index(st), (g // S) & 1)
+                mbarrier.wait(turn.index(WHICH), (g & 1) ^ (1 - WHICH))
+                if QK_FIRST:
+                    s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
+                    acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
+                    mbarrier.arrive(turn.index(1 - WHICH), count=1)
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+                    s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
+                    if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: its stats start afresh
+                        m_in = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+                        l_in = gl.zeros([BLOCK_M], gl.float32, row_s)
                     else:
-                        acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
-                        if DIAG == 2:
-                            mbarrier.arrive(turn.index(1 - WHICH), count=1)
-                            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-                            s = zero_s + c
-                        else:
-                            s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
-                            mbarrier.arrive(turn.index(1 - WHICH), count=1)
-                            acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
-                        mbarrier.arrive(empty.index(sp), count=1)
-                        if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: fold the finished one (its last p.v is in acc)
-                            M, L, O = _fold(M, L, O, m, l, acc, o_smem, row_o, OSMEM)
-                            m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-                            l = gl.zeros([BLOCK_M], gl.float32, row_s)
-                            acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-                        if DIAG == 1:
-                            p = gl.convert_layout(s.to(gl.bfloat16), p_layout)
-                        else:
-                            s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
-                            m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
-            sl = (cb + QK2 + nc_cta - 1) % S
+                        m_in = m
+                        l_in = l
+                    m_c, alpha, l_c, p_c = _stats(s, m_in, l_in, qk_scale, p_layout)
+                    # p (chunk c - 1's, the running p.v's operand) stays alive until that p.v is done; p_c, l_c and
+                    # alpha pass through the wait so that they are computed before it (else the compiler sinks the
+                    # exp2s below it and nothing overlaps)
+                    acc, p, p_c, l_c, alpha = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p, p_c, l_c, alpha))
+                    p = p_c
+                    mbarrier.arrive(empty.index(sp), count=1)
+                    if (c % SEG_CHUNKS) == 0:  # fold the finished segment (its last p.v is in acc); acc * alpha of
+                        M, L, O = _merge(M, L, O, m, l, acc, row_o)  # a zero accumulator is zero
+                        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+                    else:
+                        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    m = m_c
+                    l = l_c
+                else:
+                    acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
+                    if DIAG == 2:
+                        mbarrier.arrive(turn.index(1 - WHICH), count=1)
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+                        s = zero_s + c
+                    else:
+                        s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
+                        mbarrier.arrive(turn.index(1 - WHICH), count=1)
+                        acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
+                    mbarrier.arrive(empty.index(sp), count=1)
+                    if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: fold the finished one (its last p.v is in acc)
+                        M, L, O = _merge(M, L, O, m, l, acc, row_o)
+                        m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+                        l = gl.zeros([BLOCK_M], gl.float32, row_s)
+                        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+                    if DIAG == 1:
+                        p = gl.convert_layout(s.to(gl.bfloat16), p_layout)
+                    else:
+                        s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
+                        m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
+            sl = (cb + nc_cta - 1) % S
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(empty.index(sl), count=1)
-            M, L, O = _fold(M, L, O, m, l, acc, o_smem, row_o, OSMEM)
-            if OSMEM:
-                O = o_smem.load(o_layout)
+            M, L, O = _merge(M, L, O, m, l, acc, row_o)
             out = gl.div_rn(O, gl.convert_layout(L, row_o)[:, None])
             ro = gl.arange(0, BLOCK_M, layout=row_o)
             do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
@@ -417,14 +279,9 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _producer(k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, cb, BLOCK_N: gl.constexpr,
-                  D: gl.constexpr, QK2: gl.constexpr = 0):
-        """One warp: chunk c's K and V tiles into stage (cb + c) % S once both consumers released its previous use.
-        QK2: chunk c at ring index cb + c + 1 (pairs (odd, even) at even stages); stage 0's first phase completes
-        empty at the start (with the consumers' release of it), so that its phases run as if it held chunk -1."""
+                  D: gl.constexpr):
+        """One warp: chunk c's K and V tiles into stage (cb + c) % S once both consumers released its previous use."""
         S: gl.constexpr = bufs_k.type.shape[0]
-        if QK2:
-            mbarrier.arrive(ready.index(0), count=1)
-            cb = cb + 1
         for c in range(0, nc_cta):
             g = cb + c
             st = g % S
@@ -452,14 +309,14 @@ if _IMPORT_ERROR is None:
                        sqt, sqh, sot, soh, hq, qk_scale, n_pairs, n_req, hkv, WHICH: gl.constexpr, G: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
                        STORE_LSE: gl.constexpr, NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr,
-                       QREG: gl.constexpr, QK_FIRST: gl.constexpr, OSTORE: gl.constexpr, o_smem, OSMEM: gl.constexpr):
+                       QREG: gl.constexpr, QK_FIRST: gl.constexpr, OSTORE: gl.constexpr):
         """The persistent kernel's consumer: `_consumer` for each of this CTA's work items in turn (`_item`)."""
         cb = 0
         for it in range(gl.program_id(0), n_pairs * n_req * hkv, gl.num_programs(0)):
             pair, req, kvh, kv_start, nc = _item(it, n_pairs, n_req, hkv, ql_ptr, kl_ptr, ks_ptr, BLOCK_M // G, BLOCK_N)
             _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt,
                       sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc, cb, WHICH, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
-                      STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, OSTORE, 0, o_smem, OSMEM)
+                      STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, OSTORE)
             cb += nc
 
     @gluon.jit
@@ -480,7 +337,7 @@ if _IMPORT_ERROR is None:
                         SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, NFULL: gl.constexpr,
                         DIAG: gl.constexpr, SKIP: gl.constexpr, QREG: gl.constexpr, QK_FIRST: gl.constexpr,
                         OSTORE: gl.constexpr,
-                        PERSIST: gl.constexpr, QK2: gl.constexpr, OSMEM: gl.constexpr, num_warps: gl.constexpr):
+                        PERSIST: gl.constexpr, num_warps: gl.constexpr):
         """Grid (pairs of query tiles, the pair holding the latest tokens first; requests; kv heads); PERSIST: one CTA
         per SM walking the work items (`_item`), the barriers' phases running on over its items."""
         TOK: gl.constexpr = BLOCK_M // G
@@ -496,11 +353,6 @@ if _IMPORT_ERROR is None:
         bufs_k = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         bufs_v = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_all = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, D], q_layout)
-        if OSMEM:  # each consumer's O; rows swizzled so that the accumulator layout's stores meet no bank twice
-            o_all = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D],
-                                              gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0]))
-        else:
-            o_all = q_all  # (unused)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -514,26 +366,25 @@ if _IMPORT_ERROR is None:
                 (_consumer_loop, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, q_all.index(0), bufs_k, bufs_v,
                                   ready, empty, turn, sqt, sqh, sot, soh, hq, qk_scale, n_pairs, n_req, hkv, 0, G,
                                   BLOCK_M, BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST,
-                                  OSTORE, o_all.index(0), OSMEM)),
+                                  OSTORE)),
                 (_producer_loop, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, ql_ptr, kl_ptr, ks_ptr, n_pairs, n_req,
                                   hkv, G, BLOCK_M, BLOCK_N, D)),
                 (_consumer_loop, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, q_all.index(1), bufs_k, bufs_v,
                                   ready, empty, turn, sqt, sqh, sot, soh, hq, qk_scale, n_pairs, n_req, hkv, 1, G,
                                   BLOCK_M, BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST,
-                                  OSTORE, o_all.index(1), OSMEM)),
+                                  OSTORE)),
             ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready,
                              empty, turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, 0, G, BLOCK_M,
                              BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST,
-                             OSTORE, QK2, o_all.index(0), OSMEM)),
-                (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, 0, BLOCK_N, D,
-                             QK2)),
+                                  OSTORE)),
+                (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, 0, BLOCK_N, D)),
                 (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready,
                              empty, turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, 1, G, BLOCK_M,
                              BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST,
-                             OSTORE, QK2, o_all.index(1), OSMEM)),
+                                  OSTORE)),
             ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
 
     _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
@@ -629,7 +480,7 @@ def kv_layout(block_n: int, d: int):
 
 
 def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag,
-                 skip, qreg, qk_first, persist, ostore, qk2=QK2, osmem=OSMEM):
+                 skip, qreg, qk_first, persist, ostore):
     """(grid, positional args, keyword args) of one `_prefill_kernel` launch: what `launch` runs and `verify` checks."""
     rows, hkv, d = k.shape
     lay = kv_layout(cfg.block_n, d)
@@ -641,7 +492,7 @@ def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale,
     kwargs = dict(G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
                   SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull,
                   DIAG=diag, SKIP=skip, QREG=qreg, QK_FIRST=qk_first, PERSIST=persist, OSTORE=ostore,
-                  QK2=qk2, OSMEM=osmem, num_warps=4,
+                  num_warps=4,
                   enable_fp_fusion=False)
     if persist:  # one CTA per SM (at most one per work item)
         return (min(n_pairs * q_len.shape[0] * hkv, _sms(q.device)), 1, 1), args, kwargs
@@ -650,12 +501,12 @@ def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale,
 
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
            nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST,
-           persist=PERSIST, ostore=OSTORE, qk2=QK2, osmem=OSMEM):
+           persist=PERSIST, ostore=OSTORE):
     """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None), through
     launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time)."""
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
                                       stages, nfull, diag, skip, qreg, qk_first, persist,
-                                      ostore, qk2, osmem)
+                                      ostore)
     _LAUNCHES[0] += 1
     _prefill_fast[grid](*args, **kwargs)
     return out
@@ -663,12 +514,12 @@ def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, 
 
 def verify(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
            nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST,
-           persist=PERSIST, ostore=OSTORE, qk2=QK2, osmem=OSMEM) -> dict:
+           persist=PERSIST, ostore=OSTORE) -> dict:
     """`launch`'s arguments through launch.py's `FastKernel.verify`: runs the kernel three times (fast path, fast path
     again, Triton's own `run`) into `out` / `lse` and says whether all three ran one compiled kernel (a GPU's check)."""
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
                                       stages, nfull, diag, skip, qreg, qk_first, persist,
-                                      ostore, qk2, osmem)
+                                      ostore)
     return _prefill_fast.verify(grid, *args, **kwargs)
 
 
