@@ -24,6 +24,8 @@ Measured on the H200 (8 x 4,096 tokens, 32 / 8 heads, D 128; session 27 call 4):
 kernel's 434 (1.045x; 0.6B heads 1.08x; 4 x 1,024 1.12x), equal bits on every row of a 12-request mixed-length
 batch. Its ceiling with this contract's 64-key chunks: the same kernel without the softmax ran 620 TFLOP/s, without
 q.k^T 516 — the per-chunk softmax (two row reductions, 32 exp2 and 64 acc rescales a thread) is what is left.
+Session 34: the output tile stored 16 bytes a thread (OSTORE) — 466 TFLOP/s on the H200 (1.08-1.11x the Triton
+kernel, 0.82-0.83x SDPA in interleaved rounds; benchmarks/h200_session34/call2), the same bits.
 
 Used by `attention.attention_varlen` where `unsupported_reason` is None (sm_90, bf16, head dim 128, the contract's
 64 x 64 tiles, K / V through TMA, the unsplit flat walk, Triton 3.6, and a first-use check per device and head group
