@@ -60,7 +60,7 @@ def off():
     return switched_off(sys.modules[__name__])
 
 QREG = 0  # q.k^T's query tile from registers (`_consumer`; 0 until timed on the GPU)
-OSTORE = 1  # the output tile stored 16 bytes a thread (`_consumer`; session 34, H100: bit-equal, 1.02-1.10x)
+OSTORE = 1  # the output tile stored 16 bytes a thread (`_consumer`; session 34, H100: bit-equal, 1.02-1.09x)
 PERSIST = 0  # one CTA per SM walking the work items (`_prefill_kernel`; 0 until timed on the GPU)
 QK_FIRST = 0  # chunk c's q.k^T issued before chunk c - 1's p.v (`_consumer`; 0 until timed on the GPU)
 STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's spread of each other; 2 stages 0.6x)
