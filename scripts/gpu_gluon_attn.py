@@ -63,16 +63,8 @@ VARIANTS = {
     "qk_first": dict(qk_first=1),
     "qreg_qk_first": dict(qreg=1, qk_first=1),
     "qreg_qk_first_s3": dict(qreg=1, qk_first=1, stages=3),
-    # session 33 (after call 1's ncu: 8,192 CTAs in 62 waves, one CTA an SM, each paying its Q load, its first K / V
-    # loads and its O stores alone): one CTA per SM walking the work items longest first, the next item's K / V
-    # loading under this one's epilogue
-    "persist": dict(persist=1),
-    "persist_s3": dict(persist=1, stages=3),
-    # ncu also flagged the O stores (16 of 32 bytes used a sector): stored from a 16-byte-a-thread layout instead
-    # (session 34 call 1, H100: bit-equal, 1.08-1.10x per case, 1.02 / 1.05x in A/B; production since: OSTORE = 1,
-    # so "ostore" is production and "persist_ostore" is "persist"; persist 0.85x)
-    "ostore": dict(ostore=1),
-    "persist_ostore": dict(persist=1, ostore=1),
+    # (session 34 call 1 also ran "persist" — one CTA per SM walking the work items, 0.85x — and "ostore", the output
+    # tile in 16-byte stores, 1.08-1.09x, production since; the knobs are at commit 11899d9)
     "diag_no_softmax": dict(diag=1),
     "diag_no_softmax_qreg": dict(diag=1, qreg=1),
     "diag_no_qk": dict(diag=2),
@@ -84,16 +76,14 @@ def compile_sm90(variant, G=4, d=128):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST, persist=AG.PERSIST,
-                 ostore=AG.OSTORE),
-          **VARIANTS[variant]}
+    kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST), **VARIANTS[variant]}
     const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
                  NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], QREG=kw["qreg"], QK_FIRST=kw["qk_first"],
-                 PERSIST=kw["persist"], OSTORE=kw["ostore"], num_warps=4)
+                 num_warps=4)
     desc = f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>"  # the descriptors' layout, as the library makes it
     sig = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
            "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32", "sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32",
-           "qk_scale": "fp32", "n_pairs": "i32", "n_req": "i32", "hkv": "i32", **{k: "constexpr" for k in const}}
+           "qk_scale": "fp32", "n_pairs": "i32", **{k: "constexpr" for k in const}}
     src = GluonASTSource(AG._prefill_kernel, sig, constexprs=const)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
 

@@ -48,11 +48,10 @@ STEPS: dict[str, tuple[int, str]] = {
     # the Triton kernel and timed, then interleaved rounds against SDPA; Nsight Compute's counters on the kernels that
     # cap issue 10's last ratios (attention prefill, the segmented o GEMM, each beside SDPA / cuBLAS)
     # (session 33 call 1 ran it with qreg,qk_first,qreg_qk_first,qreg_qk_first_s3,diag_no_softmax_qreg: all bit-equal,
-    # none faster; since then the persistent walk)
+    # none faster; session 34 call 1 with the persistent walk and 16-byte output stores: the stores kept)
     "attn_variants": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096,q06_8x4096,"
-                           "q8b_4x1024 --variants production,persist,persist_s3,ostore,persist_ostore,diag_no_softmax && "
-                           "python3 scripts/gpu_gluon_attn.py --out {out} --ab 5 --ab-variants persist,persist_s3,ostore,"
-                           "persist_ostore"),
+                           "q8b_4x1024 --variants production,qreg,qk_first,diag_no_softmax && "
+                           "python3 scripts/gpu_gluon_attn.py --out {out} --ab 5 --ab-variants qreg,qk_first"),
     # the segmented 128 x 128 tile with 4-7 stages at o / down (session 33's ncu: its consumers wait on data), and
     # (session 34) a 128 x 64 tile at o beside 128x128_p: the m64n64 wgmma's rate (the attention's q.k^T)
     "gemm_stages": (240, "python3 scripts/gpu_gluon_gemm.py --out {out} --gemms o,down --seg-ms 1024,4096,16384"),

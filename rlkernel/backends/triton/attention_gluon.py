@@ -24,7 +24,7 @@ Measured on the H200 (8 x 4,096 tokens, 32 / 8 heads, D 128; session 27 call 4):
 kernel's 434 (1.045x; 0.6B heads 1.08x; 4 x 1,024 1.12x), equal bits on every row of a 12-request mixed-length
 batch. Its ceiling with this contract's 64-key chunks: the same kernel without the softmax ran 620 TFLOP/s, without
 q.k^T 516 — the per-chunk softmax (two row reductions, 32 exp2 and 64 acc rescales a thread) is what is left.
-Session 34: the output tile stored 16 bytes a thread (OSTORE) — 466 TFLOP/s on the H200 (1.08-1.11x the Triton
+Session 34: the output tile stored 16 bytes a thread — 466 TFLOP/s on the H200 (1.08-1.11x the Triton
 kernel, 0.82-0.83x SDPA in interleaved rounds; benchmarks/h200_session34/call2), the same bits.
 
 Used by `attention.attention_varlen` where `unsupported_reason` is None (sm_90, bf16, head dim 128, the contract's
@@ -60,8 +60,6 @@ def off():
     return switched_off(sys.modules[__name__])
 
 QREG = 0  # q.k^T's query tile from registers (`_consumer`; 0 until timed on the GPU)
-OSTORE = 1  # the output tile stored 16 bytes a thread (`_consumer`; session 34, H100: bit-equal, 1.02-1.09x)
-PERSIST = 0  # one CTA per SM walking the work items (`_prefill_kernel`; 0 until timed on the GPU)
 QK_FIRST = 0  # chunk c's q.k^T issued before chunk c - 1's p.v (`_consumer`; 0 until timed on the GPU)
 STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's spread of each other; 2 stages 0.6x)
 PRODUCER_REGS = 24
@@ -138,11 +136,10 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt, sqh,
-                  sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, cb, WHICH: gl.constexpr, G: gl.constexpr,
-                  BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STORE_LSE: gl.constexpr,
-                  NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr, QREG: gl.constexpr,
-                  QK_FIRST: gl.constexpr, OSTORE: gl.constexpr):
+                  sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, WHICH: gl.constexpr, G: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
+                  STORE_LSE: gl.constexpr, NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr,
+                  QREG: gl.constexpr, QK_FIRST: gl.constexpr):
         """One query tile (consumer WHICH of the CTA's two), ping-ponged with the other (module docstring).
         NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
         SKIP: `_softmax`'s rescale skip where no row's max moved (0 in production until timed; the same bits).
@@ -152,10 +149,9 @@ if _IMPORT_ERROR is None:
         QK_FIRST: a turn issues chunk c's q.k^T before chunk c - 1's p.v and waits for q.k^T alone, so chunk c's row
         max, exp2 and row sum run while that p.v still runs; the rescale of acc (and a segment's fold) waits for it.
         Both are the same ops on the same values (the bits are checked against the Triton kernel).
-        OSTORE: the output tile stored from the query load's blocked layout (16 bytes a thread, whole 32-byte sectors)
-        instead of the accumulator's (4 bytes a thread; ncu: 16 of 32 bytes used a sector): the same values moved.
-        cb: the chunks this CTA walked before this tile's (0 but in the persistent kernel): the stages' and the turns'
-        barrier phases continue from there."""
+        The output tile is stored from the query load's blocked layout (16 bytes a thread, whole 32-byte sectors), not
+        from the accumulator's (4 bytes a thread; ncu: 16 of 32 bytes used a sector): the same values, 1.08-1.09x on an
+        H100 (session 34; a persistent walk over the work items measured there ran 0.85x: commit 11899d9 has it)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -196,19 +192,18 @@ if _IMPORT_ERROR is None:
             l = gl.zeros([BLOCK_M], gl.float32, row_s)
             acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
             # chunk 0: q.k^T in the first turn (consumer 0 first: a fresh barrier passes parity 1)
-            mbarrier.wait(ready.index(cb % S), (cb // S) & 1)
-            mbarrier.wait(turn.index(WHICH), (cb & 1) ^ (1 - WHICH))
-            s_tok = warpgroup_mma(qa, bufs_k.index(cb % S).permute((1, 0)), zero_s, is_async=True)
+            mbarrier.wait(ready.index(0), 0)
+            mbarrier.wait(turn.index(WHICH), 1 - WHICH)
+            s_tok = warpgroup_mma(qa, bufs_k.index(0).permute((1, 0)), zero_s, is_async=True)
             mbarrier.arrive(turn.index(1 - WHICH), count=1)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             s = gl.where(kcol[None, :] <= qpos[:, None], s, float("-inf"))
             m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
             for c in range(1, nc_cta):
-                g = cb + c  # the CTA's chunk count: the stage and both barriers' phases
-                st = g % S
-                sp = (g - 1) % S
-                mbarrier.wait(ready.index(st), (g // S) & 1)
-                mbarrier.wait(turn.index(WHICH), (g & 1) ^ (1 - WHICH))
+                st = c % S
+                sp = (c - 1) % S
+                mbarrier.wait(ready.index(st), (c // S) & 1)
+                mbarrier.wait(turn.index(WHICH), (c & 1) ^ (1 - WHICH))
                 if QK_FIRST:
                     s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
                     acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
@@ -256,23 +251,13 @@ if _IMPORT_ERROR is None:
                     else:
                         s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
                         m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
-            sl = (cb + nc_cta - 1) % S
+            sl = (nc_cta - 1) % S
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(empty.index(sl), count=1)
             M, L, O = _merge(M, L, O, m, l, acc, row_o)
             out = gl.div_rn(O, gl.convert_layout(L, row_o)[:, None])
-            ro = gl.arange(0, BLOCK_M, layout=row_o)
-            do = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-            tok_o = tok0 + ro // G
-            ok_o = (tok_o < q_len) & (ro < TOK * G)
-            qrow_o = (q_start + gl.minimum(tok_o, q_len - 1)).to(gl.int64)
-            head_o = kvh * G + ro % G
-            if OSTORE:
-                gl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :],
-                         gl.convert_layout(out.to(o_ptr.dtype.element_ty), ld_layout), mask=row_ok[:, None])
-            else:
-                gl.store(o_ptr + qrow_o[:, None] * sot + head_o[:, None] * soh + do[None, :],
-                         out.to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
+            gl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :],
+                     gl.convert_layout(out.to(o_ptr.dtype.element_ty), ld_layout), mask=row_ok[:, None])
             if STORE_LSE:  # attention._store_lse, from the final (M, L), in the score layout's rows
                 tok_s = tok0 + rs // G
                 ok_s = (tok_s < q_len) & (rs < TOK * G)
@@ -280,68 +265,24 @@ if _IMPORT_ERROR is None:
                 gl.store(lse_ptr + qrow_s * hq + (kvh * G + rs % G), (M + gl.log2(L)) * 0.6931471805599453, mask=ok_s)
 
     @gluon.jit
-    def _producer(k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, cb, BLOCK_N: gl.constexpr,
+    def _producer(k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N: gl.constexpr,
                   D: gl.constexpr):
-        """One warp: chunk c's K and V tiles into stage (cb + c) % S once both consumers released its previous use."""
+        """One warp: chunk c's K and V tiles into stage c % S once both consumers released its previous use."""
         S: gl.constexpr = bufs_k.type.shape[0]
         for c in range(0, nc_cta):
-            g = cb + c
-            st = g % S
-            mbarrier.wait(empty.index(st), ((g // S) & 1) ^ 1)  # a fresh barrier counts as released once
+            st = c % S
+            mbarrier.wait(empty.index(st), ((c // S) & 1) ^ 1)  # a fresh barrier counts as released once
             mbarrier.expect(ready.index(st), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [kv_start + c * BLOCK_N, kvh * D], ready.index(st), bufs_k.index(st))
             tma.async_copy_global_to_shared(v_desc, [kv_start + c * BLOCK_N, kvh * D], ready.index(st), bufs_v.index(st))
 
     @gluon.jit
-    def _item(it, n_pairs, n_req, hkv, ql_ptr, kl_ptr, ks_ptr, TOK: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Work item `it` of the persistent walk: the pairs holding the latest tokens first over every (request, kv
-        head) — the longest items first, so that a static round robin over the SMs balances — and its chunk count
-        (as `_prefill_kernel`'s grid computes it for a CTA)."""
-        per = n_req * hkv
-        pair = n_pairs - 1 - it // per
-        req = (it % per) // hkv
-        kvh = it % hkv
-        q_len = gl.load(ql_ptr + req)
-        kv_len = gl.load(kl_ptr + req)
-        kv_start = gl.load(ks_ptr + req)
-        return pair, req, kvh, kv_start, _chunks(pair, q_len, kv_len, TOK, BLOCK_N)
-
-    @gluon.jit
-    def _consumer_loop(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn,
-                       sqt, sqh, sot, soh, hq, qk_scale, n_pairs, n_req, hkv, WHICH: gl.constexpr, G: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
-                       STORE_LSE: gl.constexpr, NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr,
-                       QREG: gl.constexpr, QK_FIRST: gl.constexpr, OSTORE: gl.constexpr):
-        """The persistent kernel's consumer: `_consumer` for each of this CTA's work items in turn (`_item`)."""
-        cb = 0
-        for it in range(gl.program_id(0), n_pairs * n_req * hkv, gl.num_programs(0)):
-            pair, req, kvh, kv_start, nc = _item(it, n_pairs, n_req, hkv, ql_ptr, kl_ptr, ks_ptr, BLOCK_M // G, BLOCK_N)
-            _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt,
-                      sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc, cb, WHICH, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
-                      STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, OSTORE)
-            cb += nc
-
-    @gluon.jit
-    def _producer_loop(k_desc, v_desc, bufs_k, bufs_v, ready, empty, ql_ptr, kl_ptr, ks_ptr, n_pairs, n_req, hkv,
-                       G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr):
-        """The persistent kernel's producer: `_producer` for each work item (the next item's first chunks load while
-        the consumers still finish this one: what the persistent walk is for)."""
-        cb = 0
-        for it in range(gl.program_id(0), n_pairs * n_req * hkv, gl.num_programs(0)):
-            pair, req, kvh, kv_start, nc = _item(it, n_pairs, n_req, hkv, ql_ptr, kl_ptr, ks_ptr, BLOCK_M // G, BLOCK_N)
-            _producer(k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc, cb, BLOCK_N, D)
-            cb += nc
-
-    @gluon.jit
     def _prefill_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, sqt, sqh, sot, soh, qk_scale,
-                        n_pairs, n_req, hkv, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        D: gl.constexpr,
+                        n_pairs, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, NFULL: gl.constexpr,
                         DIAG: gl.constexpr, SKIP: gl.constexpr, QREG: gl.constexpr, QK_FIRST: gl.constexpr,
-                        OSTORE: gl.constexpr,
-                        PERSIST: gl.constexpr, num_warps: gl.constexpr):
-        """Grid (pairs of query tiles, the pair holding the latest tokens first; requests; kv heads); PERSIST: one CTA
-        per SM walking the work items (`_item`), the barriers' phases running on over its items."""
+                        num_warps: gl.constexpr):
+        """Grid (pairs of query tiles, the pair holding the latest tokens first; requests; kv heads)."""
         TOK: gl.constexpr = BLOCK_M // G
         pair = n_pairs - 1 - gl.program_id(0)
         req = gl.program_id(1)
@@ -350,7 +291,7 @@ if _IMPORT_ERROR is None:
         kv_len = gl.load(kl_ptr + req)
         kv_start = gl.load(ks_ptr + req)
         nc_cta = _chunks(pair, q_len, kv_len, TOK, BLOCK_N)
-        hq = hkv * G
+        hq = gl.num_programs(2) * G
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
         bufs_k = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         bufs_v = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -363,31 +304,15 @@ if _IMPORT_ERROR is None:
             mbarrier.init(empty.index(i), count=2)
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
-        if PERSIST:
-            gl.warp_specialize([
-                (_consumer_loop, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, q_all.index(0), bufs_k, bufs_v,
-                                  ready, empty, turn, sqt, sqh, sot, soh, hq, qk_scale, n_pairs, n_req, hkv, 0, G,
-                                  BLOCK_M, BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST,
-                                  OSTORE)),
-                (_producer_loop, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, ql_ptr, kl_ptr, ks_ptr, n_pairs, n_req,
-                                  hkv, G, BLOCK_M, BLOCK_N, D)),
-                (_consumer_loop, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, q_all.index(1), bufs_k, bufs_v,
-                                  ready, empty, turn, sqt, sqh, sot, soh, hq, qk_scale, n_pairs, n_req, hkv, 1, G,
-                                  BLOCK_M, BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST,
-                                  OSTORE)),
-            ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
-        else:
-            gl.warp_specialize([
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready,
-                             empty, turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, 0, G, BLOCK_M,
-                             BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST,
-                                  OSTORE)),
-                (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, 0, BLOCK_N, D)),
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready,
-                             empty, turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, 1, G, BLOCK_M,
-                             BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST,
-                                  OSTORE)),
-            ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
+        gl.warp_specialize([
+            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,
+                         sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
+            (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty, turn,
+                         sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
+        ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
 
     _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
 
@@ -460,17 +385,6 @@ def self_check(device, G: int, cfg) -> str | None:
     return why
 
 
-_SMS: dict = {}  # device index -> its multiprocessor count (the persistent grid)
-
-
-def _sms(device) -> int:
-    dev = device.index if device.index is not None else -1
-    if dev not in _SMS:
-        import torch
-        _SMS[dev] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[dev]
-
-
 def kv_layout(block_n: int, d: int):
     """The shared-memory layout of a [block_n, d] bf16 K / V tile (the descriptors' and the kernel's): Triton's default
     for that shape, made once per (block_n, d) — `get_default_for` is a constexpr function that costs ~8 us a call on
@@ -482,7 +396,7 @@ def kv_layout(block_n: int, d: int):
 
 
 def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag,
-                 skip, qreg, qk_first, persist, ostore):
+                 skip, qreg, qk_first):
     """(grid, positional args, keyword args) of one `_prefill_kernel` launch: what `launch` runs and `verify` checks."""
     rows, hkv, d = k.shape
     lay = kv_layout(cfg.block_n, d)
@@ -490,38 +404,30 @@ def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale,
     n_pairs = -(-n_tiles // 2)
     args = (q, out, lse if lse is not None else out, descriptor(k, shape, strides, block, lay),
             descriptor(v, shape, strides, block, lay), q_start, q_len, kv_len, kv_start, q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs, q_len.shape[0], hkv)
+            out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs)
     kwargs = dict(G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
                   SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull,
-                  DIAG=diag, SKIP=skip, QREG=qreg, QK_FIRST=qk_first, PERSIST=persist, OSTORE=ostore,
-                  num_warps=4,
-                  enable_fp_fusion=False)
-    if persist:  # one CTA per SM (at most one per work item)
-        return (min(n_pairs * q_len.shape[0] * hkv, _sms(q.device)), 1, 1), args, kwargs
+                  DIAG=diag, SKIP=skip, QREG=qreg, QK_FIRST=qk_first, num_warps=4, enable_fp_fusion=False)
     return (n_pairs, q_len.shape[0], hkv), args, kwargs
 
 
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST,
-           persist=PERSIST, ostore=OSTORE):
+           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST):
     """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None), through
     launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time)."""
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
-                                      stages, nfull, diag, skip, qreg, qk_first, persist,
-                                      ostore)
+                                      stages, nfull, diag, skip, qreg, qk_first)
     _LAUNCHES[0] += 1
     _prefill_fast[grid](*args, **kwargs)
     return out
 
 
 def verify(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST,
-           persist=PERSIST, ostore=OSTORE) -> dict:
+           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST) -> dict:
     """`launch`'s arguments through launch.py's `FastKernel.verify`: runs the kernel three times (fast path, fast path
     again, Triton's own `run`) into `out` / `lse` and says whether all three ran one compiled kernel (a GPU's check)."""
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
-                                      stages, nfull, diag, skip, qreg, qk_first, persist,
-                                      ostore)
+                                      stages, nfull, diag, skip, qreg, qk_first)
     return _prefill_fast.verify(grid, *args, **kwargs)
 
 
