@@ -63,10 +63,10 @@ VARIANTS = {
     "qk_first": dict(qk_first=1),
     "qreg_qk_first": dict(qreg=1, qk_first=1),
     "qreg_qk_first_s3": dict(qreg=1, qk_first=1, stages=3),
-    "nbturn": dict(nbturn=1),  # session 35: the turn as named barriers (bar.sync / bar.arrive, FA3's)
-    "nbturn_qk_first": dict(nbturn=1, qk_first=1),
     # (session 34 call 1 also ran "persist" — one CTA per SM walking the work items, 0.85x — and "ostore", the output
     # tile in 16-byte stores, 1.08-1.09x, production since; the knobs are at commit 11899d9)
+    # (session 35 call 11 ran "nbturn": the consumers' turn as named barriers 4 / 5 by inline bar.sync / bar.arrive, FA3's
+    # scheduler barrier — bit-equal, 0.94-0.95x production in A/B rounds; the knob is at commit 13ab284)
     "diag_no_softmax": dict(diag=1),
     "diag_no_softmax_qreg": dict(diag=1, qreg=1),
     "diag_no_qk": dict(diag=2),
@@ -78,11 +78,10 @@ def compile_sm90(variant, G=4, d=128):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST, nbturn=AG.NBTURN),
-          **VARIANTS[variant]}
+    kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST), **VARIANTS[variant]}
     const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
                  NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], QREG=kw["qreg"], QK_FIRST=kw["qk_first"],
-                 NBTURN=kw["nbturn"], num_warps=4)
+                 num_warps=4)
     desc = f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>"  # the descriptors' layout, as the library makes it
     sig = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
            "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32", "sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32",

@@ -161,7 +161,7 @@ _GLUON_STUB = STUB_SM90_DRIVER + textwrap.dedent('''
     out, lse = torch.empty_like(q), torch.empty(700, 32)
     qs, ql = torch.tensor([0, 600, 699], dtype=torch.int32), torch.tensor([600, 99, 1], dtype=torch.int32)
     call = (q, k, v, out, qs, ql, ql, qs, 38, 128 ** -0.5, C.ATTENTION, k.stride(0), lse)
-    grid, args, kwargs = AG._launch_args(*call, AG.STAGES, 1, 0, 0, AG.QREG, AG.QK_FIRST, AG.NBTURN)
+    grid, args, kwargs = AG._launch_args(*call, AG.STAGES, 1, 0, 0, AG.QREG, AG.QK_FIRST)
     cache, keys, _, _, binder = AG._prefill_kernel.device_caches[0]
     _, spec, options = binder(*args, **kwargs, debug=False, instrumentation_mode="")  # as JITFunction.run binds
     desc = f"tensordesc<bf16[64, 128],{AG.kv_layout(64, 128)!r}>"  # what precompile and compile_sm90 record

@@ -178,7 +178,7 @@ def _entries_for_sm90() -> dict:
         from triton.experimental.gluon import language as gl
         lay = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
         gl_const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=8, STAGES=AG.STAGES, STORE_LSE=True, NFULL=1,
-                        DIAG=0, SKIP=0, QREG=AG.QREG, QK_FIRST=AG.QK_FIRST, NBTURN=AG.NBTURN, num_warps=4)
+                        DIAG=0, SKIP=0, QREG=AG.QREG, QK_FIRST=AG.QK_FIRST, num_warps=4)
         gl_types = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "qs_ptr": "*i32", "ql_ptr": "*i32",
                     "kl_ptr": "*i32", "ks_ptr": "*i32", "qk_scale": "fp32",
                     "k_desc": f"tensordesc<bf16[64, 128],{lay!r}>", "v_desc": f"tensordesc<bf16[64, 128],{lay!r}>"}

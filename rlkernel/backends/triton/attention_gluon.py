@@ -61,7 +61,6 @@ def off():
 
 QREG = 0  # q.k^T's query tile from registers (`_consumer`; 0 until timed on the GPU)
 QK_FIRST = 0  # chunk c's q.k^T issued before chunk c - 1's p.v (`_consumer`; 0 until timed on the GPU)
-NBTURN = 0  # the consumers' turn as hardware named barriers (FA3's scheduler barrier; `_turn_wait`; 0 until timed)
 STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's spread of each other; 2 stages 0.6x)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
@@ -81,37 +80,6 @@ except Exception as e:  # noqa: BLE001
 if _IMPORT_ERROR is None:
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
-    # NBTURN's named barriers: consumer WHICH's turn is barrier _TURN_BAR + WHICH, 256 threads (both consumer
-    # warpgroups). Triton 3.6's warp_specialize lowering takes ids 0 (the default partition's), 1 (its switch loop) and
-    # 2 + i (worker partition i: 2 the one-warp producer's, unused; 3 consumer 1's): 4 and 5 are free while the
-    # kernel has these two workers (TESTED_TRITON gates the kernel to the Triton it was checked with)
-    _TURN_BAR = gl.constexpr(4)
-
-    @gluon.jit
-    def _named_bar(ID: gl.constexpr, OP: gl.constexpr):
-        """`bar.sync ID, 256` (OP "sync") or `bar.arrive ID, 256` (OP "arrive") once per thread of a 4-warp partition:
-        the inline asm runs once per element, so its operand holds exactly one element a thread, and it is not pure
-        (a pure asm with an unused result is deleted)."""
-        x = gl.full([128], ID, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
-        gl.inline_asm_elementwise("bar." + OP + " $1, 256;\n\tmov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
-    def _turn_wait(turn, phase, WHICH: gl.constexpr, NBTURN: gl.constexpr):
-        """Wait for this consumer's turn: the turn mbarrier's phase, or (NBTURN) named barrier _TURN_BAR + WHICH,
-        which completes when the other consumer's 128 threads have arrived on it."""
-        if NBTURN:
-            _named_bar(_TURN_BAR + WHICH, "sync")
-        else:
-            mbarrier.wait(turn.index(WHICH), phase)
-
-    @gluon.jit
-    def _turn_pass(turn, WHICH: gl.constexpr, NBTURN: gl.constexpr):
-        """Hand the turn to the other consumer (does not wait)."""
-        if NBTURN:
-            _named_bar(_TURN_BAR + 1 - WHICH, "arrive")
-        else:
-            mbarrier.arrive(turn.index(1 - WHICH), count=1)
 
     @gluon.jit
     def _merge(M, L, O, m, l, o, row_o: gl.constexpr):
@@ -171,7 +139,7 @@ if _IMPORT_ERROR is None:
                   sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, WHICH: gl.constexpr, G: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
                   STORE_LSE: gl.constexpr, NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr,
-                  QREG: gl.constexpr, QK_FIRST: gl.constexpr, NBTURN: gl.constexpr):
+                  QREG: gl.constexpr, QK_FIRST: gl.constexpr):
         """One query tile (consumer WHICH of the CTA's two), ping-ponged with the other (module docstring).
         NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
         SKIP: `_softmax`'s rescale skip where no row's max moved (0 in production until timed; the same bits).
@@ -181,9 +149,6 @@ if _IMPORT_ERROR is None:
         QK_FIRST: a turn issues chunk c's q.k^T before chunk c - 1's p.v and waits for q.k^T alone, so chunk c's row
         max, exp2 and row sum run while that p.v still runs; the rescale of acc (and a segment's fold) waits for it.
         Both are the same ops on the same values (the bits are checked against the Triton kernel).
-        NBTURN: the turn as named barriers (`_turn_wait`): consumer 0 arrives on its own barrier once first (FA3's
-        mma_init), so its first wait passes and consumer 1's waits for consumer 0's first hand-over; both consumers take
-        the CTA's nc_cta turns, so the barriers stay paired (a branch that skipped a turn on one side would hang).
         The output tile is stored from the query load's blocked layout (16 bytes a thread, whole 32-byte sectors), not
         from the accumulator's (4 bytes a thread; ncu: 16 of 32 bytes used a sector): the same values, 1.08-1.09x on an
         H100 (session 34; a persistent walk over the work items measured there ran 0.85x: commit 11899d9 has it)."""
@@ -228,12 +193,9 @@ if _IMPORT_ERROR is None:
             acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
             # chunk 0: q.k^T in the first turn (consumer 0 first: a fresh barrier passes parity 1)
             mbarrier.wait(ready.index(0), 0)
-            if NBTURN:
-                if WHICH == 0:
-                    _named_bar(_TURN_BAR, "arrive")
-            _turn_wait(turn, 1 - WHICH, WHICH, NBTURN)
+            mbarrier.wait(turn.index(WHICH), 1 - WHICH)
             s_tok = warpgroup_mma(qa, bufs_k.index(0).permute((1, 0)), zero_s, is_async=True)
-            _turn_pass(turn, WHICH, NBTURN)
+            mbarrier.arrive(turn.index(1 - WHICH), count=1)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             s = gl.where(kcol[None, :] <= qpos[:, None], s, float("-inf"))
             m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
@@ -241,11 +203,11 @@ if _IMPORT_ERROR is None:
                 st = c % S
                 sp = (c - 1) % S
                 mbarrier.wait(ready.index(st), (c // S) & 1)
-                _turn_wait(turn, (c & 1) ^ (1 - WHICH), WHICH, NBTURN)
+                mbarrier.wait(turn.index(WHICH), (c & 1) ^ (1 - WHICH))
                 if QK_FIRST:
                     s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
                     acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
-                    _turn_pass(turn, WHICH, NBTURN)
+                    mbarrier.arrive(turn.index(1 - WHICH), count=1)
                     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
                     s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
                     if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: its stats start afresh
@@ -271,12 +233,12 @@ if _IMPORT_ERROR is None:
                 else:
                     acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
                     if DIAG == 2:
-                        _turn_pass(turn, WHICH, NBTURN)
+                        mbarrier.arrive(turn.index(1 - WHICH), count=1)
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
                         s = zero_s + c
                     else:
                         s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
-                        _turn_pass(turn, WHICH, NBTURN)
+                        mbarrier.arrive(turn.index(1 - WHICH), count=1)
                         acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
                     mbarrier.arrive(empty.index(sp), count=1)
                     if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: fold the finished one (its last p.v is in acc)
@@ -319,7 +281,7 @@ if _IMPORT_ERROR is None:
                         n_pairs, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, NFULL: gl.constexpr,
                         DIAG: gl.constexpr, SKIP: gl.constexpr, QREG: gl.constexpr, QK_FIRST: gl.constexpr,
-                        NBTURN: gl.constexpr, num_warps: gl.constexpr):
+                        num_warps: gl.constexpr):
         """Grid (pairs of query tiles, the pair holding the latest tokens first; requests; kv heads)."""
         TOK: gl.constexpr = BLOCK_M // G
         pair = n_pairs - 1 - gl.program_id(0)
@@ -345,11 +307,11 @@ if _IMPORT_ERROR is None:
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,
                          sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,
-                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, NBTURN)),
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
             (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty, turn,
                          sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
-                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, NBTURN)),
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
         ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
 
     _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
@@ -434,7 +396,7 @@ def kv_layout(block_n: int, d: int):
 
 
 def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag,
-                 skip, qreg, qk_first, nbturn=NBTURN):
+                 skip, qreg, qk_first):
     """(grid, positional args, keyword args) of one `_prefill_kernel` launch: what `launch` runs and `verify` checks."""
     rows, hkv, d = k.shape
     lay = kv_layout(cfg.block_n, d)
@@ -445,27 +407,27 @@ def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale,
             out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs)
     kwargs = dict(G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
                   SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull,
-                  DIAG=diag, SKIP=skip, QREG=qreg, QK_FIRST=qk_first, NBTURN=nbturn, num_warps=4, enable_fp_fusion=False)
+                  DIAG=diag, SKIP=skip, QREG=qreg, QK_FIRST=qk_first, num_warps=4, enable_fp_fusion=False)
     return (n_pairs, q_len.shape[0], hkv), args, kwargs
 
 
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, nbturn=NBTURN):
+           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST):
     """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None), through
     launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time)."""
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
-                                      stages, nfull, diag, skip, qreg, qk_first, nbturn)
+                                      stages, nfull, diag, skip, qreg, qk_first)
     _LAUNCHES[0] += 1
     _prefill_fast[grid](*args, **kwargs)
     return out
 
 
 def verify(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, nbturn=NBTURN) -> dict:
+           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST) -> dict:
     """`launch`'s arguments through launch.py's `FastKernel.verify`: runs the kernel three times (fast path, fast path
     again, Triton's own `run`) into `out` / `lse` and says whether all three ran one compiled kernel (a GPU's check)."""
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
-                                      stages, nfull, diag, skip, qreg, qk_first, nbturn)
+                                      stages, nfull, diag, skip, qreg, qk_first)
     return _prefill_fast.verify(grid, *args, **kwargs)
 
 
