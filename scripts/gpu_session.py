@@ -104,9 +104,10 @@ STEPS: dict[str, tuple[int, str]] = {
     "loop_qwen3_tp2_handles": (590, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 8 --arms native,strict "
                                     "--tag h200x2_loop_tp2_handles --out {out} resources.gpus=2 trainer.tp=2 rollout.tp=2 "
                                     "rollout.weight_sync=handles"),
-    # session 35: the loop's short form, both arms (5 steps each) with the weights synced by CUDA IPC handles named
-    # explicitly (session 32's sync; `auto` takes it on GPUs): mismatch 0 on the strict arm, time_sync per step
-    "loop_qwen3_short": (590, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 5 --arms native,strict "
+    # the loop's short form with the weights synced by CUDA IPC handles named explicitly (session 32's sync; `auto`
+    # takes it on GPUs): the strict arm alone, 4 steps. Session 35 ran both arms at 5 steps in one call (staged, 545 s):
+    # native finished in 305 s, strict reached 2 steps (mismatch 0, time_sync 0.10 s; 68 s of cold Triton compiles)
+    "loop_qwen3_short": (590, "python3 scripts/gpu_loop.py --config-name grpo_qwen3_gpu --steps 4 --arms strict "
                               "--tag h200_loop_short_handles --out {out} rollout.weight_sync=handles"),
     # rollout tokens/s at the Qwen3-0.6B shape (random weights, bf16), 256 prompts x 128 tokens: strict (eager) vs stock
     # vLLM eager and with CUDA graphs
