@@ -67,8 +67,9 @@ VARIANTS = {
     # tile in 16-byte stores, 1.08-1.09x, production since; the knobs are at commit 11899d9)
     # (session 35 call 11 ran "nbturn": the consumers' turn as named barriers 4 / 5 by inline bar.sync / bar.arrive, FA3's
     # scheduler barrier — bit-equal, 0.94-0.95x production in A/B rounds; the knob is at commit 13ab284)
-    # session 35: one CTA per SM taking the grid's work items in the grid's order from an atomic counter (launch_dyn)
-    "dyn": dict(dyn=1),
+    # (session 35 call 12 ran "dyn": one CTA per SM taking the grid's work items in the grid's order from an atomic
+    # counter, the producer handing each to the consumers through shared memory — bit-equal, 0.98-0.99x in A/B rounds,
+    # 0.92x at 4 x 1,024; its code is at commit 3a1ed3f)
     "diag_no_softmax": dict(diag=1),
     "diag_no_softmax_qreg": dict(diag=1, qreg=1),
     "diag_no_qk": dict(diag=2),
@@ -87,11 +88,8 @@ def compile_sm90(variant, G=4, d=128):
     desc = f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>"  # the descriptors' layout, as the library makes it
     sig = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
            "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32", "sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32",
-           "qk_scale": "fp32", "n_pairs": "i32"}
-    if kw.get("dyn"):  # the persistent kernel's extra arguments (launch_dyn)
-        sig.update(n_req="i32", hkv="i32", ctr_ptr="*i32", clr_ptr="*i32")
-    sig.update({k: "constexpr" for k in const})
-    src = GluonASTSource(AG._prefill_dyn_kernel if kw.get("dyn") else AG._prefill_kernel, sig, constexprs=const)
+           "qk_scale": "fp32", "n_pairs": "i32", **{k: "constexpr" for k in const}}
+    src = GluonASTSource(AG._prefill_kernel, sig, constexprs=const)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
 
 
@@ -139,9 +137,7 @@ def direct_args(q, k, v, cu, max_seqlen, lse=None) -> tuple:
 
 def gluon_varlen(q, k, v, cu, max_seqlen, variant, lse=None):
     """attention_varlen's Gluon launch with a variant's knobs."""
-    kw = dict(VARIANTS[variant])
-    fn = AG.launch_dyn if kw.pop("dyn", 0) else AG.launch
-    return fn(*direct_args(q, k, v, cu, max_seqlen, lse), **kw)
+    return AG.launch(*direct_args(q, k, v, cu, max_seqlen, lse), **VARIANTS[variant])
 
 
 def host_us(fns: dict, n: int = 50, rounds: int = 15) -> dict:

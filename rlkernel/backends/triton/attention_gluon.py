@@ -136,7 +136,7 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt, sqh,
-                  sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, cb, WHICH: gl.constexpr, G: gl.constexpr,
+                  sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, WHICH: gl.constexpr, G: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
                   STORE_LSE: gl.constexpr, NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr,
                   QREG: gl.constexpr, QK_FIRST: gl.constexpr):
@@ -151,9 +151,7 @@ if _IMPORT_ERROR is None:
         Both are the same ops on the same values (the bits are checked against the Triton kernel).
         The output tile is stored from the query load's blocked layout (16 bytes a thread, whole 32-byte sectors), not
         from the accumulator's (4 bytes a thread; ncu: 16 of 32 bytes used a sector): the same values, 1.08-1.09x on an
-        H100 (session 34; a persistent walk over the work items measured there ran 0.85x: commit 11899d9 has it).
-        cb: the chunks this CTA walked before this tile's (0 in the grid kernel; DYN's walk passes its count): the
-        stages' and the turns' barrier phases continue from there."""
+        H100 (session 34; a persistent walk over the work items measured there ran 0.85x: commit 11899d9 has it)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -194,19 +192,18 @@ if _IMPORT_ERROR is None:
             l = gl.zeros([BLOCK_M], gl.float32, row_s)
             acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
             # chunk 0: q.k^T in the first turn (consumer 0 first: a fresh barrier passes parity 1)
-            mbarrier.wait(ready.index(cb % S), (cb // S) & 1)
-            mbarrier.wait(turn.index(WHICH), (cb & 1) ^ (1 - WHICH))
-            s_tok = warpgroup_mma(qa, bufs_k.index(cb % S).permute((1, 0)), zero_s, is_async=True)
+            mbarrier.wait(ready.index(0), 0)
+            mbarrier.wait(turn.index(WHICH), 1 - WHICH)
+            s_tok = warpgroup_mma(qa, bufs_k.index(0).permute((1, 0)), zero_s, is_async=True)
             mbarrier.arrive(turn.index(1 - WHICH), count=1)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             s = gl.where(kcol[None, :] <= qpos[:, None], s, float("-inf"))
             m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
             for c in range(1, nc_cta):
-                g = cb + c  # the CTA's chunk count: the stage and both barriers' phases
-                st = g % S
-                sp = (g - 1) % S
-                mbarrier.wait(ready.index(st), (g // S) & 1)
-                mbarrier.wait(turn.index(WHICH), (g & 1) ^ (1 - WHICH))
+                st = c % S
+                sp = (c - 1) % S
+                mbarrier.wait(ready.index(st), (c // S) & 1)
+                mbarrier.wait(turn.index(WHICH), (c & 1) ^ (1 - WHICH))
                 if QK_FIRST:
                     s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
                     acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
@@ -254,7 +251,7 @@ if _IMPORT_ERROR is None:
                     else:
                         s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
                         m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
-            sl = (cb + nc_cta - 1) % S
+            sl = (nc_cta - 1) % S
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(empty.index(sl), count=1)
             M, L, O = _merge(M, L, O, m, l, acc, row_o)
@@ -268,14 +265,13 @@ if _IMPORT_ERROR is None:
                 gl.store(lse_ptr + qrow_s * hq + (kvh * G + rs % G), (M + gl.log2(L)) * 0.6931471805599453, mask=ok_s)
 
     @gluon.jit
-    def _producer(k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, cb, BLOCK_N: gl.constexpr,
+    def _producer(k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N: gl.constexpr,
                   D: gl.constexpr):
-        """One warp: chunk c's K and V tiles into stage (cb + c) % S once both consumers released its previous use."""
+        """One warp: chunk c's K and V tiles into stage c % S once both consumers released its previous use."""
         S: gl.constexpr = bufs_k.type.shape[0]
         for c in range(0, nc_cta):
-            g = cb + c
-            st = g % S
-            mbarrier.wait(empty.index(st), ((g // S) & 1) ^ 1)  # a fresh barrier counts as released once
+            st = c % S
+            mbarrier.wait(empty.index(st), ((c // S) & 1) ^ 1)  # a fresh barrier counts as released once
             mbarrier.expect(ready.index(st), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [kv_start + c * BLOCK_N, kvh * D], ready.index(st), bufs_k.index(st))
             tma.async_copy_global_to_shared(v_desc, [kv_start + c * BLOCK_N, kvh * D], ready.index(st), bufs_v.index(st))
@@ -310,130 +306,15 @@ if _IMPORT_ERROR is None:
         mbarrier.init(turn.index(1), count=1)
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,
-                         sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, 0, G, BLOCK_M, BLOCK_N, D,
+                         sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,
                          SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
-            (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, 0, BLOCK_N, D)),
+            (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty, turn,
-                         sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, 1, G, BLOCK_M, BLOCK_N, D,
+                         sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
                          SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
         ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
 
     _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
-
-    @gluon.jit
-    def _dyn_item(it, n_pairs, n_req, ql_ptr, kl_ptr, ks_ptr, TOK: gl.constexpr, BLOCK_N: gl.constexpr):
-        """DYN's work item `it` in the grid kernel's own order (pair fastest, the pair holding the latest tokens first;
-        then requests; then kv heads): what the grid kernel's CTA number `it` runs, and its chunk count."""
-        pair = n_pairs - 1 - it % n_pairs
-        req = (it // n_pairs) % n_req
-        kvh = it // (n_pairs * n_req)
-        q_len = gl.load(ql_ptr + req)
-        kv_len = gl.load(kl_ptr + req)
-        kv_start = gl.load(ks_ptr + req)
-        return pair, req, kvh, kv_start, _chunks(pair, q_len, kv_len, TOK, BLOCK_N)
-
-    @gluon.jit
-    def _dyn_producer(k_desc, v_desc, bufs_k, bufs_v, ready, empty, items, item_ready, item_free, ctr_ptr, ql_ptr,
-                      kl_ptr, ks_ptr, n_pairs, n_req, n_items, G: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, D: gl.constexpr):
-        """DYN's producer warp: takes the next work item from the launch's counter (an atomic add: the SM that frees
-        first takes the next item, as the hardware's CTA dispatch does), skips items without chunks, hands each item
-        to the consumers through a 2-slot ring in shared memory, and loads its K / V chunks; the next item's number is
-        fetched before this item's loads. Ends with the item -1."""
-        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        cb = 0
-        j = 0
-        it = gl.atomic_add(ctr_ptr, 1)
-        while it < n_items:
-            pair, req, kvh, kv_start, nc = _dyn_item(it, n_pairs, n_req, ql_ptr, kl_ptr, ks_ptr, BLOCK_M // G, BLOCK_N)
-            nxt = gl.atomic_add(ctr_ptr, 1)
-            if nc > 0:
-                slot = j % 2
-                mbarrier.wait(item_free.index(slot), ((j // 2) & 1) ^ 1)
-                items.index(slot).store(gl.full([1], it, gl.int32, one))
-                mbarrier.arrive(item_ready.index(slot), count=1)
-                _producer(k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc, cb, BLOCK_N, D)
-                cb += nc
-                j += 1
-            it = nxt
-        slot = j % 2
-        mbarrier.wait(item_free.index(slot), ((j // 2) & 1) ^ 1)
-        items.index(slot).store(gl.full([1], -1, gl.int32, one))
-        mbarrier.arrive(item_ready.index(slot), count=1)
-
-    @gluon.jit
-    def _dyn_take(items, item_ready, item_free, j):
-        """A consumer's next item from DYN's ring (slot j % 2), released once read."""
-        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        slot = j % 2
-        mbarrier.wait(item_ready.index(slot), (j // 2) & 1)
-        it = gl.max(items.index(slot).load(one), 0)
-        mbarrier.arrive(item_free.index(slot), count=1)
-        return it
-
-    @gluon.jit
-    def _dyn_consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn,
-                      items, item_ready, item_free, sqt, sqh, sot, soh, hq, qk_scale, n_pairs, n_req,
-                      WHICH: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STORE_LSE: gl.constexpr, NFULL: gl.constexpr,
-                      DIAG: gl.constexpr, SKIP: gl.constexpr, QREG: gl.constexpr, QK_FIRST: gl.constexpr):
-        """DYN's consumer: `_consumer` for each item the producer hands over, the chunk count running on (cb)."""
-        cb = 0
-        j = 0
-        it = _dyn_take(items, item_ready, item_free, j)
-        while it >= 0:
-            pair, req, kvh, kv_start, nc = _dyn_item(it, n_pairs, n_req, ql_ptr, kl_ptr, ks_ptr, BLOCK_M // G, BLOCK_N)
-            _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt,
-                      sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc, cb, WHICH, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
-                      STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)
-            cb += nc
-            j += 1
-            it = _dyn_take(items, item_ready, item_free, j)
-
-    @gluon.jit
-    def _prefill_dyn_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, sqt, sqh, sot, soh,
-                            qk_scale, n_pairs, n_req, hkv, ctr_ptr, clr_ptr, G: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr,
-                            STORE_LSE: gl.constexpr, NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr,
-                            QREG: gl.constexpr, QK_FIRST: gl.constexpr, num_warps: gl.constexpr):
-        """DYN (measurement until timed): one CTA per SM, each taking the grid kernel's work items in the grid's order
-        from an atomic counter (`ctr_ptr`, zero at launch), so the next item's K / V load under this item's last chunks
-        and its epilogue; every CTA zeroes `clr_ptr`, the counter the next launch takes (`launch` alternates two)."""
-        gl.store(clr_ptr, 0)
-        hq = hkv * G
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
-        bufs_k = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        bufs_v = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_all = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, D], q_layout)
-        items = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        item_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(item_ready.index(i), count=1)
-            mbarrier.init(item_free.index(i), count=2)
-        n_items = n_pairs * n_req * hkv
-        gl.warp_specialize([
-            (_dyn_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, q_all.index(0), bufs_k, bufs_v, ready,
-                             empty, turn, items, item_ready, item_free, sqt, sqh, sot, soh, hq, qk_scale, n_pairs,
-                             n_req, 0, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG,
-                             QK_FIRST)),
-            (_dyn_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, items, item_ready, item_free, ctr_ptr,
-                             ql_ptr, kl_ptr, ks_ptr, n_pairs, n_req, n_items, G, BLOCK_M, BLOCK_N, D)),
-            (_dyn_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, ks_ptr, q_all.index(1), bufs_k, bufs_v, ready,
-                             empty, turn, items, item_ready, item_free, sqt, sqh, sot, soh, hq, qk_scale, n_pairs,
-                             n_req, 1, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG,
-                             QK_FIRST)),
-        ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
-
-    _prefill_dyn_fast = fast(_prefill_dyn_kernel)
 
 
 _ARCH: dict = {}  # device index -> its architecture (golden.gpu_arch), asked once
@@ -548,34 +429,6 @@ def verify(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, 
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
                                       stages, nfull, diag, skip, qreg, qk_first)
     return _prefill_fast.verify(grid, *args, **kwargs)
-
-
-_DYN_COUNTERS: dict = {}  # device index -> [int32[2] counters, the parity the next DYN launch takes]
-
-
-def launch_dyn(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-               nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, sms=None):
-    """`launch` on DYN's persistent kernel (a measurement until timed: the same per-tile ops, so the same bits): one CTA
-    per SM taking the grid's work items from an atomic counter. The counters alternate between launches on a device
-    (each launch zeroes the other): launches on one stream only, and never inside a CUDA graph capture."""
-    import torch
-
-    grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
-                                      stages, nfull, diag, skip, qreg, qk_first)
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("attention_gluon.launch_dyn: not inside a CUDA graph capture (its counters alternate)")
-    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    slot = _DYN_COUNTERS.get(dev)
-    if slot is None:
-        slot = _DYN_COUNTERS[dev] = [torch.zeros(2, dtype=torch.int32, device=q.device), 0]
-    ctr, par = slot
-    slot[1] = 1 - par
-    n_items = grid[0] * grid[1] * grid[2]
-    if sms is None:
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    _LAUNCHES[0] += 1
-    _prefill_dyn_fast[(min(n_items, sms),)](*args, grid[1], grid[2], ctr[par:], ctr[1 - par:], **kwargs)
-    return out
 
 
 def describe() -> str:
