@@ -14,7 +14,8 @@ on the recipe's GPUs), in RUNS/<recipe>_<arm>. Afterwards, to DIR ($OUT, else be
 per-step mismatch_count, max_abs_diff, contracts_match, step / rollout / score / update / sync times and
 tokens/s per arm, and the ratios strict/native (median over the steps after the first, which include
 compilation and caches); <tag>_curves.png (`vime plot` of both runs); <tag>_<arm>_metrics.jsonl (copied while
-the arm runs, with its output in <tag>_<arm>.log: a call cut short keeps both). Prints
+the arm runs, with its output in <tag>_<arm>.log: a call cut short keeps both); <tag>_kernel_manifests.json (the
+strict arm's compile-ahead manifests, when it recorded any: point trainer.kernel_manifest at one to start warm). Prints
 the summary JSON last. Exit status 1 when the strict arm had any mismatch or a step was not comparable.
 """
 from __future__ import annotations
@@ -138,6 +139,21 @@ def _summary(a: dict) -> dict:
     }
 
 
+def kernel_manifests(arms: dict) -> dict:
+    """Every arm's compile-ahead manifests (trainer.kernel_manifest "auto": the run directory's triton_kernels.json and
+    each strict engine's triton_kernels_<engine>.json), as {arm: {file name: its JSON}}: the kernels a cold machine
+    compiled, brought back in one file (the device tool returns at most 8 files a call) so that a later run can be
+    pointed at them (trainer.kernel_manifest=PATH compiles them ahead, in parallel, before the first step)."""
+    out: dict = {}
+    for arm, a in arms.items():
+        for f in sorted(Path(a["run_dir"]).glob("triton_kernels*.json")):
+            try:
+                out.setdefault(arm, {})[f.name] = json.loads(f.read_text())
+            except (OSError, ValueError) as e:  # a manifest being written as the call ended: say so, keep the rest
+                out.setdefault(arm, {})[f.name] = {"unreadable": f"{type(e).__name__}: {e}"}
+    return out
+
+
 def _report(args, arms: dict, out: Path, tag: str, torch):
     from vime.stamp import code_stamp
 
@@ -166,6 +182,11 @@ def _report(args, arms: dict, out: Path, tag: str, torch):
                 k: data.get(k) for k in ("wall_seconds", "device_kernel_ms", "device_kernels", "launch_calls", "host_waits", "memcpy_calls")}
     if profiles:
         (out / f"{tag}_update_profiles.json").write_text(json.dumps(profiles, indent=1))
+    manifests = kernel_manifests(arms)
+    if manifests:
+        (out / f"{tag}_kernel_manifests.json").write_text(json.dumps(manifests))
+        for arm, files in manifests.items():
+            report["arms"][arm]["kernel_manifests"] = {name: len(m.get("entries", [])) for name, m in files.items()}
     dirs = [a["run_dir"] for a in arms.values() if a["lines"]]
     if dirs:
         p = subprocess.run([sys.executable, "-m", "vime.cli", "plot", *dirs, "--out", str(out / f"{tag}_curves.png")], cwd=ROOT, stdout=subprocess.PIPE,

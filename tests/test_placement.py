@@ -154,3 +154,29 @@ def test_gpu_loop_script_streams_each_arm_to_its_out_dir(tmp_path):
                              capture_output=True, text=True, timeout=300, cwd=root)
         assert bad.returncode != 0 and why in bad.stderr, bad.stderr[-2000:]
         assert not (tmp_path / "bad" / "h200_loop_grpo_tiny_strict.log").exists()  # nothing started
+
+
+def test_gpu_loop_brings_back_each_arms_kernel_manifests_in_one_file(tmp_path):
+    """scripts/gpu_loop.py's kernel_manifests: the compile-ahead manifests a GPU arm's trainer and strict engines
+    record in its run directory (triton_kernels.json, triton_kernels_vllm-0.json) are read back per arm, so that the
+    report's one file carries them off the device machine; a half-written one is named, not fatal; files that are not
+    manifests (a writer's temporary, the metrics) are left out."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_loop
+
+    strict, native = tmp_path / "strict", tmp_path / "native"
+    strict.mkdir()
+    native.mkdir()
+    doc = {"entries": [{"kernel": "k", "key": "a", "seconds": 1.0, "data": {}}, {"kernel": "k", "key": "b", "seconds": None, "data": {}}]}
+    (strict / "triton_kernels.json").write_text(json.dumps(doc))
+    (strict / "triton_kernels_vllm-0.json").write_text("{\"entries\": [")  # cut off mid-write
+    (strict / "triton_kernels.json.tmp123").write_text("{}")
+    (strict / "metrics.jsonl").write_text("{}\n")
+    got = gpu_loop.kernel_manifests({"strict": {"run_dir": str(strict)}, "native": {"run_dir": str(native)}})
+    assert list(got) == ["strict"] and sorted(got["strict"]) == ["triton_kernels.json", "triton_kernels_vllm-0.json"]
+    assert got["strict"]["triton_kernels.json"] == doc
+    assert "unreadable" in got["strict"]["triton_kernels_vllm-0.json"]
