@@ -193,7 +193,8 @@ def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90(variant):
     reductions (max, sum) run on the same layout (NVMMA v3, 4 warps, instr 16 x 64 x 16, which fixes the order), they
     use the same kinds of float ops (maxnumf, never NaN-propagating maximumf; no contracted fma) and the same wgmma
     shapes; the Gluon kernel has its producer warp's register hand-over and TMA loads, and no spills. Also for the
-    schedule knobs (session 33: the query tile from registers, q.k^T issued before p.v), which move no arithmetic. ptxas must not serialize the wgmmas (C7511: session 34's two-chunk q.k^T experiment met it)."""
+    schedule knobs (session 33: the query tile from registers, q.k^T issued before p.v), which move no arithmetic.
+    ptxas must not serialize the wgmmas (C7511: session 34's two-chunk q.k^T experiment met it)."""
     pytest.importorskip("triton.experimental.gluon")
     import sys
     from pathlib import Path

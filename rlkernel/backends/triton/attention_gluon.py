@@ -37,8 +37,8 @@ Host time (small batches wait for the host): `launch` goes through launch.py's f
 key's first call through Triton's own `JITFunction.run` (compiling), later calls the CompiledKernel it returned
 (`verify` checks it is the one Triton's own launch picks; RLKERNEL_TRITON_FAST_LAUNCH=0 or a launch hook takes
 Triton's own path every call) — and the K / V tiles' shared layout is made once (`kv_layout`). Left per call, this
-kernel's own: two TensorDescriptors (without the constructor's checks: gluon_checks.descriptor) and, in Triton's launcher, their two tensor maps encoded on the
-host (the Triton kernel makes its descriptors on the device). Host time per call on the H200 (16 x 256 tokens, after
+kernel's own: two TensorDescriptors (without the constructor's checks: gluon_checks.descriptor) and, in Triton's
+launcher, their two tensor maps encoded on the host (the Triton kernel makes its descriptors on the device). Host time per call on the H200 (16 x 256 tokens, after
 session 28, `gpu_gluon_attn.py` host_us): the library call 113 us (135 as session 28 launched it, a fresh layout and
 Triton's own run every call; 93 on the Triton kernel), `launch` alone 37 us (46 through Triton's own run).
 """
