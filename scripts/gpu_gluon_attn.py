@@ -68,6 +68,9 @@ VARIANTS = {
     # tile in 16-byte stores, 1.08-1.09x, production since; the knobs are at commit 11899d9)
     # (session 35 call 11 ran "nbturn": the consumers' turn as named barriers 4 / 5 by inline bar.sync / bar.arrive, FA3's
     # scheduler barrier — bit-equal, 0.94-0.95x production in A/B rounds; the knob is at commit 13ab284)
+    # (session 36 call 1 ran "wskip": the acc rescale skipped per warp — a vote on the warp's rows' alpha, then the 64
+    # FMULs on a branch the warp takes or skips, by inline PTX — bit-equal, 0.93-0.95x production in A/B rounds on an
+    # H100, 1.01x on the sink case; its code is at commit a7df753)
     # (session 35 call 12 ran "dyn": one CTA per SM taking the grid's work items in the grid's order from an atomic
     # counter, the producer handing each to the consumers through shared memory — bit-equal, 0.98-0.99x in A/B rounds,
     # 0.92x at 4 x 1,024; its code is at commit 3a1ed3f)
