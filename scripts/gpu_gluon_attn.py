@@ -59,7 +59,6 @@ VARIANTS = {
     "stages3": dict(stages=3),
     "mask_every_chunk": dict(nfull=0),
     "skip_rescale": dict(skip=1),
-    "wskip": dict(skip=2),
     "qreg": dict(qreg=1),
     "qk_first": dict(qk_first=1),
     "qreg_qk_first": dict(qreg=1, qk_first=1),

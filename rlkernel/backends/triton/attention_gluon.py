@@ -98,34 +98,12 @@ if _IMPORT_ERROR is None:
         as the bf16 A operand of the p.v wgmma. SKIP: leave acc alone when no row's max moved (every alpha is then
         1.0 exactly, and acc * 1.0 == acc bit for bit), at the cost of a tile-wide test (a cross-warp reduction)."""
         m_new, alpha, l, p = _stats(s, m, l, qk_scale, p_layout)
-        if SKIP == 2:
-            acc = _warp_rescale(acc, gl.convert_layout(alpha, row_o))
-        elif SKIP:
+        if SKIP:
             if gl.max((m_new != m).to(gl.int32), 0) != 0:
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         else:
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         return m_new, l, acc, p
-
-    _N_ACC = 64  # a consumer thread's accumulator values: [64, 128] fp32 over one warpgroup's 128 threads
-    # WSKIP (SKIP=2): the warp-wide vote on a thread's rows' alpha, then acc * alpha on one branch the whole warp takes
-    # or skips (a warp holds 16 whole rows of the wgmma accumulator; acc * 1.0 == acc bit for bit)
-    _VOTE_ASM = gl.constexpr("{ .reg .pred p, q; setp.neu.f32 p, $2, 0f3F800000; setp.neu.or.f32 p, $3, 0f3F800000, p; "
-                 "vote.sync.any.pred q, p, 0xffffffff; selp.s32 $0, 1, 0, q; mov.b32 $1, $0; }")
-    _RESCALE_ASM = gl.constexpr("{ .reg .pred p; setp.eq.s32 p, $" + str(3 * _N_ACC) + ", 0; @p bra.uni skip; "
-                    + " ".join(f"mul.rn.f32 ${i}, ${i}, ${2 * _N_ACC + i};" for i in range(_N_ACC))
-                    + " skip: }")
-    _RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=f"] * _N_ACC + [str(i) for i in range(_N_ACC)] + ["f"] * _N_ACC
-                                                 + ["r"] * _N_ACC))
-    _PACK = gl.constexpr(_N_ACC)
-
-    @gluon.jit
-    def _warp_rescale(acc, alpha_o):
-        """acc * alpha[:, None] where some row of the warp has alpha != 1, else acc untouched: the same bits."""
-        flag = gl.inline_asm_elementwise(_VOTE_ASM, "=r,=r,f,f", [alpha_o], dtype=gl.int32, is_pure=True, pack=2)
-        return gl.inline_asm_elementwise(_RESCALE_ASM, _RESCALE_CONSTRAINTS,
-                                         [acc, alpha_o[:, None], flag[:, None]], dtype=gl.float32, is_pure=True,
-                                         pack=_PACK)
 
     @gluon.jit
     def _stats(s, m, l, qk_scale, p_layout: gl.constexpr):
