@@ -50,6 +50,28 @@ def test_kernel_manifest_is_the_run_directorys_on_gpu_runs_a_named_path_or_off()
         == "/tmp/old/k_vllm-0.json"
 
 
+def test_kernel_manifest_seed_is_the_recipes_file_on_gpu_runs_and_a_missing_one_stops_the_run(tmp_path):
+    """trainer.kernel_manifest_seed: a relative path is the recipes directory's (the GPU recipe ships its seed), an
+    absolute one is taken as given; CPU runs and runs without a manifest get none; a seed that is not there is an
+    error naming the key and the fix (the controller asks before any role starts)."""
+    from vime.config import RECIPES
+    from vime.roles import _kernel_manifest_seed
+
+    cfg = load_config("grpo_qwen3_gpu", ["run.output_dir=/tmp/run_a"])[0]
+    assert cfg.trainer.kernel_manifest_seed == "kernel_manifests/grpo_qwen3_gpu.json.gz"
+    assert _kernel_manifest_seed(cfg) == str(RECIPES / "kernel_manifests" / "grpo_qwen3_gpu.json.gz")
+    assert _kernel_manifest_seed(load_config("grpo_qwen3_gpu", ["resources.gpus=0"])[0]) is None
+    assert _kernel_manifest_seed(load_config("grpo_qwen3_gpu", ["trainer.kernel_manifest=null"])[0]) is None
+    assert _kernel_manifest_seed(load_config("grpo_tiny", ["resources.gpus=1"])[0]) is None  # no seed named
+    mine = tmp_path / "seed.json.gz"
+    mine.write_bytes(b"")
+    assert _kernel_manifest_seed(load_config("grpo_tiny", ["resources.gpus=1", f"trainer.kernel_manifest_seed={mine}"])[0]) \
+        == str(mine)
+    bad = load_config("grpo_qwen3_gpu", ["trainer.kernel_manifest_seed=kernel_manifests/none.json.gz"])[0]
+    with pytest.raises(FileNotFoundError, match=r"trainer\.kernel_manifest_seed=kernel_manifests/none\.json\.gz.*null"):
+        _kernel_manifest_seed(bad)
+
+
 def test_row_segments_reach_both_engines_and_bound_the_tp_size():
     """rlkernel.row_segments is one key for both engines (the roles pass it to the vLLM plugin and to the trainer); a TP
     size that does not divide it is refused at load, naming the key and the fix."""

@@ -316,6 +316,93 @@ def test_start_never_raises_when_compile_ahead_cannot_run(tmp_path):
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = old
 
 
+def _manifest(triton_version, *names) -> dict:
+    return {"format": P.FORMAT, "triton": triton_version,
+            "entries": [{"kernel": f"rlkernel.backends.triton.norm.{n}", "key": f"k_{n}", "seconds": 0.5,
+                         "data": _data(n)} for n in names]}
+
+
+def test_a_seed_is_reproducible_merges_its_role_once_and_is_refused_from_another_triton(tmp_path):
+    """make_seed writes the same bytes for the same manifests; merge_seed adds a role's entries to a run's manifest
+    (created if absent, entries already there kept), a second merge adds none; a seed recorded under another Triton,
+    an unreadable file, a role it lacks: nothing merged and the reason said (a seed only saves compile time)."""
+    tv = triton.__version__
+    seed = tmp_path / "s.json.gz"
+    counts = P.make_seed(seed, {"trainer": _manifest(tv, "t1", "t2"), "engine": _manifest(tv, "e1")}, {"device": "x"})
+    assert counts == {"trainer": 2, "engine": 1}
+    first = seed.read_bytes()
+    P.make_seed(seed, {"trainer": _manifest(tv, "t1", "t2"), "engine": _manifest(tv, "e1")}, {"device": "x"})
+    assert seed.read_bytes() == first and first[:2] == b"\x1f\x8b"  # gzip, no name or time in its header
+    assert P.load_seed(seed)["recorded"] == {"device": "x"}
+    run = tmp_path / "run" / "triton_kernels.json"
+    got = P.merge_seed(run, seed, "trainer")
+    assert (got["entries"], got["new"], got["skipped"]) == (2, 2, None)
+    assert [e["kernel"].rsplit(".", 1)[1] for e in P.load(run)["entries"]] == ["t1", "t2"]
+    assert P.merge_seed(run, seed, "trainer")["new"] == 0
+    eng = tmp_path / "run" / "triton_kernels_vllm-0.json"
+    P.save_entries(eng, {("rlkernel.backends.triton.norm.mine", "k_mine"): _data("mine")})  # recorded by this run
+    assert P.merge_seed(eng, seed, "engine")["new"] == 1
+    assert sorted(e["key"] for e in P.load(eng)["entries"]) == ["k_e1", "k_mine"]
+    old = tmp_path / "old.json.gz"
+    P.make_seed(old, {"trainer": _manifest("0.0.1", "t1")}, {})
+    other = tmp_path / "run2" / "triton_kernels.json"
+    got = P.merge_seed(other, old, "trainer")
+    assert got["new"] == 0 and "Triton 0.0.1" in got["skipped"] and not other.exists()
+    assert "no engine entries" in P.merge_seed(other, old, "engine")["skipped"]
+    junk = tmp_path / "junk.json.gz"
+    junk.write_text("not gzip")
+    assert P.merge_seed(other, junk, "trainer")["skipped"].startswith("unreadable seed") and not other.exists()
+    with pytest.raises(ValueError, match="role"):
+        P.merge_seed(other, seed, "critic")
+    with pytest.raises(ValueError, match="roles"):
+        P.make_seed(tmp_path / "x.json.gz", {"critic": _manifest(tv, "t1")}, {})
+
+
+def test_start_merges_the_seed_first_and_reports_it_in_the_stats(tmp_path):
+    """start(seed=, role=) on a run with no manifest yet: the seed's entries for that role are in the run's manifest
+    before compile-ahead (which cannot run here: no GPU driver, reported, never raised), and the stats say what the
+    seed gave. Without a seed nothing is written and there are no stats."""
+    from triton import knobs
+
+    seed = tmp_path / "s.json.gz"
+    P.make_seed(seed, {"trainer": _manifest(triton.__version__, "t1", "t2")}, {})
+    path = tmp_path / "run" / "triton_kernels.json"
+    old = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    try:
+        logged = []
+        rec, st = P.start(path, workers=1, log=logged.append, seed=seed, role="trainer")
+        rec.uninstall()
+        assert st["seed"]["new"] == 2 and st["preloaded"] == 0 and "driver" in next(iter(st["skipped"])), st
+        assert len(P.load(path)["entries"]) == 2 and "2 of its 2 entries new" in logged[0], logged
+        rec, st = P.start(tmp_path / "none.json", workers=1, log=logged.append)
+        rec.uninstall()
+        assert st is None and not (tmp_path / "none.json").exists()
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = old
+
+
+def test_the_shipped_seed_fits_this_checkout():
+    """The GPU recipe's seed (recipes/kernel_manifests/grpo_qwen3_gpu.json.gz, recorded on an H100): both roles, sm_90,
+    Triton 3.6; every entry names a kernel of this checkout whose parameters are the recorded signature's, and
+    deserialises as the preload does. A kernel renamed or re-parametrised since fails here: re-record the seed
+    (`scripts/gpu_loop.py` on a GPU, then `scripts/make_kernel_seed.py`), else a fresh machine compiles it cold."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    doc = P.load_seed(ROOT / "recipes" / "kernel_manifests" / "grpo_qwen3_gpu.json.gz")
+    assert sorted(doc["roles"]) == ["engine", "trainer"] and doc["recorded"]["recipe"] == "grpo_qwen3_gpu"
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    for role, m in doc["roles"].items():
+        assert m["triton"].startswith("3.6") and len(m["entries"]) >= 40, (role, m["triton"], len(m["entries"]))
+        mine, other = P.for_arch(m["entries"], "sm90")
+        assert not other and len(mine) == len(m["entries"]), other
+        for e in m["entries"]:
+            fn, why = P._resolve(e["kernel"])
+            assert fn is not None, why
+            assert list(json.loads(e["data"])["signature"]) == [p.name for p in fn.params], e["kernel"]
+            P._source(fn, e["data"], backend)  # raises where the recorded constexprs no longer fit
+
+
 _GROUP = """
 import json, sys, time
 import torch.distributed as dist

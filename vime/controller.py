@@ -53,6 +53,9 @@ def train(cfg: VimeConfig, config_dict: dict) -> Path:
 
 
 def _train(cfg: VimeConfig, config_dict: dict) -> Path:
+    from .roles import _kernel_manifest_seed
+
+    _kernel_manifest_seed(cfg)  # a seed named but not there stops the run before the model is built or a role starts
     run_dir = Path(cfg.run.output_dir)
     model_path, prompts, data_report = prepare(cfg, run_dir)
     identity = checkpoint.model_identity(model_path, cfg.model.dtype)

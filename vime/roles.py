@@ -102,6 +102,7 @@ class RolloutRole:
             row_segments=cfg.rlkernel.row_segments,
             enforce_eager=r.enforce_eager if r.enforce_eager is not None else default_enforce_eager(cfg),
             kernel_manifest=_kernel_manifest(cfg, engine_id) if cfg.rlkernel.rollout_engine() == "rlkernel" else None,
+            kernel_manifest_seed=_kernel_manifest_seed(cfg) if cfg.rlkernel.rollout_engine() == "rlkernel" else None,
             compile_workers=cfg.trainer.compile_workers,
         ))
         self.tokenizer = self.engine.tokenizer
@@ -185,6 +186,22 @@ def _kernel_manifest(cfg: VimeConfig, engine_id: str | None = None) -> str | Non
     return str(p if engine_id is None else p.with_name(f"{p.stem}_{engine_id}{p.suffix}"))
 
 
+def _kernel_manifest_seed(cfg: VimeConfig) -> str | None:
+    """trainer.kernel_manifest_seed as an absolute path (a relative one is the recipes directory's), on GPU runs that
+    keep a manifest; None otherwise. A seed that is not there stops the run here, before any role starts."""
+    seed = cfg.trainer.kernel_manifest_seed
+    if not seed or not cfg.trainer.kernel_manifest or not cfg.resources.gpus:
+        return None
+    from .config import RECIPES
+
+    p = Path(seed).expanduser()
+    p = p if p.is_absolute() else RECIPES / p
+    if not p.is_file():
+        raise FileNotFoundError(f"trainer.kernel_manifest_seed={seed}: no file at {p} (make one with "
+                                "scripts/make_kernel_seed.py, or set trainer.kernel_manifest_seed=null)")
+    return str(p)
+
+
 class TrainerRole:
     def __init__(self, cfg: VimeConfig, model_path: str, weights: str | None = None, rank: int = 0, world_size: int = 1,
                  init_method: str | None = None):
@@ -206,6 +223,7 @@ class TrainerRole:
             seed=cfg.run.seed, threads=t.threads, lr=t.lr, grad_clip=t.grad_clip, grpo=grpo,
             rank=rank, world_size=world_size, init_method=init_method, device="cuda" if cfg.resources.gpus else "cpu",
             row_segments=cfg.rlkernel.row_segments, kernel_manifest=_kernel_manifest(cfg), compile_workers=t.compile_workers,
+            kernel_manifest_seed=_kernel_manifest_seed(cfg),
         ))
         self._ipc_keep = None  # the tensors behind the last IPC handles: alive until the engine has copied them
         self.rank = rank

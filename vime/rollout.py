@@ -84,6 +84,7 @@ class RolloutConfig:
     # (rlkernel/backends/triton/precompile.py; TP rank 0 records; at TP > 1 rank 0's workers compile, every rank preloads); None: neither
     kernel_manifest: str | None = None
     compile_workers: int | None = None
+    kernel_manifest_seed: str | None = None  # a shipped seed whose "engine" entries merge into kernel_manifest first
     # further vllm.LLM keyword arguments, applied last (they override ours; recorded in provenance): for experiments such
     # as scripts/bench_rollout.py's runner variants. (("logprobs_mode", "raw_logprobs"),) on the strict engine reports
     # vLLM's log-softmax of the contract's logprobs: not the contract's bits
@@ -217,7 +218,8 @@ class VLLMRollout:
                 additional_config={"rlkernel": {"temperature": c.temperature, "mode": c.mode, "ops": dict(c.ops)}
                                    | ({} if c.row_segments is None else {"row_segments": c.row_segments})
                                    | ({} if not c.kernel_manifest else {"kernel_manifest": c.kernel_manifest,
-                                                                        "compile_workers": c.compile_workers})},
+                                                                        "compile_workers": c.compile_workers,
+                                                                        "kernel_manifest_seed": c.kernel_manifest_seed})},
             )
             if not c.enforce_eager:
                 # whole-step CUDA graphs of decode-only batches, captured from the eager model (no torch.compile):

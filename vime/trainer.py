@@ -103,6 +103,7 @@ class TrainerConfig:
     # at start, compiles ahead from (compile_workers processes; None: the CPU count, at most 16); None: neither
     kernel_manifest: str | None = None
     compile_workers: int | None = None
+    kernel_manifest_seed: str | None = None  # a shipped seed whose "trainer" entries merge into kernel_manifest first
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -272,13 +273,15 @@ class MegatronTrainer:
             "mode": c.mode, "ops": dict(c.ops), "dtype": c.dtype, "contracts": contracts,
             "cpu_kernels": _cpu_kernels_status(c.device),
             "gpu_kernels": _gpu_kernels_status(c.device),
-            "kernel_manifest": c.kernel_manifest, "compile_ahead": getattr(self, "compile_ahead_stats", None),
+            "kernel_manifest": c.kernel_manifest, "kernel_manifest_seed": c.kernel_manifest_seed,
+            "compile_ahead": getattr(self, "compile_ahead_stats", None),
         }
 
     def _compile_ahead(self) -> None:
         """cuda + kernel_manifest: record every rlkernel kernel this trainer compiles (rank 0 writes the manifest after
         each new one); if the manifest exists, compile its entries first and preload them, so the first step's launches
-        find them. In a group, rank 0's worker processes fill the shared disk cache once, then every rank preloads."""
+        find them. In a group, rank 0's worker processes fill the shared disk cache once, then every rank preloads.
+        kernel_manifest_seed: rank 0 first merges that seed's "trainer" entries into the manifest."""
         self.compile_ahead_stats = None
         path = self.config.kernel_manifest
         if not path:
@@ -286,7 +289,8 @@ class MegatronTrainer:
         from rlkernel.backends.triton import precompile
 
         rec, st = precompile.start_group(path, dist.get_rank(), dist.get_world_size(), dist.barrier, workers=self.config.compile_workers,
-                                         log=lambda m: print(m, flush=True))
+                                         log=lambda m: print(m, flush=True), seed=self.config.kernel_manifest_seed,
+                                         role="trainer")
         self._kernel_recorder, self.compile_ahead_stats = rec, st
 
     def close(self) -> None:

@@ -62,7 +62,8 @@ class StrictForCausalLM(StrictDecoder):
 
             world, rank = (1, 0) if self.tp is None else (self.tp.world, self.tp.rank)
             self._kernel_recorder, self.compile_ahead_stats = precompile.start_group(
-                manifest, rank, world, _tp_barrier, workers=settings.get("compile_workers"), log=lambda m: print(m, flush=True))
+                manifest, rank, world, _tp_barrier, workers=settings.get("compile_workers"), log=lambda m: print(m, flush=True),
+                seed=settings.get("kernel_manifest_seed"), role="engine")
         # the engine layout: q/k/v and gate/up one GEMM each over views of one weight, gate/up + SwiGLU, head norm +
         # RoPE and each residual add + norm one op each (one launch on CUDA): the same bits
         self.fuse_projections()

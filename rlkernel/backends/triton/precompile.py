@@ -21,6 +21,12 @@ forward + backward, 114 s of first launches).
   no longer fit (a kernel renamed or with another signature since, another Triton version, another GPU architecture:
   `for_arch`) are skipped and counted with their reason, never fatal: they compile at first launch as before.
 
+- A seed (`make_seed` / `merge_seed`): the manifests of a recorded run, one per role ("trainer", "engine"), in one
+  gzip'd JSON file that ships beside a recipe. `start(..., seed=, role=)` merges the role's entries into the run's
+  manifest before compiling ahead, so a fresh run on a fresh machine starts warm (H100, session 36: the strict loop's
+  first step 68 s cold, 7.7 s ahead). Entries the run's kernels no longer take are skipped as any stale entry is; a
+  seed recorded under another Triton version is not merged (its reason is kept in the stats).
+
 CLI: `python -m rlkernel.backends.triton.precompile MANIFEST [--workers N]` warms this machine's Triton cache from a
 manifest (on a GPU); vime's trainer does it at start from `trainer.kernel_manifest` (default: the run directory's
 `triton_kernels.json`) and records into the same file.
@@ -166,6 +172,64 @@ def save_entries(path: str | os.PathLike, entries: dict) -> int:
     tmp.write_text(json.dumps(doc, indent=0) + "\n")
     os.replace(tmp, p)
     return new
+
+
+SEED_ROLES = ("trainer", "engine")
+
+
+def make_seed(out: str | os.PathLike, manifests: dict, recorded: dict) -> dict:
+    """Write a seed: {role: manifest} (SEED_ROLES; each as `load` reads one) and where they were recorded (device,
+    code, recipe: kept verbatim) into `out` (gzip'd JSON, atomic replace). Returns {role: entry count}."""
+    import gzip
+
+    unknown = sorted(set(manifests) - set(SEED_ROLES))
+    if unknown or not manifests:
+        raise ValueError(f"a seed holds the roles {SEED_ROLES}, got {sorted(manifests)}")
+    for role, m in manifests.items():
+        if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("entries"), list):
+            raise ValueError(f"seed role {role!r}: not an rlkernel kernel manifest of format {FORMAT}")
+    doc = {"format": FORMAT, "kind": "rlkernel kernel manifest seed", "recorded": recorded, "roles": manifests}
+    p = Path(out)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", compresslevel=9, mtime=0) as f:
+        f.write(json.dumps(doc, sort_keys=True).encode())  # no name, no time: the same manifests give the same bytes
+    os.replace(tmp, p)
+    return {role: len(m["entries"]) for role, m in manifests.items()}
+
+
+def load_seed(path: str | os.PathLike) -> dict:
+    """The seed at `path` (`make_seed`'s file): {"format", "kind", "recorded", "roles": {role: manifest}}."""
+    import gzip
+
+    with gzip.open(path, "rt") as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("roles"), dict):
+        raise ValueError(f"{path}: not an rlkernel kernel manifest seed of format {FORMAT}")
+    return doc
+
+
+def merge_seed(path: str | os.PathLike, seed: str | os.PathLike, role: str) -> dict:
+    """Merge the `role` manifest of the seed at `seed` into the manifest at `path` (the run's; created if absent).
+    Returns {"seed", "role", "entries", "new", "skipped"}: `skipped` is None, or why nothing was merged (an unreadable
+    seed, no such role, another Triton version). Never raises for the seed's sake: a seed only saves compile time."""
+    if role not in SEED_ROLES:
+        raise ValueError(f"role must be one of {SEED_ROLES}, got {role!r}")
+    out = {"seed": str(seed), "role": role, "entries": 0, "new": 0, "skipped": None}
+    try:
+        m = load_seed(seed)["roles"].get(role)
+    except (OSError, ValueError, EOFError) as ex:
+        out["skipped"] = f"unreadable seed: {type(ex).__name__}: {str(ex)[:160]}"
+        return out
+    if not m or not m.get("entries"):
+        out["skipped"] = f"the seed has no {role} entries"
+        return out
+    out["entries"] = len(m["entries"])
+    if m.get("triton") != _triton_version():
+        out["skipped"] = f"seed recorded under Triton {m.get('triton')}, this is {_triton_version()}"
+        return out
+    out["new"] = save_entries(path, {(e["kernel"], e["key"]): (e["data"], e.get("seconds")) for e in m["entries"]})
+    return out
 
 
 def plan(entries: list, workers: int) -> list[list[int]]:
@@ -406,13 +470,29 @@ def _failure(ex: Exception) -> str:
     return f"{type(ex).__name__}: {str(ex)[:200]}"
 
 
-def start(path: str | os.PathLike, workers: int | None = None, ahead: bool = True, log=print, autosave: bool = True):
-    """A process's compile-ahead in one call: install a Recorder (merging into `path` after every new compile when
-    `autosave`), and, if `path` exists and `ahead`, compile_ahead from it first. Returns (recorder, compile_ahead's
-    stats or None, without the workers' own reports: what provenance keeps). Never raises for the manifest's sake (a
+def _seeded(path, seed, role: str, log) -> dict | None:
+    """merge_seed for start / start_group (None without a seed), logged; a failure to write is a reason, not a crash."""
+    if not seed:
+        return None
+    try:
+        got = merge_seed(path, seed, role)
+    except Exception as ex:  # noqa: BLE001 -- an optimisation never stops a run
+        got = {"seed": str(seed), "role": role, "entries": 0, "new": 0, "skipped": _failure(ex)}
+    log(f"[rlkernel] kernel manifest seed {seed} ({role}): " + (f"not merged: {got['skipped']}" if got["skipped"] else
+        f"{got['new']} of its {got['entries']} entries new to {path}"))
+    return got
+
+
+def start(path: str | os.PathLike, workers: int | None = None, ahead: bool = True, log=print, autosave: bool = True,
+          seed: str | os.PathLike | None = None, role: str = "trainer"):
+    """A process's compile-ahead in one call: merge the `role` entries of `seed` (a shipped seed: `merge_seed`) into
+    `path`, install a Recorder (merging into `path` after every new compile when `autosave`), and, if `path` exists and
+    `ahead`, compile_ahead from it first. Returns (recorder, compile_ahead's stats or None, without the workers' own
+    reports: what provenance keeps; with the seed's merge under "seed"). Never raises for the manifest's sake (a
     damaged or stale one is reported in the stats)."""
+    seeded = _seeded(path, seed, role, log)
     rec = Recorder(autosave=path if autosave else None).install()
-    stats = None
+    stats = None if seeded is None else {"entries": 0, "preloaded": 0, "seconds": 0.0, "skipped": {}}
     if ahead and Path(path).exists():
         log(f"[rlkernel] compiling Triton kernels ahead from {path} ...")
         try:
@@ -422,18 +502,23 @@ def start(path: str | os.PathLike, workers: int | None = None, ahead: bool = Tru
             stats = {"entries": "?", "preloaded": 0, "seconds": 0.0, "skipped": {_failure(ex): 1}}
         log(f"[rlkernel] compile-ahead: {stats['preloaded']}/{stats['entries']} kernels in {stats['seconds']:.1f} s"
             + (f"; skipped: {stats['skipped']}" if stats["skipped"] else ""))
+    if seeded is not None:
+        stats["seed"] = seeded
     return rec, stats
 
 
-def start_group(path: str | os.PathLike, rank: int, world: int, barrier, workers: int | None = None, log=print):
-    """start() for one of `world` processes sharing a disk cache (a TP / CP trainer group, a TP engine's ranks): rank 0's
-    worker processes compile the manifest once (compile_ahead with preload=False), every rank waits at `barrier()`,
-    then every rank preloads from the disk cache (workers=1), so no other rank spawns compile processes of its own.
-    Rank 0 alone records into the manifest and logs. world == 1: start(path, workers). Every rank calls `barrier()`
-    exactly once whatever happens on rank 0 (never fatal, like start)."""
+def start_group(path: str | os.PathLike, rank: int, world: int, barrier, workers: int | None = None, log=print,
+                seed: str | os.PathLike | None = None, role: str = "trainer"):
+    """start() for one of `world` processes sharing a disk cache (a TP / CP trainer group, a TP engine's ranks): rank 0
+    merges the seed, its worker processes compile the manifest once (compile_ahead with preload=False), every rank
+    waits at `barrier()`, then every rank preloads from the disk cache (workers=1), so no other rank spawns compile
+    processes of its own. Rank 0 alone records into the manifest and logs. world == 1: start(path, workers, seed=,
+    role=). Every rank calls `barrier()` exactly once whatever happens on rank 0 (never fatal, like start)."""
     if world == 1:
-        return start(path, workers=workers, log=log)
-    filled = None
+        return start(path, workers=workers, log=log, seed=seed, role=role)
+    filled = seeded = None
+    if rank == 0:
+        seeded = _seeded(path, seed, role, log)
     if rank == 0 and Path(path).exists():
         try:
             filled = compile_ahead(path, workers=workers, preload=False)
@@ -447,6 +532,8 @@ def start_group(path: str | os.PathLike, rank: int, world: int, barrier, workers
         for reason, n in filled["skipped"].items():
             stats["skipped"][reason] = stats["skipped"].get(reason, 0) + n
         log(f"[rlkernel] compile-ahead of rank 0's {filled['workers']} worker processes: {filled['seconds']:.1f} s")
+    if stats is not None and seeded is not None:
+        stats["seed"] = seeded
     return rec, stats
 
 

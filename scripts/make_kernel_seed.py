@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Make a recipe's kernel manifest seed from a GPU loop's manifests (rlkernel/backends/triton/precompile.py: a seed).
+
+    python3 scripts/make_kernel_seed.py TAG_kernel_manifests.json --report TAG.json --out recipes/kernel_manifests/R.json.gz
+
+TAG_kernel_manifests.json is what scripts/gpu_loop.py brings back ({arm: {file name: manifest}}); the arm (--arm,
+default strict) gives the trainer's manifest (triton_kernels.json) and the engines' (triton_kernels_<engine>.json,
+merged: every engine of a recipe runs the same kernels). TAG.json, the loop's report, says where they were recorded
+(device, code, recipe, overrides), kept in the seed verbatim. A recipe points `trainer.kernel_manifest_seed` at the
+result; a run merges it into its own manifests before the first step (a fresh machine then compiles ahead).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rlkernel.backends.triton import precompile  # noqa: E402
+
+
+def seed_manifests(arm_files: dict) -> dict:
+    """{role: manifest} from one arm's {file name: manifest}: triton_kernels.json is the trainer's, every
+    triton_kernels_<engine>.json an engine's (their entries merged, deduplicated by kernel and Triton's key)."""
+    out: dict = {}
+    for name, m in sorted(arm_files.items()):
+        if "unreadable" in m:
+            raise ValueError(f"{name}: {m['unreadable']} (the loop's call ended while it was written: run it again)")
+        role = "trainer" if name == "triton_kernels.json" else "engine" if name.startswith("triton_kernels_") else None
+        if role is None:
+            raise ValueError(f"{name}: neither the trainer's manifest nor an engine's")
+        have = out.setdefault(role, {"format": m["format"], "triton": m["triton"], "entries": []})
+        if m["triton"] != have["triton"]:
+            raise ValueError(f"{name}: Triton {m['triton']}, the other {role} manifest {have['triton']}")
+        keys = {(e["kernel"], e["key"]) for e in have["entries"]}
+        have["entries"] += [e for e in m["entries"] if (e["kernel"], e["key"]) not in keys]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("manifests", help="scripts/gpu_loop.py's <tag>_kernel_manifests.json")
+    ap.add_argument("--report", required=True, help="the loop's <tag>.json (where the manifests were recorded)")
+    ap.add_argument("--arm", default="strict")
+    ap.add_argument("--out", required=True, help="the seed to write (.json.gz)")
+    args = ap.parse_args(argv)
+    arms = json.loads(Path(args.manifests).read_text())
+    if args.arm not in arms:
+        raise SystemExit(f"{args.manifests}: no arm {args.arm!r} (it has {sorted(arms)})")
+    report = json.loads(Path(args.report).read_text())
+    recorded = {"from": Path(args.manifests).name, "arm": args.arm,
+                **{k: report.get(k) for k in ("recipe", "device", "torch", "code")},
+                "overrides": (report.get("overrides") or {}).get(args.arm)}
+    counts = precompile.make_seed(args.out, seed_manifests(arms[args.arm]), recorded)
+    print(json.dumps({"seed": args.out, "entries": counts, "recorded": recorded}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
