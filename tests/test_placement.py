@@ -156,6 +156,29 @@ def test_gpu_loop_script_streams_each_arm_to_its_out_dir(tmp_path):
         assert not (tmp_path / "bad" / "h200_loop_grpo_tiny_strict.log").exists()  # nothing started
 
 
+def test_gpu_loop_succeeds_when_every_arm_ran_and_a_strict_arm_is_exact():
+    """gpu_loop.verdict: a native arm alone (its mismatches are the point) succeeds by running all its steps (session
+    36's call 8 exited 1 for want of a strict arm); a strict arm with a mismatch, a nonzero |diff|, a step not
+    comparable, a short run, or a failed native arm beside it fails the script."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_loop
+
+    def arm(rc=0, steps=3, comparable=True, mismatch=(0, 0, 0), diff=(0.0, 0.0, 0.0)):
+        return {"rc": rc, "steps": steps, "comparable": comparable, "mismatch_count": list(mismatch),
+                "max_abs_diff": list(diff)}
+
+    native = arm(mismatch=(300, 310, 290), diff=(0.05, 0.06, 0.04))
+    assert gpu_loop.verdict({"native": native}, 3) == (None, True)
+    assert gpu_loop.verdict({"native": arm(steps=2)}, 3) == (None, False)
+    assert gpu_loop.verdict({"strict": arm(), "native": native}, 3) == (True, True)
+    assert gpu_loop.verdict({"strict": arm(), "native": arm(rc=1, steps=1)}, 3) == (True, False)
+    for bad in (arm(mismatch=(0, 1, 0)), arm(diff=(0.0, 1e-7, 0.0)), arm(comparable=False), arm(steps=2), arm(rc=1)):
+        assert gpu_loop.verdict({"strict": bad}, 3) == (False, False)
+
+
 def test_gpu_loop_brings_back_each_arms_kernel_manifests_in_one_file(tmp_path):
     """scripts/gpu_loop.py's kernel_manifests: the compile-ahead manifests a GPU arm's trainer and strict engines
     record in its run directory (triton_kernels.json, triton_kernels_vllm-0.json) are read back per arm, so that the
