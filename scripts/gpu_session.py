@@ -52,8 +52,8 @@ STEPS: dict[str, tuple[int, str]] = {
     "attn_variants": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096,q06_8x4096,"
                            "q8b_4x1024 --variants production,qreg,qk_first,diag_no_softmax && "
                            "python3 scripts/gpu_gluon_attn.py --out {out} --ab 5 --ab-variants qreg,qk_first"),
-    # the segmented 128 x 128 tile with 4-7 stages at o / down (session 33's ncu: its consumers wait on data), and
-    # (session 34) a 128 x 64 tile at o beside 128x128_p: the m64n64 wgmma's rate (the attention's q.k^T)
+    # o / down: the segmented 128 x 128 tile beside its unsegmented twin (sessions 34-35 also timed 5-7 stages and a
+    # 128 x 64 tile here; they lost and left gpu_gluon_gemm's PLAN)
     "gemm_stages": (240, "python3 scripts/gpu_gluon_gemm.py --out {out} --gemms o,down --seg-ms 1024,4096,16384"),
     "ncu_probe": (240, "ncu --clock-control none --profile-from-start off --set full -f -o /tmp/probe "
                        "python3 scripts/gpu_ncu_probe.py && ncu -i /tmp/probe.ncu-rep --page details > {out}/ncu_details.txt "
