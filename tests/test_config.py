@@ -52,8 +52,9 @@ def test_kernel_manifest_is_the_run_directorys_on_gpu_runs_a_named_path_or_off()
 
 def test_kernel_manifest_seed_is_the_recipes_file_on_gpu_runs_and_a_missing_one_stops_the_run(tmp_path):
     """trainer.kernel_manifest_seed: a relative path is the recipes directory's (the GPU recipe ships its seed), an
-    absolute one is taken as given; CPU runs and runs without a manifest get none; a seed that is not there is an
-    error naming the key and the fix (the controller asks before any role starts)."""
+    absolute one is taken as given; CPU runs, runs without a manifest and runs of another mode than the seed's arm get
+    none; a seed that is not there, or not a seed, is an error naming the key and the fix (the controller asks before
+    any role starts)."""
     from vime.config import RECIPES
     from vime.roles import _kernel_manifest_seed
 
@@ -62,11 +63,18 @@ def test_kernel_manifest_seed_is_the_recipes_file_on_gpu_runs_and_a_missing_one_
     assert _kernel_manifest_seed(cfg) == str(RECIPES / "kernel_manifests" / "grpo_qwen3_gpu.json.gz")
     assert _kernel_manifest_seed(load_config("grpo_qwen3_gpu", ["resources.gpus=0"])[0]) is None
     assert _kernel_manifest_seed(load_config("grpo_qwen3_gpu", ["trainer.kernel_manifest=null"])[0]) is None
+    assert _kernel_manifest_seed(load_config("grpo_qwen3_gpu", ["rlkernel.mode=native"])[0]) is None  # a strict seed
     assert _kernel_manifest_seed(load_config("grpo_tiny", ["resources.gpus=1"])[0]) is None  # no seed named
+    from rlkernel.backends.triton.precompile import make_seed
+
     mine = tmp_path / "seed.json.gz"
-    mine.write_bytes(b"")
-    assert _kernel_manifest_seed(load_config("grpo_tiny", ["resources.gpus=1", f"trainer.kernel_manifest_seed={mine}"])[0]) \
-        == str(mine)
+    make_seed(mine, {"trainer": {"format": 1, "triton": "3.6.0", "entries": []}}, {"arm": "native"})
+    native = ["resources.gpus=1", f"trainer.kernel_manifest_seed={mine}", "rlkernel.mode=native"]
+    assert _kernel_manifest_seed(load_config("grpo_tiny", native)[0]) == str(mine)
+    assert _kernel_manifest_seed(load_config("grpo_tiny", native[:2] + ["rlkernel.mode=strict"])[0]) is None
+    mine.write_bytes(b"not a seed")
+    with pytest.raises(ValueError, match="not a kernel manifest seed"):
+        _kernel_manifest_seed(load_config("grpo_tiny", native)[0])
     bad = load_config("grpo_qwen3_gpu", ["trainer.kernel_manifest_seed=kernel_manifests/none.json.gz"])[0]
     with pytest.raises(FileNotFoundError, match=r"trainer\.kernel_manifest_seed=kernel_manifests/none\.json\.gz.*null"):
         _kernel_manifest_seed(bad)

@@ -212,9 +212,10 @@ class TrainerSection:
     kernel_manifest: Optional[str] = "auto"
     # a recorded run's manifests shipped with a recipe (precompile.make_seed: scripts/make_kernel_seed.py), merged into
     # this run's (the trainer's and each strict engine's) before the first step, so that a fresh machine compiles ahead
-    # too. A relative path is the recipes directory's (recipes/kernel_manifests/...). GPU runs with kernel_manifest
-    # only; entries the code no longer takes, or recorded for another GPU architecture or Triton, are skipped and
-    # counted in the provenance. null: none
+    # too. A relative path is the recipes directory's (recipes/kernel_manifests/...). GPU runs with kernel_manifest in
+    # the mode the seed was recorded in (a strict arm's seed is not merged into a native run); entries the code no
+    # longer takes, or recorded for another GPU architecture or Triton, are skipped and counted in the provenance.
+    # null: none
     kernel_manifest_seed: Optional[str] = None
     compile_workers: Optional[int] = None  # compile-ahead's processes (null: the CPU count, at most 16)
 

@@ -188,7 +188,8 @@ def _kernel_manifest(cfg: VimeConfig, engine_id: str | None = None) -> str | Non
 
 def _kernel_manifest_seed(cfg: VimeConfig) -> str | None:
     """trainer.kernel_manifest_seed as an absolute path (a relative one is the recipes directory's), on GPU runs that
-    keep a manifest; None otherwise. A seed that is not there stops the run here, before any role starts."""
+    keep a manifest and run the mode the seed was recorded in (a strict arm's kernels are not a native run's); None
+    otherwise. A seed that is not there, or not a seed, stops the run here, before any role starts."""
     seed = cfg.trainer.kernel_manifest_seed
     if not seed or not cfg.trainer.kernel_manifest or not cfg.resources.gpus:
         return None
@@ -199,7 +200,14 @@ def _kernel_manifest_seed(cfg: VimeConfig) -> str | None:
     if not p.is_file():
         raise FileNotFoundError(f"trainer.kernel_manifest_seed={seed}: no file at {p} (make one with "
                                 "scripts/make_kernel_seed.py, or set trainer.kernel_manifest_seed=null)")
-    return str(p)
+    from rlkernel.backends.triton.precompile import load_seed
+
+    try:
+        arm = load_seed(p)["recorded"].get("arm")
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"trainer.kernel_manifest_seed={seed}: {p} is not a kernel manifest seed ({e}); make one with "
+                         "scripts/make_kernel_seed.py, or set trainer.kernel_manifest_seed=null") from e
+    return None if arm not in (None, cfg.rlkernel.mode) else str(p)
 
 
 class TrainerRole:
