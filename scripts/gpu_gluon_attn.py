@@ -59,6 +59,9 @@ VARIANTS = {
     "stages3": dict(stages=3),
     "mask_every_chunk": dict(nfull=0),
     "skip_rescale": dict(skip=1),
+    "three": dict(cons=3),
+    "diag_three_nofold": dict(cons=3, diag=3),
+    "diag_nofold": dict(diag=3),
     "qreg": dict(qreg=1),
     "qk_first": dict(qk_first=1),
     "qreg_qk_first": dict(qreg=1, qk_first=1),
@@ -84,10 +87,10 @@ def compile_sm90(variant, G=4, d=128):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST), **VARIANTS[variant]}
+    kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST, cons=2), **VARIANTS[variant]}
     const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
                  NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], QREG=kw["qreg"], QK_FIRST=kw["qk_first"],
-                 num_warps=4)
+                 NCONS=kw["cons"], num_warps=4)
     desc = f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>"  # the descriptors' layout, as the library makes it
     sig = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
            "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32", "sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32",
@@ -218,6 +221,13 @@ def packed_inputs(B: int, L: int, hq: int = 32, hkv: int = 8, d: int = 128):
     return q, k, v, cu, tuple(x.view(B, L, -1, d).transpose(1, 2) for x in (q, k, v))
 
 
+def _sha(t) -> str:
+    """The first 16 hex digits of a tensor's bytes' SHA-1 (bit patterns)."""
+    import hashlib
+
+    return hashlib.sha1(t.contiguous().view(-1).view(dtype=__import__("torch").uint8).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
 def ab_run(n: int, out: Path, variants=()) -> int:
     """Is the Gluon kernel's gain larger than the spread of timing one kernel twice? Both kernels and SDPA in turn,
     n rounds, twice: on a rested card and after ~10 s of cuBLAS GEMMs (the strict harness times attention after its
@@ -240,7 +250,9 @@ def ab_run(n: int, out: Path, variants=()) -> int:
     if variants:
         ref = _triton_kernel(lambda: A.attention_varlen(q, k, v, cu, max_seqlen=L))
         res_bits = {var: bool(torch.equal(fns[var](), ref)) for var in variants}
-    res = {"device": torch.cuda.get_device_name(), "rounds": n, "phases": {}, "variants_equal_triton": res_bits}
+        res_sha = {var: _sha(fns[var]()) for var in ["library_gluon", *variants]}  # variants equal to each other
+    res = {"device": torch.cuda.get_device_name(), "rounds": n, "phases": {}, "variants_equal_triton": res_bits,
+           "variants_sha": res_sha if variants else {}}
     for phase in ("rested", "after_gemm_load"):
         if phase == "after_gemm_load":
             a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -398,6 +410,7 @@ def main(argv=None) -> int:
                     rec["rows_differ"] = int((diff.amax(dim=(1, 2)) > 0).sum())
                     rec["max_abs_diff"] = float(diff.max())
                 rec["run_to_run_equal"] = bool(torch.equal(y, gluon_varlen(q, k, v, cu, L, name)))
+                rec["out_sha"] = _sha(y)  # measurement variants of other bits compared with each other
                 if timed:
                     t = bench(lambda: gluon_varlen(q, k, v, cu, L, name))
                     rec["ms"], rec["tflops"] = round(t, 4), round(flops / t / 1e9, 1)

@@ -64,6 +64,7 @@ QK_FIRST = 0  # chunk c's q.k^T issued before chunk c - 1's p.v (`_consumer`; 0 
 STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's spread of each other; 2 stages 0.6x)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
+CONSUMER3_REGS = 168  # three consumers (cons=3, measurement): 13 warps share the register file
 _LOG2E = 1.4426950408889634
 
 try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API is young, so any failure is a reason
@@ -80,6 +81,7 @@ except Exception as e:  # noqa: BLE001
 if _IMPORT_ERROR is None:
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
+    _CONSUMER3_REGS = gl.constexpr(CONSUMER3_REGS)
 
     @gluon.jit
     def _merge(M, L, O, m, l, o, row_o: gl.constexpr):
@@ -126,11 +128,11 @@ if _IMPORT_ERROR is None:
         return s
 
     @gluon.jit
-    def _chunks(pair, q_len, kv_len, TOK: gl.constexpr, BLOCK_N: gl.constexpr):
-        """The chunks a CTA's pair of query tiles walks: its last live tile's (0 for a pair past the request)."""
+    def _chunks(pair, q_len, kv_len, TOK: gl.constexpr, BLOCK_N: gl.constexpr, NCONS: gl.constexpr = 2):
+        """The chunks a CTA's NCONS query tiles walk: its last live tile's (0 for a group past the request)."""
         nc = 0
-        if pair * 2 * TOK < q_len:  # the CTA's last live tile sees the most chunks
-            t_last = gl.minimum(pair * 2 + 1, (q_len - 1) // TOK)
+        if pair * NCONS * TOK < q_len:  # the CTA's last live tile sees the most chunks
+            t_last = gl.minimum(pair * NCONS + (NCONS - 1), (q_len - 1) // TOK)
             nc = (kv_len - q_len + gl.minimum(t_last * TOK + TOK, q_len) - 1) // BLOCK_N + 1
         return nc
 
@@ -139,11 +141,13 @@ if _IMPORT_ERROR is None:
                   sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, WHICH: gl.constexpr, G: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
                   STORE_LSE: gl.constexpr, NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr,
-                  QREG: gl.constexpr, QK_FIRST: gl.constexpr):
-        """One query tile (consumer WHICH of the CTA's two), ping-ponged with the other (module docstring).
+                  QREG: gl.constexpr, QK_FIRST: gl.constexpr, NCONS: gl.constexpr = 2):
+        """One query tile (consumer WHICH of the CTA's NCONS), ping-ponged with the other (module docstring).
+        NCONS 3 (measurement): three consumers take turns in a ring (WHICH waits on turn WHICH, hands it to the next).
         NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
         SKIP: `_softmax`'s rescale skip where no row's max moved (0 in production until timed; the same bits).
-        DIAG (measurement only, other bits; never set by the library): 1 skips the softmax, 2 skips q.k^T.
+        DIAG (measurement only, other bits; never set by the library): 1 skips the softmax, 2 skips q.k^T, 3 the
+        segment folds (no (M, L, O) held: what the registers would allow with O kept elsewhere).
         QREG: q.k^T takes the query tile from registers (loaded once from shared memory) instead of shared memory: the
         wgmma then reads only K from shared memory (q.k^T's 64-column chain reads 2 KB of Q and 2 KB of K a k-step).
         QK_FIRST: a turn issues chunk c's q.k^T before chunk c - 1's p.v and waits for q.k^T alone, so chunk c's row
@@ -161,7 +165,9 @@ if _IMPORT_ERROR is None:
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         TOK: gl.constexpr = BLOCK_M // G
         S: gl.constexpr = bufs_k.type.shape[0]
-        tok0 = (pair * 2 + WHICH) * TOK
+        tok0 = (pair * NCONS + WHICH) * TOK
+        FIRST: gl.constexpr = 1 if WHICH == 0 else 0  # consumer 0 opens: a fresh barrier passes parity 1
+        NEXT: gl.constexpr = (WHICH + 1) % NCONS
         q_len = gl.load(ql_ptr + req)
         q_start = gl.load(qs_ptr + req)
         kv_len = gl.load(kl_ptr + req)
@@ -193,9 +199,9 @@ if _IMPORT_ERROR is None:
             acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
             # chunk 0: q.k^T in the first turn (consumer 0 first: a fresh barrier passes parity 1)
             mbarrier.wait(ready.index(0), 0)
-            mbarrier.wait(turn.index(WHICH), 1 - WHICH)
+            mbarrier.wait(turn.index(WHICH), FIRST)
             s_tok = warpgroup_mma(qa, bufs_k.index(0).permute((1, 0)), zero_s, is_async=True)
-            mbarrier.arrive(turn.index(1 - WHICH), count=1)
+            mbarrier.arrive(turn.index(NEXT), count=1)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             s = gl.where(kcol[None, :] <= qpos[:, None], s, float("-inf"))
             m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
@@ -203,11 +209,11 @@ if _IMPORT_ERROR is None:
                 st = c % S
                 sp = (c - 1) % S
                 mbarrier.wait(ready.index(st), (c // S) & 1)
-                mbarrier.wait(turn.index(WHICH), (c & 1) ^ (1 - WHICH))
+                mbarrier.wait(turn.index(WHICH), (c & 1) ^ FIRST)
                 if QK_FIRST:
                     s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
                     acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
-                    mbarrier.arrive(turn.index(1 - WHICH), count=1)
+                    mbarrier.arrive(turn.index(NEXT), count=1)
                     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
                     s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
                     if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: its stats start afresh
@@ -233,19 +239,20 @@ if _IMPORT_ERROR is None:
                 else:
                     acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
                     if DIAG == 2:
-                        mbarrier.arrive(turn.index(1 - WHICH), count=1)
+                        mbarrier.arrive(turn.index(NEXT), count=1)
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
                         s = zero_s + c
                     else:
                         s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
-                        mbarrier.arrive(turn.index(1 - WHICH), count=1)
+                        mbarrier.arrive(turn.index(NEXT), count=1)
                         acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
                     mbarrier.arrive(empty.index(sp), count=1)
-                    if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: fold the finished one (its last p.v is in acc)
-                        M, L, O = _merge(M, L, O, m, l, acc, row_o)
-                        m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-                        l = gl.zeros([BLOCK_M], gl.float32, row_s)
-                        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+                    if DIAG != 3:  # (DIAG 3, measurement only, other bits: one segment, no (M, L, O) held)
+                        if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: fold the finished one (its last p.v is in acc)
+                            M, L, O = _merge(M, L, O, m, l, acc, row_o)
+                            m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+                            l = gl.zeros([BLOCK_M], gl.float32, row_s)
+                            acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
                     if DIAG == 1:
                         p = gl.convert_layout(s.to(gl.bfloat16), p_layout)
                     else:
@@ -281,7 +288,7 @@ if _IMPORT_ERROR is None:
                         n_pairs, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, NFULL: gl.constexpr,
                         DIAG: gl.constexpr, SKIP: gl.constexpr, QREG: gl.constexpr, QK_FIRST: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        NCONS: gl.constexpr, num_warps: gl.constexpr):
         """Grid (pairs of query tiles, the pair holding the latest tokens first; requests; kv heads)."""
         TOK: gl.constexpr = BLOCK_M // G
         pair = n_pairs - 1 - gl.program_id(0)
@@ -290,29 +297,43 @@ if _IMPORT_ERROR is None:
         q_len = gl.load(ql_ptr + req)
         kv_len = gl.load(kl_ptr + req)
         kv_start = gl.load(ks_ptr + req)
-        nc_cta = _chunks(pair, q_len, kv_len, TOK, BLOCK_N)
+        nc_cta = _chunks(pair, q_len, kv_len, TOK, BLOCK_N, NCONS)
         hq = gl.num_programs(2) * G
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
         bufs_k = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         bufs_v = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_all = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, D], q_layout)
+        q_all = gl.allocate_shared_memory(gl.bfloat16, [NCONS, BLOCK_M, D], q_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [NCONS, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
-        gl.warp_specialize([
-            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,
-                         sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,
-                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
-            (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
-            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty, turn,
-                         sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
-                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
-        ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
+            mbarrier.init(empty.index(i), count=NCONS)
+        for i in gl.static_range(NCONS):
+            mbarrier.init(turn.index(i), count=1)
+        if NCONS == 3:
+            gl.warp_specialize([
+                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty,
+                             turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,
+                             SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, NCONS)),
+                (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
+                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty,
+                             turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
+                             SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, NCONS)),
+                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), bufs_k, bufs_v, ready, empty,
+                             turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 2, G, BLOCK_M, BLOCK_N, D,
+                             SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, NCONS)),
+            ], [1, 4, 4], [_PRODUCER_REGS, _CONSUMER3_REGS, _CONSUMER3_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty,
+                             turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,
+                             SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, NCONS)),
+                (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
+                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty,
+                             turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
+                             SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, NCONS)),
+            ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
 
     _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
 
@@ -396,27 +417,27 @@ def kv_layout(block_n: int, d: int):
 
 
 def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag,
-                 skip, qreg, qk_first):
+                 skip, qreg, qk_first, cons=2):
     """(grid, positional args, keyword args) of one `_prefill_kernel` launch: what `launch` runs and `verify` checks."""
     rows, hkv, d = k.shape
     lay = kv_layout(cfg.block_n, d)
     shape, strides, block = [rows, hkv * d], [skt, 1], [cfg.block_n, d]
-    n_pairs = -(-n_tiles // 2)
+    n_pairs = -(-n_tiles // cons)
     args = (q, out, lse if lse is not None else out, descriptor(k, shape, strides, block, lay),
             descriptor(v, shape, strides, block, lay), q_start, q_len, kv_len, kv_start, q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs)
     kwargs = dict(G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
                   SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull,
-                  DIAG=diag, SKIP=skip, QREG=qreg, QK_FIRST=qk_first, num_warps=4, enable_fp_fusion=False)
+                  DIAG=diag, SKIP=skip, QREG=qreg, QK_FIRST=qk_first, NCONS=cons, num_warps=4, enable_fp_fusion=False)
     return (n_pairs, q_len.shape[0], hkv), args, kwargs
 
 
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST):
+           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, cons=2):
     """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None), through
     launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time)."""
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
-                                      stages, nfull, diag, skip, qreg, qk_first)
+                                      stages, nfull, diag, skip, qreg, qk_first, cons)
     _LAUNCHES[0] += 1
     _prefill_fast[grid](*args, **kwargs)
     return out
