@@ -59,8 +59,11 @@ VARIANTS = {
     "stages3": dict(stages=3),
     "mask_every_chunk": dict(nfull=0),
     "skip_rescale": dict(skip=1),
-    "three": dict(cons=3),
-    "diag_three_nofold": dict(cons=3, diag=3),
+    # session 36: three consumer warpgroups (`_prefill3_kernel`): with O in registers (spills), with O in per-SM global
+    # slots (OWS), and without the segment folds (other bits; beside diag_nofold, the same two-consumer measurement)
+    "three": dict(cons=3, ows=0),
+    "three_ows": dict(cons=3, ows=1),
+    "diag_three_nofold": dict(cons=3, diag=3, ows=0),
     "diag_nofold": dict(diag=3),
     "qreg": dict(qreg=1),
     "qk_first": dict(qk_first=1),
@@ -87,14 +90,22 @@ def compile_sm90(variant, G=4, d=128):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST, cons=2), **VARIANTS[variant]}
+    kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST, cons=2, ows=1),
+          **VARIANTS[variant]}
+    desc = f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>"  # the descriptors' layout, as the library makes it
+    ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
+            "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32"}
+    ints = {"sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32", "qk_scale": "fp32"}
+    if kw["cons"] == 3:  # `_prefill3_kernel` (three consumers)
+        const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
+                     NFULL=kw["nfull"], DIAG=kw["diag"], OWS=kw["ows"], num_warps=4)
+        sig = {**ptrs, "ws_ptr": "*fp32", **ints, "n_groups": "i32", **{k: "constexpr" for k in const}}
+        src = GluonASTSource(AG._prefill3_kernel, sig, constexprs=const)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
     const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
                  NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], QREG=kw["qreg"], QK_FIRST=kw["qk_first"],
-                 NCONS=kw["cons"], num_warps=4)
-    desc = f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>"  # the descriptors' layout, as the library makes it
-    sig = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
-           "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32", "sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32",
-           "qk_scale": "fp32", "n_pairs": "i32", **{k: "constexpr" for k in const}}
+                 num_warps=4)
+    sig = {**ptrs, **ints, "n_pairs": "i32", **{k: "constexpr" for k in const}}
     src = GluonASTSource(AG._prefill_kernel, sig, constexprs=const)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
 

@@ -54,6 +54,13 @@ STEPS: dict[str, tuple[int, str]] = {
                            "python3 scripts/gpu_gluon_attn.py --out {out} --ab 5 --ab-variants qreg,qk_first"),
     # o / down: the segmented 128 x 128 tile beside its unsegmented twin (sessions 34-35 also timed 5-7 stages and a
     # 128 x 64 tile here; they lost and left gpu_gluon_gemm's PLAN)
+    # session 36: three consumer warpgroups (`attention_gluon._prefill3_kernel`). Call 18 ran `three` (O in registers:
+    # bit-equal, spills, 0.96-1.00x) and `diag_three_nofold` (no segment folds, other bits: 1.15-1.16x production).
+    # three_ows keeps O in per-SM global slots (built after the call: compiles for sm_90 with ~700 B of scalar spills);
+    # its bits against the Triton kernel first, then the A/B
+    "attn_three": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096 --variants "
+                        "production,three,three_ows,diag_three_nofold && python3 scripts/gpu_gluon_attn.py --out {out} "
+                        "--ab 5 --ab-variants three_ows,diag_three_nofold,diag_nofold"),
     "gemm_stages": (240, "python3 scripts/gpu_gluon_gemm.py --out {out} --gemms o,down --seg-ms 1024,4096,16384"),
     "ncu_probe": (240, "ncu --clock-control none --profile-from-start off --set full -f -o /tmp/probe "
                        "python3 scripts/gpu_ncu_probe.py && ncu -i /tmp/probe.ncu-rep --page details > {out}/ncu_details.txt "

@@ -128,6 +128,17 @@ if _IMPORT_ERROR is None:
         return s
 
     @gluon.jit
+    def _o_slot(ws_ptr, ld_layout: gl.constexpr, NCONS: gl.constexpr, WHICH: gl.constexpr, BLOCK_M: gl.constexpr,
+                D: gl.constexpr):
+        """`_prefill3_kernel`'s O: this consumer's [BLOCK_M, D] fp32 tile in this SM's slot of ws_ptr, in the query
+        load's blocked layout (16-byte accesses). %smid is read where it is used (not pure: not hoisted), and the
+        indices are made here, so nothing of the addresses is live across the chunk loop."""
+        slot = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+        return ws_ptr + (slot * NCONS + WHICH).to(gl.int64) * (BLOCK_M * D) + (r[:, None] * D + d[None, :])
+
+    @gluon.jit
     def _chunks(pair, q_len, kv_len, TOK: gl.constexpr, BLOCK_N: gl.constexpr, NCONS: gl.constexpr = 2):
         """The chunks a CTA's NCONS query tiles walk: its last live tile's (0 for a group past the request)."""
         nc = 0
@@ -141,7 +152,8 @@ if _IMPORT_ERROR is None:
                   sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, WHICH: gl.constexpr, G: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
                   STORE_LSE: gl.constexpr, NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr,
-                  QREG: gl.constexpr, QK_FIRST: gl.constexpr, NCONS: gl.constexpr = 2):
+                  QREG: gl.constexpr, QK_FIRST: gl.constexpr, NCONS: gl.constexpr = 2, ws_ptr=None,
+                  OWS: gl.constexpr = 0):
         """One query tile (consumer WHICH of the CTA's NCONS), ping-ponged with the other (module docstring).
         NCONS 3 (measurement): three consumers take turns in a ring (WHICH waits on turn WHICH, hands it to the next).
         NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
@@ -236,6 +248,32 @@ if _IMPORT_ERROR is None:
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     m = m_c
                     l = l_c
+                elif OWS:  # `_prefill3_kernel`'s O in memory: a segment's first chunk folds before its q.k^T is issued,
+                    # so that S is not live beside acc and O (the same ops in the same order)
+                    acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
+                    if (c % SEG_CHUNKS) == 0:
+                        mbarrier.arrive(turn.index(NEXT), count=1)
+                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+                        mbarrier.arrive(empty.index(sp), count=1)
+                        o_ws = _o_slot(ws_ptr, ld_layout, NCONS, WHICH, BLOCK_M, D)
+                        if c > SEG_CHUNKS:  # the first fold finds O = 0, as the registers' version does
+                            O = gl.convert_layout(gl.load(o_ws), o_layout)
+                        else:
+                            O = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+                        M, L, O = _merge(M, L, O, m, l, acc, row_o)
+                        gl.store(o_ws, gl.convert_layout(O, ld_layout))
+                        m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+                        l = gl.zeros([BLOCK_M], gl.float32, row_s)
+                        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+                        s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
+                        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+                    else:
+                        s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
+                        mbarrier.arrive(turn.index(NEXT), count=1)
+                        acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
+                        mbarrier.arrive(empty.index(sp), count=1)
+                    s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
+                    m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
                 else:
                     acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
                     if DIAG == 2:
@@ -261,6 +299,11 @@ if _IMPORT_ERROR is None:
             sl = (nc_cta - 1) % S
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(empty.index(sl), count=1)
+            if OWS:
+                if nc_cta > SEG_CHUNKS:  # a fold ran (at chunk SEG_CHUNKS): O is in the slot
+                    O = gl.convert_layout(gl.load(_o_slot(ws_ptr, ld_layout, NCONS, WHICH, BLOCK_M, D)), o_layout)
+                else:
+                    O = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
             M, L, O = _merge(M, L, O, m, l, acc, row_o)
             out = gl.div_rn(O, gl.convert_layout(L, row_o)[:, None])
             gl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :],
@@ -288,7 +331,7 @@ if _IMPORT_ERROR is None:
                         n_pairs, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, NFULL: gl.constexpr,
                         DIAG: gl.constexpr, SKIP: gl.constexpr, QREG: gl.constexpr, QK_FIRST: gl.constexpr,
-                        NCONS: gl.constexpr, num_warps: gl.constexpr):
+                        num_warps: gl.constexpr):
         """Grid (pairs of query tiles, the pair holding the latest tokens first; requests; kv heads)."""
         TOK: gl.constexpr = BLOCK_M // G
         pair = n_pairs - 1 - gl.program_id(0)
@@ -297,45 +340,81 @@ if _IMPORT_ERROR is None:
         q_len = gl.load(ql_ptr + req)
         kv_len = gl.load(kl_ptr + req)
         kv_start = gl.load(ks_ptr + req)
-        nc_cta = _chunks(pair, q_len, kv_len, TOK, BLOCK_N, NCONS)
+        nc_cta = _chunks(pair, q_len, kv_len, TOK, BLOCK_N)
         hq = gl.num_programs(2) * G
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
         bufs_k = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         bufs_v = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_all = gl.allocate_shared_memory(gl.bfloat16, [NCONS, BLOCK_M, D], q_layout)
+        q_all = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, D], q_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [NCONS, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=NCONS)
-        for i in gl.static_range(NCONS):
+            mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        gl.warp_specialize([
+            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,
+                         sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
+            (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty, turn,
+                         sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
+        ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
+
+    @gluon.jit
+    def _prefill3_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, ws_ptr, sqt, sqh, sot,
+                         soh, qk_scale, n_groups, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
+                         NFULL: gl.constexpr, DIAG: gl.constexpr, OWS: gl.constexpr, num_warps: gl.constexpr):
+        """Measurement (session 36; not the library's): `_prefill_kernel` with three consumers in a turn ring, three
+        adjacent query tiles a CTA. OWS: each consumer keeps its finished segments' O (fp32, touched once per
+        SEG_CHUNKS chunks) in global memory, ws_ptr's slot of this CTA's SM (%smid: one CTA per SM at this kernel's
+        shared memory), instead of 64 registers a thread; the same values, so the same bits."""
+        TOK: gl.constexpr = BLOCK_M // G
+        grp = n_groups - 1 - gl.program_id(0)
+        req = gl.program_id(1)
+        kvh = gl.program_id(2)
+        q_len = gl.load(ql_ptr + req)
+        kv_len = gl.load(kl_ptr + req)
+        kv_start = gl.load(ks_ptr + req)
+        nc_cta = _chunks(grp, q_len, kv_len, TOK, BLOCK_N, 3)
+        hq = gl.num_programs(2) * G
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
+        bufs_k = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        bufs_v = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_all = gl.allocate_shared_memory(gl.bfloat16, [3, BLOCK_M, D], q_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=3)
+        for i in gl.static_range(3):
             mbarrier.init(turn.index(i), count=1)
-        if NCONS == 3:
-            gl.warp_specialize([
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty,
-                             turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,
-                             SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, NCONS)),
-                (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty,
-                             turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
-                             SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, NCONS)),
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), bufs_k, bufs_v, ready, empty,
-                             turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 2, G, BLOCK_M, BLOCK_N, D,
-                             SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, NCONS)),
-            ], [1, 4, 4], [_PRODUCER_REGS, _CONSUMER3_REGS, _CONSUMER3_REGS])
-        else:
-            gl.warp_specialize([
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty,
-                             turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,
-                             SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, NCONS)),
-                (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty,
-                             turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
-                             SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST, NCONS)),
-            ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
+        gl.warp_specialize([
+            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,
+                         sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, OWS)),
+            (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty, turn,
+                         sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, OWS)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), bufs_k, bufs_v, ready, empty, turn,
+                         sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 2, G, BLOCK_M, BLOCK_N, D,
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, OWS)),
+        ], [1, 4, 4], [_PRODUCER_REGS, _CONSUMER3_REGS, _CONSUMER3_REGS])
 
     _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
+
+    @triton.jit
+    def _nsmid_kernel(out_ptr):
+        """%nsmid, the SM identifiers' bound (`_slots`)."""
+        import triton.language as tl
+        n = tl.inline_asm_elementwise("mov.u32 $0, %nsmid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+        tl.store(out_ptr, n)
 
 
 _ARCH: dict = {}  # device index -> its architecture (golden.gpu_arch), asked once
@@ -417,30 +496,66 @@ def kv_layout(block_n: int, d: int):
 
 
 def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag,
-                 skip, qreg, qk_first, cons=2):
+                 skip, qreg, qk_first):
     """(grid, positional args, keyword args) of one `_prefill_kernel` launch: what `launch` runs and `verify` checks."""
     rows, hkv, d = k.shape
     lay = kv_layout(cfg.block_n, d)
     shape, strides, block = [rows, hkv * d], [skt, 1], [cfg.block_n, d]
-    n_pairs = -(-n_tiles // cons)
+    n_pairs = -(-n_tiles // 2)
     args = (q, out, lse if lse is not None else out, descriptor(k, shape, strides, block, lay),
             descriptor(v, shape, strides, block, lay), q_start, q_len, kv_len, kv_start, q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs)
     kwargs = dict(G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
                   SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull,
-                  DIAG=diag, SKIP=skip, QREG=qreg, QK_FIRST=qk_first, NCONS=cons, num_warps=4, enable_fp_fusion=False)
+                  DIAG=diag, SKIP=skip, QREG=qreg, QK_FIRST=qk_first, num_warps=4, enable_fp_fusion=False)
     return (n_pairs, q_len.shape[0], hkv), args, kwargs
 
 
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, cons=2):
+           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, cons=2, ows=1):
     """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None), through
-    launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time)."""
+    launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time).
+    cons=3 (measurement, scripts/gpu_gluon_attn.py): `_prefill3_kernel`, O in global slots when `ows`."""
+    if cons == 3:
+        return _launch3(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull,
+                        diag, ows)
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
-                                      stages, nfull, diag, skip, qreg, qk_first, cons)
+                                      stages, nfull, diag, skip, qreg, qk_first)
     _LAUNCHES[0] += 1
     _prefill_fast[grid](*args, **kwargs)
     return out
+
+
+def _launch3(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag, ows):
+    """`_prefill3_kernel` (three consumers; measurement) through Triton's own launch."""
+    rows, hkv, d = k.shape
+    lay = kv_layout(cfg.block_n, d)
+    shape, strides, block = [rows, hkv * d], [skt, 1], [cfg.block_n, d]
+    n_groups = -(-n_tiles // 3)
+    ws = _slots(q.device, cfg.block_m, d) if ows else out
+    _prefill3_kernel[(n_groups, q_len.shape[0], hkv)](
+        q, out, lse if lse is not None else out, descriptor(k, shape, strides, block, lay),
+        descriptor(v, shape, strides, block, lay), q_start, q_len, kv_len, kv_start, ws, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), float(scale) * _LOG2E, n_groups, G=q.shape[1] // hkv, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, D=d, SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None,
+        NFULL=nfull, DIAG=diag, OWS=ows, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+_SLOTS: dict = {}  # (device index, block_m, d) -> `_prefill3_kernel`'s O slots, fp32 [%nsmid, 3, block_m, d]
+
+
+def _slots(device, block_m: int, d: int):
+    """The O slots of `_prefill3_kernel` on `device`: one per SM identifier (%nsmid, read on the device once: SM
+    identifiers need not be contiguous), three consumers each."""
+    import torch
+
+    key = (device.index, block_m, d)
+    if key not in _SLOTS:
+        n = torch.zeros(1, dtype=torch.int32, device=device)
+        _nsmid_kernel[(1,)](n)
+        _SLOTS[key] = torch.empty(int(n.item()) * 3 * block_m * d, dtype=torch.float32, device=device)
+    return _SLOTS[key]
 
 
 def verify(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
