@@ -95,6 +95,24 @@ if _IMPORT_ERROR is None:
         return M_new, L, O
 
     @gluon.jit
+    def _merge_ws(M, L, m, l, o, o_ws, have_o, row_o: gl.constexpr, ld_layout: gl.constexpr):
+        """`_merge` with O in memory (`_prefill3_kernel`'s OWS): the same ops, O's in the blocked layout of `o_ws`
+        (read only when `have_o`, else the zero it starts as). o * b is made in the accumulator's registers and
+        converted, so O is never beside acc. Returns (M, L, O in ld_layout)."""
+        M_new = gl.maximum(M, m)
+        Ms = gl.where(M_new == float("-inf"), 0.0, M_new)
+        a = gl.where(M_new == M, 1.0, gl.exp2(M - Ms))
+        b = gl.where(M_new == m, 1.0, gl.exp2(m - Ms))
+        L = gl.fma(L, a, l * b)
+        t = gl.convert_layout(o * gl.convert_layout(b, row_o)[:, None], ld_layout)
+        a_ld = gl.convert_layout(a, gl.SliceLayout(1, ld_layout))
+        if have_o:
+            O = gl.load(o_ws)
+        else:
+            O = gl.zeros(t.shape, gl.float32, ld_layout)
+        return M_new, L, gl.fma(O, a_ld[:, None], t)
+
+    @gluon.jit
     def _softmax(s, m, l, acc, qk_scale, row_o: gl.constexpr, p_layout: gl.constexpr, SKIP: gl.constexpr):
         """attention._chunk between its two dots (s already masked): the new row max, alpha, p, l, acc * alpha, and p
         as the bf16 A operand of the p.v wgmma. SKIP: leave acc alone when no row's max moved (every alpha is then
@@ -256,12 +274,9 @@ if _IMPORT_ERROR is None:
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
                         mbarrier.arrive(empty.index(sp), count=1)
                         o_ws = _o_slot(ws_ptr, ld_layout, NCONS, WHICH, BLOCK_M, D)
-                        if c > SEG_CHUNKS:  # the first fold finds O = 0, as the registers' version does
-                            O = gl.convert_layout(gl.load(o_ws), o_layout)
-                        else:
-                            O = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-                        M, L, O = _merge(M, L, O, m, l, acc, row_o)
-                        gl.store(o_ws, gl.convert_layout(O, ld_layout))
+                        # the first fold (c == SEG_CHUNKS) finds O = 0, as the registers' version does
+                        M, L, O_ld = _merge_ws(M, L, m, l, acc, o_ws, c > SEG_CHUNKS, row_o, ld_layout)
+                        gl.store(o_ws, O_ld)
                         m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
                         l = gl.zeros([BLOCK_M], gl.float32, row_s)
                         acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
@@ -299,15 +314,24 @@ if _IMPORT_ERROR is None:
             sl = (nc_cta - 1) % S
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(empty.index(sl), count=1)
-            if OWS:
-                if nc_cta > SEG_CHUNKS:  # a fold ran (at chunk SEG_CHUNKS): O is in the slot
-                    O = gl.convert_layout(gl.load(_o_slot(ws_ptr, ld_layout, NCONS, WHICH, BLOCK_M, D)), o_layout)
-                else:
-                    O = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-            M, L, O = _merge(M, L, O, m, l, acc, row_o)
-            out = gl.div_rn(O, gl.convert_layout(L, row_o)[:, None])
-            gl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :],
-                     gl.convert_layout(out.to(o_ptr.dtype.element_ty), ld_layout), mask=row_ok[:, None])
+            if OWS:  # a fold ran (at chunk SEG_CHUNKS) iff nc_cta > SEG_CHUNKS: then O is in the slot
+                M, L, O_ld = _merge_ws(M, L, m, l, acc, _o_slot(ws_ptr, ld_layout, NCONS, WHICH, BLOCK_M, D),
+                                       nc_cta > SEG_CHUNKS, row_o, ld_layout)
+                out = gl.div_rn(O_ld, gl.convert_layout(L, gl.SliceLayout(1, ld_layout))[:, None])
+                # the output's addresses made afresh (an opaque zero: not the ones of the query load, which would then
+                # live across the chunk loop)
+                z = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+                r2 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout)) + z
+                d2 = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+                tok2 = tok0 + r2 // G
+                qrow2 = (q_start + gl.minimum(tok2, q_len - 1)).to(gl.int64)
+                gl.store(o_ptr + qrow2[:, None] * sot + (kvh * G + r2 % G)[:, None] * soh + d2[None, :],
+                         out.to(o_ptr.dtype.element_ty), mask=((tok2 < q_len) & (r2 < TOK * G))[:, None])
+            else:
+                M, L, O = _merge(M, L, O, m, l, acc, row_o)
+                out = gl.div_rn(O, gl.convert_layout(L, row_o)[:, None])
+                gl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :],
+                         gl.convert_layout(out.to(o_ptr.dtype.element_ty), ld_layout), mask=row_ok[:, None])
             if STORE_LSE:  # attention._store_lse, from the final (M, L), in the score layout's rows
                 tok_s = tok0 + rs // G
                 ok_s = (tok_s < q_len) & (rs < TOK * G)
