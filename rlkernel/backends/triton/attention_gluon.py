@@ -84,13 +84,18 @@ if _IMPORT_ERROR is None:
     _CONSUMER3_REGS = gl.constexpr(CONSUMER3_REGS)
 
     @gluon.jit
-    def _merge(M, L, O, m, l, o, row_o: gl.constexpr):
-        """attention._merge: (M, L, O) <- (M, L, O) (+) (m, l, o), the same ops in the same order."""
+    def _merge_stats(M, L, m, l):
+        """attention._merge's row part: the merged max and sum, and the scales a (of O) and b (of o)."""
         M_new = gl.maximum(M, m)
         Ms = gl.where(M_new == float("-inf"), 0.0, M_new)
         a = gl.where(M_new == M, 1.0, gl.exp2(M - Ms))
         b = gl.where(M_new == m, 1.0, gl.exp2(m - Ms))
-        L = gl.fma(L, a, l * b)
+        return M_new, gl.fma(L, a, l * b), a, b
+
+    @gluon.jit
+    def _merge(M, L, O, m, l, o, row_o: gl.constexpr):
+        """attention._merge: (M, L, O) <- (M, L, O) (+) (m, l, o), the same ops in the same order."""
+        M_new, L, a, b = _merge_stats(M, L, m, l)
         O = gl.fma(O, gl.convert_layout(a, row_o)[:, None], o * gl.convert_layout(b, row_o)[:, None])
         return M_new, L, O
 
@@ -99,11 +104,7 @@ if _IMPORT_ERROR is None:
         """`_merge` with O in memory (`_prefill3_kernel`'s OWS): the same ops, O's in the blocked layout of `o_ws`
         (read only when `have_o`, else the zero it starts as). o * b is made in the accumulator's registers and
         converted, so O is never beside acc. Returns (M, L, O in ld_layout)."""
-        M_new = gl.maximum(M, m)
-        Ms = gl.where(M_new == float("-inf"), 0.0, M_new)
-        a = gl.where(M_new == M, 1.0, gl.exp2(M - Ms))
-        b = gl.where(M_new == m, 1.0, gl.exp2(m - Ms))
-        L = gl.fma(L, a, l * b)
+        M_new, L, a, b = _merge_stats(M, L, m, l)
         t = gl.convert_layout(o * gl.convert_layout(b, row_o)[:, None], ld_layout)
         a_ld = gl.convert_layout(a, gl.SliceLayout(1, ld_layout))
         if have_o:
@@ -134,6 +135,14 @@ if _IMPORT_ERROR is None:
         p32 = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
         l = l * alpha + gl.sum(p32, 1)
         return m_new, alpha, l, gl.convert_layout(p32.to(gl.bfloat16), p_layout)
+
+    @gluon.jit
+    def _qk_turn(qa, k_tile, zero_s, next_turn, acc_tok):
+        """The turn's second half: issue chunk c's q.k^T behind the running p.v (acc_tok), hand the turn on, wait for
+        both: (acc, s)."""
+        s_tok = warpgroup_mma(qa, k_tile.permute((1, 0)), zero_s, is_async=True)
+        mbarrier.arrive(next_turn, count=1)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
 
     @gluon.jit
     def _mask(s, c, n_full, kcol, qpos, BLOCK_N: gl.constexpr, NFULL: gl.constexpr):
@@ -283,9 +292,7 @@ if _IMPORT_ERROR is None:
                         s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
                         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
                     else:
-                        s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
-                        mbarrier.arrive(turn.index(NEXT), count=1)
-                        acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
+                        acc, s = _qk_turn(qa, bufs_k.index(st), zero_s, turn.index(NEXT), acc_tok)
                         mbarrier.arrive(empty.index(sp), count=1)
                     s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
                     m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
@@ -296,9 +303,7 @@ if _IMPORT_ERROR is None:
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
                         s = zero_s + c
                     else:
-                        s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
-                        mbarrier.arrive(turn.index(NEXT), count=1)
-                        acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
+                        acc, s = _qk_turn(qa, bufs_k.index(st), zero_s, turn.index(NEXT), acc_tok)
                     mbarrier.arrive(empty.index(sp), count=1)
                     if DIAG != 3:  # (DIAG 3, measurement only, other bits: one segment, no (M, L, O) held)
                         if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: fold the finished one (its last p.v is in acc)
@@ -513,16 +518,21 @@ def kv_layout(block_n: int, d: int):
     return lay
 
 
-def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag,
-                 skip, qreg, qk_first):
-    """(grid, positional args, keyword args) of one `_prefill_kernel` launch: what `launch` runs and `verify` checks."""
+def _kv_descriptors(k, v, cfg, skt) -> tuple:
+    """The K and V TensorDescriptors of a launch: [rows, hkv * d] with row stride skt, [block_n, d] tiles."""
     rows, hkv, d = k.shape
     lay = kv_layout(cfg.block_n, d)
     shape, strides, block = [rows, hkv * d], [skt, 1], [cfg.block_n, d]
+    return descriptor(k, shape, strides, block, lay), descriptor(v, shape, strides, block, lay)
+
+
+def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag,
+                 skip, qreg, qk_first):
+    """(grid, positional args, keyword args) of one `_prefill_kernel` launch: what `launch` runs and `verify` checks."""
+    hkv, d = k.shape[1:]
     n_pairs = -(-n_tiles // 2)
-    args = (q, out, lse if lse is not None else out, descriptor(k, shape, strides, block, lay),
-            descriptor(v, shape, strides, block, lay), q_start, q_len, kv_len, kv_start, q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs)
+    args = (q, out, lse if lse is not None else out, *_kv_descriptors(k, v, cfg, skt), q_start, q_len, kv_len, kv_start,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * _LOG2E, n_pairs)
     kwargs = dict(G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
                   SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull,
                   DIAG=diag, SKIP=skip, QREG=qreg, QK_FIRST=qk_first, num_warps=4, enable_fp_fusion=False)
@@ -546,15 +556,13 @@ def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, 
 
 def _launch3(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag, ows):
     """`_prefill3_kernel` (three consumers; measurement) through Triton's own launch."""
-    rows, hkv, d = k.shape
-    lay = kv_layout(cfg.block_n, d)
-    shape, strides, block = [rows, hkv * d], [skt, 1], [cfg.block_n, d]
+    hkv, d = k.shape[1:]
     n_groups = -(-n_tiles // 3)
     ws = _slots(q.device, cfg.block_m, d) if ows else out
     _prefill3_kernel[(n_groups, q_len.shape[0], hkv)](
-        q, out, lse if lse is not None else out, descriptor(k, shape, strides, block, lay),
-        descriptor(v, shape, strides, block, lay), q_start, q_len, kv_len, kv_start, ws, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), float(scale) * _LOG2E, n_groups, G=q.shape[1] // hkv, BLOCK_M=cfg.block_m,
+        q, out, lse if lse is not None else out, *_kv_descriptors(k, v, cfg, skt), q_start, q_len, kv_len, kv_start, ws,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * _LOG2E, n_groups, G=q.shape[1] // hkv,
+        BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, D=d, SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None,
         NFULL=nfull, DIAG=diag, OWS=ows, num_warps=4, enable_fp_fusion=False)
     return out
