@@ -59,8 +59,8 @@ VARIANTS = {
     "stages3": dict(stages=3),
     "mask_every_chunk": dict(nfull=0),
     "skip_rescale": dict(skip=1),
-    # session 36: three consumer warpgroups (`_prefill3_kernel`): with O in registers (spills), with O in per-SM global
-    # slots (OWS), and without the segment folds (other bits; beside diag_nofold, the same two-consumer measurement)
+    # session 36: three consumer warpgroups (`_prefill3_kernel`): with O in registers (spills), with O in global slots
+    # held by a lock (OWS; session 37: not indexed by %smid, which PTX lets change under a running thread), and without the segment folds (other bits; beside diag_nofold, the same two-consumer measurement)
     "three": dict(cons=3, ows=0),
     "three_ows": dict(cons=3, ows=1),
     "diag_three_nofold": dict(cons=3, diag=3, ows=0),
@@ -99,7 +99,7 @@ def compile_sm90(variant, G=4, d=128):
     if kw["cons"] == 3:  # `_prefill3_kernel` (three consumers)
         const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
                      NFULL=kw["nfull"], DIAG=kw["diag"], OWS=kw["ows"], num_warps=4)
-        sig = {**ptrs, "ws_ptr": "*fp32", **ints, "n_groups": "i32", **{k: "constexpr" for k in const}}
+        sig = {**ptrs, "ws_ptr": "*fp32", "lk_ptr": "*i32", "n_slots": "i32", **ints, "n_groups": "i32", **{k: "constexpr" for k in const}}
         src = GluonASTSource(AG._prefill3_kernel, sig, constexprs=const)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
     const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
@@ -422,6 +422,8 @@ def main(argv=None) -> int:
                     rec["max_abs_diff"] = float(diff.max())
                 rec["run_to_run_equal"] = bool(torch.equal(y, gluon_varlen(q, k, v, cu, L, name)))
                 rec["out_sha"] = _sha(y)  # measurement variants of other bits compared with each other
+                if VARIANTS[name].get("cons") == 3 and VARIANTS[name].get("ows", 1):  # every O slot released again
+                    rec["slots_held_after"] = int(AG._slots(q.device, 64, d)[1].count_nonzero())
                 if timed:
                     t = bench(lambda: gluon_varlen(q, k, v, cu, L, name))
                     rec["ms"], rec["tflops"] = round(t, 4), round(flops / t / 1e9, 1)

@@ -56,8 +56,8 @@ STEPS: dict[str, tuple[int, str]] = {
     # 128 x 64 tile here; they lost and left gpu_gluon_gemm's PLAN)
     # session 36: three consumer warpgroups (`attention_gluon._prefill3_kernel`). Call 18 ran `three` (O in registers:
     # bit-equal, spills, 0.96-1.00x) and `diag_three_nofold` (no segment folds, other bits: 1.15-1.16x production).
-    # three_ows keeps O in per-SM global slots (built after the call: compiles for sm_90 with 184 B of spills, none in
-    # the steady chunk);
+    # three_ows keeps O in global slots (built after the call; session 37: a slot is held by a lock, %smid only the
+    # claim's hint; compiles for sm_90 with 120 B of spill stores, none in the steady chunk; slots_held_after must be 0);
     # its bits against the Triton kernel first, then the A/B
     "attn_three": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096 --variants "
                         "production,three,three_ows,diag_three_nofold && python3 scripts/gpu_gluon_attn.py --out {out} "

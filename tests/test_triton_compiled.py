@@ -232,6 +232,43 @@ def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90(variant):
     assert a_ops == ({"{"} if "qreg" in variant else {"%"}), a_ops
 
 
+def test_three_consumer_prefill_holds_its_o_slots_by_lock_for_sm90():
+    """The three-consumer prefill (`_prefill3_kernel` with O in global slots: a measurement until a GPU times it,
+    H200_NOTES) compiled for sm_90: the Triton kernel's arithmetic as above, and each of its three consumers takes an
+    O slot by one acquire compare-and-swap and gives it back by one release exchange. %smid is read once a consumer,
+    as the claim's hint: PTX lets %smid change under a running thread (after a preemption), so a slot indexed by it —
+    session 36's first version, which read %smid at every fold — could be shared by two CTAs. Its twin with O in
+    registers (`three`) takes no slot."""
+    pytest.importorskip("triton.experimental.gluon")
+    import sys
+    from pathlib import Path
+
+    from rlkernel.backends.triton import attention as A
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_gluon_attn as GA
+
+    const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=8, PAGED=False, SPLIT=False, PAGE=16, IEEE=False,
+                 STORE_LSE=True, NESTED=False, TMA=True)
+    triton_ir = _compile(A._attn_fwd, {a: _ATTN_TYPES.get(a, "i32") for a in _ATTN_ARGS}, const, asm="ttgir",
+                         enable_fp_fusion=False)
+    try:
+        ows, regs = GA.compile_sm90("three_ows"), GA.compile_sm90("three")
+    except Exception as e:  # noqa: BLE001 -- as _compile
+        if "ptxas" in str(e) or "CUDA" in str(e):
+            pytest.skip(f"this Triton cannot compile for sm_90 here: {str(e)[:200]}")
+        raise
+    assert _reduce_layouts(ows.asm["ttgir"]) == _reduce_layouts(triton_ir)
+    assert _float_ops(ows.asm["ttgir"]) == _float_ops(triton_ir), _float_ops(ows.asm["ttgir"]) ^ _float_ops(triton_ir)
+    facts = GA.ptx_facts(ows)
+    assert facts["wgmma_shapes"] == ["m64n128k16", "m64n64k16"] and "C7511" not in facts["ptxas"], facts
+    ptx = ows.asm["ptx"]
+    assert len(re.findall(r"atom\.global\.acquire\.gpu\.cas\.b32", ptx)) == 3, "one slot claimed a consumer"
+    assert len(re.findall(r"atom\.global\.gpu\.release\.exch\.b32", ptx)) == 3, "one slot given back a consumer"
+    assert len(re.findall(r"%smid", ptx)) == 3, "%smid read once a consumer (the claim's hint)"
+    assert not re.search(r"atom\.|%smid", regs.asm["ptx"])
+
+
 def test_gluon_prefill_layout_is_made_once_and_is_tritons_default():
     """attention_gluon.kv_layout keeps Triton's default shared layout per (block_n, d) instead of asking for it every
     launch: equal to a fresh `get_default_for` (so the descriptors' specialization string, and with it the compiled

@@ -155,15 +155,30 @@ if _IMPORT_ERROR is None:
         return s
 
     @gluon.jit
-    def _o_slot(ws_ptr, ld_layout: gl.constexpr, NCONS: gl.constexpr, WHICH: gl.constexpr, BLOCK_M: gl.constexpr,
-                D: gl.constexpr):
-        """`_prefill3_kernel`'s O: this consumer's [BLOCK_M, D] fp32 tile in this SM's slot of ws_ptr, in the query
-        load's blocked layout (16-byte accesses). %smid is read where it is used (not pure: not hoisted), and the
-        indices are made here, so nothing of the addresses is live across the chunk loop."""
-        slot = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    def _o_slot(ws_ptr, slot, ld_layout: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
+        """`_prefill3_kernel`'s O: slot `slot`'s [BLOCK_M, D] fp32 tile of ws_ptr, in the query load's blocked layout
+        (16-byte accesses). The indices are made here, so nothing of the addresses is live across the chunk loop."""
         r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
         d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-        return ws_ptr + (slot * NCONS + WHICH).to(gl.int64) * (BLOCK_M * D) + (r[:, None] * D + d[None, :])
+        return ws_ptr + slot.to(gl.int64) * (BLOCK_M * D) + (r[:, None] * D + d[None, :])
+
+    @gluon.jit
+    def _claim(lk_ptr, n_slots, WHICH: gl.constexpr, NCONS: gl.constexpr):
+        """An O slot for this consumer, held until `_release`: the first free one from this SM's (%smid is only the
+        hint: PTX lets it change under a running thread after a preemption, so it never names the slot itself). One
+        thread's compare-and-swap, its result shared with the warpgroup. A slot is always free: n_slots = NCONS x
+        %nsmid, one CTA per SM at this kernel's shared memory."""
+        hint = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        i = (hint * NCONS + WHICH) % n_slots
+        while gl.atomic_cas(lk_ptr + i, 0, 1, sem="acquire", scope="gpu") != 0:
+            i = (i + 1) % n_slots
+        return i
+
+    @gluon.jit
+    def _release(lk_ptr, slot):
+        """`_claim`'s slot free again, once every thread of the warpgroup has read it for the last time."""
+        gl.thread_barrier()
+        gl.atomic_xchg(lk_ptr + slot, 0, sem="release", scope="gpu")
 
     @gluon.jit
     def _chunks(pair, q_len, kv_len, TOK: gl.constexpr, BLOCK_N: gl.constexpr, NCONS: gl.constexpr = 2):
@@ -180,7 +195,7 @@ if _IMPORT_ERROR is None:
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
                   STORE_LSE: gl.constexpr, NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr,
                   QREG: gl.constexpr, QK_FIRST: gl.constexpr, NCONS: gl.constexpr = 2, ws_ptr=None,
-                  OWS: gl.constexpr = 0):
+                  lk_ptr=None, n_slots=0, OWS: gl.constexpr = 0):
         """One query tile (consumer WHICH of the CTA's NCONS), ping-ponged with the other (module docstring).
         NCONS 3 (measurement): three consumers take turns in a ring (WHICH waits on turn WHICH, hands it to the next).
         NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
@@ -236,6 +251,10 @@ if _IMPORT_ERROR is None:
             m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
             l = gl.zeros([BLOCK_M], gl.float32, row_s)
             acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+            slot = 0
+            if OWS:  # a tile that folds a segment (more than SEG_CHUNKS chunks) holds an O slot while it runs
+                if nc_cta > SEG_CHUNKS:
+                    slot = _claim(lk_ptr, n_slots, WHICH, NCONS)
             # chunk 0: q.k^T in the first turn (consumer 0 first: a fresh barrier passes parity 1)
             mbarrier.wait(ready.index(0), 0)
             mbarrier.wait(turn.index(WHICH), FIRST)
@@ -282,7 +301,7 @@ if _IMPORT_ERROR is None:
                         mbarrier.arrive(turn.index(NEXT), count=1)
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
                         mbarrier.arrive(empty.index(sp), count=1)
-                        o_ws = _o_slot(ws_ptr, ld_layout, NCONS, WHICH, BLOCK_M, D)
+                        o_ws = _o_slot(ws_ptr, slot, ld_layout, BLOCK_M, D)
                         # the first fold (c == SEG_CHUNKS) finds O = 0, as the registers' version does
                         M, L, O_ld = _merge_ws(M, L, m, l, acc, o_ws, c > SEG_CHUNKS, row_o, ld_layout)
                         gl.store(o_ws, O_ld)
@@ -320,8 +339,10 @@ if _IMPORT_ERROR is None:
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(empty.index(sl), count=1)
             if OWS:  # a fold ran (at chunk SEG_CHUNKS) iff nc_cta > SEG_CHUNKS: then O is in the slot
-                M, L, O_ld = _merge_ws(M, L, m, l, acc, _o_slot(ws_ptr, ld_layout, NCONS, WHICH, BLOCK_M, D),
+                M, L, O_ld = _merge_ws(M, L, m, l, acc, _o_slot(ws_ptr, slot, ld_layout, BLOCK_M, D),
                                        nc_cta > SEG_CHUNKS, row_o, ld_layout)
+                if nc_cta > SEG_CHUNKS:
+                    _release(lk_ptr, slot)
                 out = gl.div_rn(O_ld, gl.convert_layout(L, gl.SliceLayout(1, ld_layout))[:, None])
                 # the output's addresses made afresh (an opaque zero: not the ones of the query load, which would then
                 # live across the chunk loop)
@@ -407,27 +428,27 @@ if _IMPORT_ERROR is None:
         ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
 
     @gluon.jit
-    def _prefill3_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, ws_ptr, sqt, sqh, sot,
-                         soh, qk_scale, n_groups, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _prefill3_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, ws_ptr, lk_ptr, n_slots,
+                         sqt, sqh, sot, soh, qk_scale, n_groups, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
                          NFULL: gl.constexpr, DIAG: gl.constexpr, OWS: gl.constexpr, num_warps: gl.constexpr):
         """Measurement (session 36; not the library's): `_prefill_kernel` with three consumers in a turn ring, three
         adjacent query tiles a CTA. OWS: each consumer keeps its finished segments' O (fp32, touched once per
-        SEG_CHUNKS chunks) in global memory, ws_ptr's slot of this CTA's SM (%smid: one CTA per SM at this kernel's
-        shared memory), instead of 64 registers a thread; the same values, so the same bits."""
+        SEG_CHUNKS chunks) in global memory instead of 64 registers a thread: a slot of ws_ptr that it holds while it
+        runs (`_claim`: a lock per slot in lk_ptr, n_slots of them); the same values, so the same bits."""
         grp, req, kvh, kv_start, nc_cta, hq = _cta(n_groups, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N, 3)
         bufs_k, bufs_v, q_all, ready, empty, turn = _shared(k_desc, v_desc, STAGES, 3, BLOCK_M, D)
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,
                          sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,
-                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, OWS)),
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
             (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty, turn,
                          sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
-                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, OWS)),
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
             (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), bufs_k, bufs_v, ready, empty, turn,
                          sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 2, G, BLOCK_M, BLOCK_N, D,
-                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, OWS)),
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
         ], [1, 4, 4], [_PRODUCER_REGS, _CONSUMER3_REGS, _CONSUMER3_REGS])
 
     _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
@@ -558,29 +579,32 @@ def _launch3(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg
     """`_prefill3_kernel` (three consumers; measurement) through Triton's own launch."""
     hkv, d = k.shape[1:]
     n_groups = -(-n_tiles // 3)
-    ws = _slots(q.device, cfg.block_m, d) if ows else out
+    ws, locks = _slots(q.device, cfg.block_m, d) if ows else (out, q_len)
     _prefill3_kernel[(n_groups, q_len.shape[0], hkv)](
         q, out, lse if lse is not None else out, *_kv_descriptors(k, v, cfg, skt), q_start, q_len, kv_len, kv_start, ws,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * _LOG2E, n_groups, G=q.shape[1] // hkv,
+        locks, locks.numel(), q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * _LOG2E, n_groups, G=q.shape[1] // hkv,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, D=d, SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None,
         NFULL=nfull, DIAG=diag, OWS=ows, num_warps=4, enable_fp_fusion=False)
     return out
 
 
-_SLOTS: dict = {}  # (device index, block_m, d) -> `_prefill3_kernel`'s O slots, fp32 [%nsmid, 3, block_m, d]
+_SLOTS: dict = {}  # (device index, block_m, d) -> `_prefill3_kernel`'s O slots and their locks
 
 
 def _slots(device, block_m: int, d: int):
-    """The O slots of `_prefill3_kernel` on `device`: one per SM identifier (%nsmid, read on the device once: SM
-    identifiers need not be contiguous), three consumers each."""
+    """The O slots of `_prefill3_kernel` on `device` and their locks (int32, 0 = free; a kernel's consumers leave
+    them all 0): three per SM identifier (%nsmid, read on the device once: SM identifiers need not be contiguous),
+    fp32 [3 x %nsmid, block_m, d]."""
     import torch
 
     key = (device.index, block_m, d)
     if key not in _SLOTS:
         n = torch.zeros(1, dtype=torch.int32, device=device)
         _nsmid_kernel[(1,)](n)
-        _SLOTS[key] = torch.empty(int(n.item()) * 3 * block_m * d, dtype=torch.float32, device=device)
+        slots = 3 * int(n.item())
+        _SLOTS[key] = (torch.empty(slots * block_m * d, dtype=torch.float32, device=device),
+                       torch.zeros(slots, dtype=torch.int32, device=device))
     return _SLOTS[key]
 
 
