@@ -60,7 +60,8 @@ VARIANTS = {
     "mask_every_chunk": dict(nfull=0),
     "skip_rescale": dict(skip=1),
     # session 36: three consumer warpgroups (`_prefill3_kernel`): with O in registers (spills), with O in global slots
-    # held by a lock (OWS; session 37: not indexed by %smid, which PTX lets change under a running thread), and without the segment folds (other bits; beside diag_nofold, the same two-consumer measurement)
+    # held by a lock (OWS; session 37: not indexed by %smid, which PTX lets change under a running thread), and
+    # without the segment folds (other bits; beside diag_nofold, the same two-consumer measurement)
     "three": dict(cons=3, ows=0),
     "three_ows": dict(cons=3, ows=1),
     "diag_three_nofold": dict(cons=3, diag=3, ows=0),
