@@ -64,6 +64,9 @@ VARIANTS = {
     # without the segment folds (other bits; beside diag_nofold, the same two-consumer measurement)
     "three": dict(cons=3, ows=0),
     "three_ows": dict(cons=3, ows=1),
+    # session 37: the producer as the default partition (4 warps), each consumer a worker of 160 registers (three_ows:
+    # 152 / 168 / 168); sm_90 here: 144 B of spill stores, all on the fold's path (152: 228 B; 168: C7512, 1,464 B)
+    "three_ows_pdef160": dict(cons=3, ows=1, pdef=160),
     "diag_three_nofold": dict(cons=3, diag=3, ows=0),
     "diag_nofold": dict(diag=3),
     "qreg": dict(qreg=1),
@@ -99,7 +102,7 @@ def compile_sm90(variant, G=4, d=128):
     ints = {"sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32", "qk_scale": "fp32"}
     if kw["cons"] == 3:  # `_prefill3_kernel` (three consumers)
         const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
-                     NFULL=kw["nfull"], DIAG=kw["diag"], OWS=kw["ows"], num_warps=4)
+                     NFULL=kw["nfull"], DIAG=kw["diag"], OWS=kw["ows"], PDEF=kw.get("pdef", 0), num_warps=4)
         sig = {**ptrs, "ws_ptr": "*fp32", "lk_ptr": "*i32", "n_slots": "i32", **ints, "n_groups": "i32", **{k: "constexpr" for k in const}}
         src = GluonASTSource(AG._prefill3_kernel, sig, constexprs=const)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})

@@ -57,11 +57,12 @@ STEPS: dict[str, tuple[int, str]] = {
     # session 36: three consumer warpgroups (`attention_gluon._prefill3_kernel`). Call 18 ran `three` (O in registers:
     # bit-equal, spills, 0.96-1.00x) and `diag_three_nofold` (no segment folds, other bits: 1.15-1.16x production).
     # three_ows keeps O in global slots (built after the call; session 37: a slot is held by a lock, %smid only the
-    # claim's hint; compiles for sm_90 with 120 B of spill stores, none in the steady chunk; slots_held_after must be 0);
-    # its bits against the Triton kernel first, then the A/B
+    # claim's hint; compiles for sm_90 with 120 B of spill stores, none in the steady chunk; slots_held_after must be
+    # 0); three_ows_pdef160: the producer as the default partition, 160 registers a consumer. Their bits against the
+    # Triton kernel first, then the A/B
     "attn_three": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096 --variants "
-                        "production,three,three_ows,diag_three_nofold && python3 scripts/gpu_gluon_attn.py --out {out} "
-                        "--ab 5 --ab-variants three_ows,diag_three_nofold,diag_nofold"),
+                        "production,three_ows,three_ows_pdef160,diag_three_nofold && python3 scripts/gpu_gluon_attn.py "
+                        "--out {out} --ab 5 --ab-variants three_ows,three_ows_pdef160,diag_three_nofold,diag_nofold"),
     "gemm_stages": (240, "python3 scripts/gpu_gluon_gemm.py --out {out} --gemms o,down --seg-ms 1024,4096,16384"),
     "ncu_probe": (240, "ncu --clock-control none --profile-from-start off --set full -f -o /tmp/probe "
                        "python3 scripts/gpu_ncu_probe.py && ncu -i /tmp/probe.ncu-rep --page details > {out}/ncu_details.txt "
