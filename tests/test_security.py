@@ -85,14 +85,20 @@ def test_ray_imported_first_is_refused():
     import socket
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    code = "import ray\nfrom vime.executor import RayExecutor, NotLoopbackError\ntry:\n    RayExecutor(num_roles=1)\n" \
-           "except NotLoopbackError as e:\n    print('REFUSED', e)\nelse:\n    print('RAN')\n"
+    code = "import json, ray\nfrom vime.executor import RayExecutor, NotLoopbackError, ray_addresses\ntry:\n" \
+           "    ex = RayExecutor(num_roles=1)\nexcept NotLoopbackError as e:\n    print('REFUSED', e)\nelse:\n" \
+           "    print('RAN', json.dumps(ray_addresses()))\n    ex.shutdown()\n"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     routable = [n for _, n in socket.if_nameindex() if not n.startswith("lo")]
-    if "RAN" in proc.stdout:  # Ray found no routable address to rewrite to: nothing to refuse on this machine
-        from helpers import record_native
+    ran = re.search(r"^RAN (\{.*\})$", proc.stdout, re.M)
+    if ran:  # nothing refused: then Ray must really be on loopback only (it found no routable
+        from helpers import record_native  # address to rewrite to on this machine), else the exposure check failed
+        from vime.executor import is_loopback
 
+        a = json.loads(ran.group(1))
+        assert a["dashboard_url"] == "" and all(is_loopback(x) for k in ("node_ip_address", "gcs_address", "nodes")
+                                                for x in a[k].split(",")), a
         record_native(f"Ray's loopback rewrite (interfaces {routable})", 0)
         return
     assert re.search(r"REFUSED Ray is not on loopback only: \{'node_ip_address': '(?!127\.)[\d.]+'", proc.stdout), proc.stdout
