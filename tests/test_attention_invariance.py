@@ -5,8 +5,8 @@ is bitwise identical between (a) packed variable-length prefill of many sequence
 of the blocks — with sequence lengths crossing KV-chunk and block boundaries, GQA, fp32
 and bf16. Also: a sequence prefilled alone equals the same sequence packed with others.
 
-Negative control: native SDPA on the same inputs gives other bits in decode than in
-prefill."""
+Negative control: native SDPA on the same inputs, decode against prefill — equal values asserted, its bits
+recorded (helpers.record_native: they differed on the CPUs this ran on; another CPU's library may agree)."""
 import random
 
 import pytest
@@ -112,7 +112,7 @@ def test_strict_attention_matches_sdpa_numerically():
     assert (rk.attention_varlen(q, k, v, cu) - rk.attention_varlen(q, k, v, cu, backend="native")).abs().max() < 1e-5
 
 
-def test_negative_control_native_decode_differs_from_prefill():
+def test_negative_control_native_decode_vs_prefill_recorded():
     q, k, v, cu = _qkv(torch.float32)
     prefill = rk.attention_varlen(q, k, v, cu, backend="native")
     decode = _decode(q, k, v, cu, 16, torch.float32, "native")
