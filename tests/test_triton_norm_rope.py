@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import rlkernel as rk
+from rlkernel import dispatch
 from helpers import cpu_fusion, run_interpreted
 
 _SCRIPT = textwrap.dedent('''
@@ -85,8 +86,12 @@ def test_rms_norm_rope_is_the_composition(dtype, mode):
     q = qkv[:, :4 * 16].reshape(6, 4, 16)  # a strided view
     w = (1.0 + 0.1 * torch.randn(16, generator=g)).to(dtype)
     pos = torch.tensor([5, 0, 9, 2, 2, 31])
-    with rk.mode(mode):
+    # want by the other implementation (strict: the torch composition; the CPU kernels run `got`), so that the
+    # check is not the function's own fallback against itself; on the CPU no fusion is registered
+    with rk.mode(mode, impl="reference"):
         want = rk.rope(rk.rms_norm(q, w, 1e-6), pos, 1e6)
+    with rk.mode(mode, impl="auto"):
+        assert dispatch.call_fusion(("rms_norm", "rope"), None, ((q, w), (q, pos)), q, w, 1e-6, pos, 1e6, None) is None
         assert torch.equal(rk.rms_norm_rope(q, w, 1e-6, pos, 1e6), want)
         assert torch.equal(rk.rms_norm_rope(q, w, 1e-6, pos, 1e6, max_position=32), want)
 

@@ -118,9 +118,11 @@ def _weights(dtype, m=7, inter=24, k=40):
 @pytest.mark.parametrize("mode", ["strict", "native"])
 def test_linear_swiglu_is_the_composition(dtype, mode):
     x, w = _weights(dtype)
-    with rk.mode(mode):
+    with rk.mode(mode, impl="reference"):  # want by the other implementation (as test_rms_norm_rope_is_the_composition)
         gate, up = rk.linear(x, w).chunk(2, dim=-1)
         want = rk.swiglu(gate, up)
+    with rk.mode(mode, impl="auto"):
+        assert dispatch.call_fusion(("linear", "swiglu"), None, ((x, w), (x,)), x, w) is None
         got = rk.linear_swiglu(x, w)
         got3 = rk.linear_swiglu(x.reshape(1, 7, 40), w)
     assert torch.equal(got, want) and got.shape == (7, 24) and torch.equal(got3[0], want)
