@@ -144,8 +144,10 @@ def test_strict_loop(tmp, strict_run):
     assert {"gcs_server", "raylet"} <= names, names  # the sampling saw the run's services
     assert [b for b in bound if not is_loopback(b[1])] == []
     assert not list((out / "checkpoints").rglob("*.pt")) and not list((out / "checkpoints").rglob("*.pkl"))  # no pickles
-    with pytest.raises(AssertionError):  # a finished run directory is not overwritten without resume
-        _train(tmp, out, *RESUMABLE)
+    before = _snapshot(out)  # a finished run directory is refused without resume, for that reason, and left as it was
+    proc = subprocess.run(_cli(tmp, out, *RESUMABLE), cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env())
+    assert proc.returncode != 0 and "already holds a run; pass run.resume=true" in proc.stderr, proc.stderr[-3000:]
+    assert _snapshot(out) == before
 
 
 def test_exact_resume_after_kill(tmp, strict_run):

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from rlkernel.backends.triton import gemm_gluon as GG  # noqa: E402
-from helpers import STUB_SM90_DRIVER, wgmma_scale_d_not_always_on  # noqa: E402
+from helpers import STUB_SM90_DRIVER, compile_sm90_or_skip, wgmma_scale_d_not_always_on  # noqa: E402
 
 QKV, O, GATE_UP, DOWN, LM_HEAD = (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 151936)  # (K, N)
 
@@ -46,12 +46,7 @@ def test_the_rule_picks_the_measured_tiles_only():
 
 
 def _compiled(tile):
-    try:
-        return GG.compile_sm90(tile)
-    except Exception as e:  # noqa: BLE001 -- a Triton build that cannot target sm_90 here is a skip, not a finding
-        if "ptxas" in str(e) or "CUDA" in str(e):
-            pytest.skip(f"this Triton cannot compile for sm_90 here: {str(e)[:200]}")
-        raise
+    return compile_sm90_or_skip(lambda: GG.compile_sm90(tile))
 
 
 def _ptxas(ptx: str) -> str:

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from rlkernel.backends.triton import gemm  # noqa: E402
-from helpers import wgmma_scale_d_not_always_on  # noqa: E402
+from helpers import compile_sm90_or_skip, wgmma_scale_d_not_always_on  # noqa: E402
 
 
 def _compile(fn, signature: dict, constexprs: dict, asm: str = "ttir", **options) -> str:
@@ -25,12 +25,8 @@ def _compile(fn, signature: dict, constexprs: dict, asm: str = "ttir", **options
     from triton.compiler import ASTSource
 
     src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs)
-    try:
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3, **options})
-    except Exception as e:  # noqa: BLE001 -- a Triton build that cannot target sm_90 here is a skip, not a finding
-        if "ptxas" in str(e) or "CUDA" in str(e):
-            pytest.skip(f"this Triton cannot compile for sm_90 here: {str(e)[:200]}")
-        raise
+    k = compile_sm90_or_skip(lambda: triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                                   options={"num_warps": 4, "num_stages": 3, **options}))
     return k.asm[asm]
 
 
@@ -160,12 +156,7 @@ def test_gluon_warp_specialisation_compiles_for_sm90():
     pytest.importorskip("triton.experimental.gluon")
     import gpu_gluon_ws as G
 
-    try:
-        facts = G.ptx_facts(G.compile_sm90(*G.TILES[0]))
-    except Exception as e:  # noqa: BLE001 -- as _compile: a Triton build that cannot target sm_90 here is a skip
-        if "ptxas" in str(e) or "CUDA" in str(e):
-            pytest.skip(f"this Triton cannot compile for sm_90 here: {str(e)[:200]}")
-        raise
+    facts = G.ptx_facts(compile_sm90_or_skip(lambda: G.compile_sm90(*G.TILES[0])))
     assert facts["setmaxnreg"] and facts["tma_loads"] >= 2 and facts["wgmma"] > 0, facts
     assert facts["warps"] == G.TILES[0][4] + 4  # the consumer's warps + the producer's warp, rounded to a warpgroup
 
@@ -208,12 +199,7 @@ def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90(variant):
                  STORE_LSE=True, NESTED=False, TMA=True)
     sig = {a: _ATTN_TYPES.get(a, "i32") for a in _ATTN_ARGS}
     triton_ir = _compile(A._attn_fwd, sig, const, asm="ttgir", enable_fp_fusion=False)
-    try:
-        k = GA.compile_sm90(variant)
-    except Exception as e:  # noqa: BLE001 -- as _compile
-        if "ptxas" in str(e) or "CUDA" in str(e):
-            pytest.skip(f"this Triton cannot compile for sm_90 here: {str(e)[:200]}")
-        raise
+    k = compile_sm90_or_skip(lambda: GA.compile_sm90(variant))
     gluon_ir = k.asm["ttgir"]
     mma64 = "#ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [16, 64, 16]}>"
     want = {("arith.maxnumf", "64x64xf32", mma64), ("arith.addf", "64x64xf32", mma64)}
@@ -252,12 +238,7 @@ def test_three_consumer_prefill_holds_its_o_slots_by_lock_for_sm90():
                  STORE_LSE=True, NESTED=False, TMA=True)
     triton_ir = _compile(A._attn_fwd, {a: _ATTN_TYPES.get(a, "i32") for a in _ATTN_ARGS}, const, asm="ttgir",
                          enable_fp_fusion=False)
-    try:
-        ows, regs = GA.compile_sm90("three_ows"), GA.compile_sm90("three")
-    except Exception as e:  # noqa: BLE001 -- as _compile
-        if "ptxas" in str(e) or "CUDA" in str(e):
-            pytest.skip(f"this Triton cannot compile for sm_90 here: {str(e)[:200]}")
-        raise
+    ows, regs = compile_sm90_or_skip(lambda: (GA.compile_sm90("three_ows"), GA.compile_sm90("three")))
     assert _reduce_layouts(ows.asm["ttgir"]) == _reduce_layouts(triton_ir)
     assert _float_ops(ows.asm["ttgir"]) == _float_ops(triton_ir), _float_ops(ows.asm["ttgir"]) ^ _float_ops(triton_ir)
     facts = GA.ptx_facts(ows)
