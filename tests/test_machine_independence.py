@@ -13,7 +13,7 @@ kernels were compiled for, torch's CPU capability, MKL's instruction set — nor
    (fp32 K=1000/N=300 and K=4096/N=4096), a row's strict bits are the same for M from 1 to 257
    at every position, on 1 and 2 threads.
 Negative control (recorded, not asserted: another CPU's BLAS may happen to agree): native
-F.linear at the same shapes, across M and threads."""
+F.linear at the same shapes, across M (at 2 threads) and on 1 against 2 threads."""
 import json
 import os
 import subprocess
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import rlkernel as rk
-from helpers import last_json, threads
+from helpers import last_json, record_native, threads
 from rlkernel import golden
 
 IMPLS = ("cpu", "reference")
@@ -100,7 +100,14 @@ def test_strict_linear_rows_do_not_depend_on_the_batch_where_mkl_did(k, n, sizes
     assert torch.equal(one[1], one[2])
     with rk.mode(impl="reference"):  # the kernel's rows are the spec's (one row: K element-wise steps)
         assert torch.equal(rk.linear(x[:1], w), one[1][:1])
-    # negative control, recorded: native F.linear on the same rows
+    # negative controls, recorded (helpers.record_native): native F.linear on the same rows, against the batch and
+    # on 1 against 2 threads (all 258 rows, so that the library has work to split)
     with threads(2):
         native = _rows_alone_vs_batched(lambda a: torch.nn.functional.linear(a, w), x, sizes)
-    print(f"native F.linear K={k} N={n}: {len(native)} (M, position) pairs differ from the row alone on this CPU")
+    record_native(f"F.linear fp32 K={k} N={n} (M, position) pairs vs the row alone", len(native))
+    native_t = {}
+    for t in (1, 2):
+        with threads(t):
+            native_t[t] = torch.nn.functional.linear(x, w)
+    record_native(f"F.linear fp32 K={k} N={n} M=258 values, 1 vs 2 threads",
+                  int((native_t[1].view(torch.int32) != native_t[2].view(torch.int32)).sum()))
