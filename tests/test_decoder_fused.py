@@ -183,6 +183,17 @@ def test_the_gpu_parity_harness_compares_the_engine_layout_with_the_plain_model(
     assert res["parity_setup"]["rollout_layout"].startswith("engine") and res["parity"]["compared_tokens"] > 40
     assert res["parity"]["mismatch_count"] == 0 and res["parity"]["rerun_other_batches"]["mismatch_count"] == 0
     assert res["parity"]["rollout_hash"] == res["parity"]["training_hash"]
+    # control: the harness's comparison sees one weight moved by one bf16 place (a q/k/v projection of layer 0)
+    import copy
+
+    seqs, plens = P.make_seqs(8, 300, (16, 256), (4, 9), seed=7)
+    bumped = copy.deepcopy(model)
+    w = next(p for n, p in bumped.named_parameters() if ".0." in n and p.dim() == 2 and "embed" not in n)
+    with torch.no_grad():
+        w.view(torch.int16)[0, 0] += 1
+        tr, tr_b = (P.training_logprobs(m, seqs, plens, pack_tokens=32768, seed=1) for m in (model, bumped))
+    moved = P.compare(tr, tr_b)
+    assert w.dtype == torch.bfloat16 and moved["mismatch_count"] > 0 and moved["max_abs_diff"] > 0, moved
 
 
 def test_the_gpu_layouts_diagnosis_finds_every_layout_exact_and_names_a_changed_op(monkeypatch):
