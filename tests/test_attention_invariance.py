@@ -105,6 +105,10 @@ def test_strict_sequence_alone_equals_packed():
         lo, hi = int(cu[b]), int(cu[b + 1])
         alone = rk.attention_varlen(q[lo:hi], k[lo:hi], v[lo:hi], torch.tensor([0, hi - lo]))
         assert torch.equal(alone, packed[lo:hi])
+    native = rk.attention_varlen(q, k, v, cu, backend="native")  # negative control, recorded
+    differ = sum(int((rk.attention_varlen(q[lo:hi], k[lo:hi], v[lo:hi], torch.tensor([0, hi - lo]), backend="native")
+                      != native[lo:hi]).sum()) for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()))
+    record_native("SDPA bf16, a sequence alone vs packed, values", differ)
 
 
 def test_strict_attention_matches_sdpa_numerically():

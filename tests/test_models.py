@@ -1,11 +1,13 @@
 """Claims: the strict decoder is the same function as HF transformers (logits within 1e-4
 relative on float32 checkpoints, Qwen3 and Llama, tied and untied, odd sizes); its packed
-scorer gives a sequence the same bits alone or packed with others; loading rejects
+scorer gives a sequence the same bits alone or packed with others (native scoring's difference recorded); loading rejects
 mismatched weights."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import rlkernel as rk
+from helpers import record_native
 from rlkernel.models import DecoderConfig, StrictDecoder, pack_sequences
 from vime.tiny_model import make_tiny_checkpoint
 
@@ -71,6 +73,10 @@ def test_packed_scoring_is_batch_invariant(checkpoint):
         for s, lp in zip(seqs, packed):
             assert torch.equal(m.score([s], temperature=0.8)[0], lp)
         assert torch.equal(m.score(seqs[::-1], temperature=0.8)[0], packed[-1])
+        with rk.mode("native"):  # negative control, recorded (helpers.record_native)
+            packed_n = m.score(seqs, temperature=0.8)
+            differ = sum(int((m.score([s], temperature=0.8)[0] != lp).sum()) for s, lp in zip(seqs, packed_n))
+    record_native("native scoring bf16, a sequence's logprobs alone vs packed", differ)
 
 
 def test_config_and_weight_errors(checkpoint):
