@@ -157,8 +157,9 @@ def direct_args(q, k, v, cu, max_seqlen, lse=None) -> tuple:
 
 
 def gluon_varlen(q, k, v, cu, max_seqlen, variant, lse=None):
-    """attention_varlen's Gluon launch with a variant's knobs."""
-    return AG.launch(*direct_args(q, k, v, cu, max_seqlen, lse), **VARIANTS[variant])
+    """attention_varlen's Gluon launch with a variant's knobs (two consumers unless the variant says otherwise, whatever
+    RLKERNEL_ATTENTION_PREFILL3 says)."""
+    return AG.launch(*direct_args(q, k, v, cu, max_seqlen, lse), **{"cons": 2, **VARIANTS[variant]})
 
 
 def host_us(fns: dict, n: int = 50, rounds: int = 15) -> dict:

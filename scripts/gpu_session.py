@@ -304,6 +304,13 @@ STEPS: dict[str, tuple[int, str]] = {
     # merged into the harness JSON
     "strict_recheck": (590, "python3 -m rlkernel.golden --check-gpu && python3 scripts/gpu_strict_parity.py --only "
                             "timing,train,parity --merge benchmarks/h200_strict_parity.json --out {out}"),
+    # session 37: the library with the three-consumer prefill switched on (attention_gluon.PREFILL3), for after
+    # attn_three: the golden bits, the harness (parity hash must stay 8f3204762ef5c300; the attention prefill ratio is
+    # the library's with it) — its JSON not merged into the committed one — and the launch tests (its first-use check,
+    # its fast path against Triton's own launch)
+    "strict_recheck_prefill3": (590, "export RLKERNEL_ATTENTION_PREFILL3=1 && python3 -m rlkernel.golden --check-gpu && "
+                                     "python3 -m pytest -q -p no:cacheprovider tests/test_triton_launch.py -k gluon && "
+                                     "python3 scripts/gpu_strict_parity.py --only timing,train,parity --out {out}"),
     # the GEMM + SwiGLU epilogue (gemm.matmul_swiglu; off in the engine since session 12, contracts.gpu.SWIGLU_EPILOGUE) vs
     # the strict two launches and stock cuBLAS + silu_and_mul
     "gemm_swiglu": (300, "python3 scripts/gpu_gemm_sweep.py --swiglu --ms 1,16,64,256,512,1024,4096 --out {out}"),

@@ -204,6 +204,47 @@ def test_gluon_prefill_launches_through_the_fast_path():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.stdout[-1000:], proc.stderr[-3000:])
 
 
+_GLUON3_STUB = STUB_SM90_DRIVER + textwrap.dedent('''
+    from rlkernel.backends.triton import attention_gluon as AG, contracts as C, launch
+
+    if AG._IMPORT_ERROR is not None:
+        print("skip: Gluon unavailable")
+        raise SystemExit(0)
+    assert AG.PREFILL3 and "three consumers" in AG.describe()
+    ws, locks = torch.empty(6 * 64 * 128), torch.zeros(6, dtype=torch.int32)  # two SMs' O slots (no device here)
+    AG._SLOTS[(None, 64, 128)] = (ws, locks)
+    q = torch.zeros(700, 32, 128, dtype=torch.bfloat16)
+    k, v = torch.zeros(700, 8, 128, dtype=torch.bfloat16), torch.ones(700, 8, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(700, 32)
+    qs, ql = torch.tensor([0, 600, 699], dtype=torch.int32), torch.tensor([600, 99, 1], dtype=torch.int32)
+    call = (q, k, v, out, qs, ql, ql, qs, 38, 128 ** -0.5, C.ATTENTION, k.stride(0), lse)
+    grid, args, kwargs = AG._launch3_args(*call, AG.STAGES, 1, 0, 1, 0)
+    assert grid == (13, 3, 8) and args[9] is ws and args[10] is locks and args[11] == 6  # 38 tiles in groups of 3
+    cache, keys, _, _, binder = AG._prefill3_kernel.device_caches[0]
+    _, spec, options = binder(*args, **kwargs, debug=False, instrumentation_mode="")
+    cache[compute_cache_key(keys, spec, options)] = Kernel()
+    assert AG._prefill3_fast.fn is AG._prefill3_kernel
+    before = AG._LAUNCHES[0]
+    for _ in range(3):
+        AG.launch(*call)  # the library's call (cons None): PREFILL3 routes it here
+    assert [c[6] for c in calls] == ["triton's own run", None, None] and AG._LAUNCHES[0] == before + 3
+    assert all(c[:3] == (13, 3, 8) for c in calls)
+    assert len(AG._prefill3_fast._kernels) == 1 and not AG._prefill_fast._kernels  # never the two-consumer kernel
+    print("ok")
+''')
+
+
+def test_gluon_prefill3_is_the_librarys_launch_where_switched_on():
+    """RLKERNEL_ATTENTION_PREFILL3=1 (off by default until a GPU times it): the library's prefill launch (`launch` with
+    cons None) takes `_prefill3_kernel` — 13 CTAs of three query tiles for 38 tiles, the O slots and their locks as its
+    arguments — through the fast path, and provenance says so. Checked without a GPU as above."""
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RLKERNEL_TRITON_FAST_LAUNCH")}
+    proc = subprocess.run([sys.executable, "-c", _GLUON3_STUB], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**env, "PYTHONPATH": str(ROOT), "RLKERNEL_ATTENTION_PREFILL3": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.stdout[-1000:], proc.stderr[-3000:])
+
+
 @cuda
 def test_gluon_prefill_fast_path_runs_tritons_kernel():
     """On an H200, where the library takes the Gluon prefill: its fast-path launch runs the compiled kernel Triton's own

@@ -64,7 +64,11 @@ QK_FIRST = 0  # chunk c's q.k^T issued before chunk c - 1's p.v (`_consumer`; 0 
 STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's spread of each other; 2 stages 0.6x)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
-CONSUMER3_REGS = 168  # three consumers (cons=3, measurement): 13 warps share the register file
+CONSUMER3_REGS = 168  # three consumers (cons=3): 13 warps share the register file
+PREFILL3_ENV = "RLKERNEL_ATTENTION_PREFILL3"
+# the library's prefill on `_prefill3_kernel` (three consumers, O in held global slots; the same bits, checked at first
+# use as the two-consumer kernel is): off until a GPU times it against `_prefill_kernel` (H200_NOTES, session 37)
+PREFILL3 = os.environ.get(PREFILL3_ENV, "0") == "1"
 _LOG2E = 1.4426950408889634
 
 try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API is young, so any failure is a reason
@@ -433,8 +437,8 @@ if _IMPORT_ERROR is None:
                          D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
                          NFULL: gl.constexpr, DIAG: gl.constexpr, OWS: gl.constexpr, PDEF: gl.constexpr,
                          num_warps: gl.constexpr):
-        """Measurement (session 36; not the library's): `_prefill_kernel` with three consumers in a turn ring, three
-        adjacent query tiles a CTA. OWS: each consumer keeps its finished segments' O (fp32, touched once per
+        """`_prefill_kernel` with three consumers in a turn ring, three adjacent query tiles a CTA (session 36; the
+        library's where RLKERNEL_ATTENTION_PREFILL3=1, off until a GPU times it; `gpu_gluon_attn.py` measures it). OWS: each consumer keeps its finished segments' O (fp32, touched once per
         SEG_CHUNKS chunks) in global memory instead of 64 registers a thread: a slot of ws_ptr that it holds while it
         runs (`_claim`: a lock per slot in lk_ptr, n_slots of them); the same values, so the same bits."""
         grp, req, kvh, kv_start, nc_cta, hq = _cta(n_groups, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N, 3)
@@ -467,6 +471,7 @@ if _IMPORT_ERROR is None:
             ], [1, 4, 4], [_PRODUCER_REGS, _CONSUMER3_REGS, _CONSUMER3_REGS])
 
     _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
+    _prefill3_fast = fast(_prefill3_kernel)
 
     @triton.jit
     def _nsmid_kernel(out_ptr):
@@ -537,7 +542,9 @@ def self_check(device, G: int, cfg) -> str | None:
     else:
         n = int((y.view(torch.int16) != ref.view(torch.int16)).any(dim=-1).sum()) + \
             int((lse.view(torch.int32) != ref_lse.view(torch.int32)).sum())  # bit patterns (a NaN equals itself)
-        why = None if n == 0 else f"first-use check: {n} values differ from the Triton kernel's"
+        held = int(_slots(device, cfg.block_m, 128)[1].count_nonzero()) if PREFILL3 else 0
+        why = (None if n == held == 0 else f"first-use check: {n} values differ from the Triton kernel's"
+               + (f"; {held} O slots still held after the launch" if held else ""))
     if why is not None:
         logging.getLogger(__name__).warning("rlkernel: the Gluon attention prefill is off on %s (G=%d): %s", device, G,
                                             why)
@@ -576,13 +583,19 @@ def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale,
 
 
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, cons=2, ows=1, pdef=0):
+           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, cons=None, ows=1, pdef=0):
     """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None), through
     launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time).
-    cons=3 (measurement, scripts/gpu_gluon_attn.py): `_prefill3_kernel`, O in global slots when `ows`."""
+    cons: 2 (`_prefill_kernel`) or 3 (`_prefill3_kernel`: three consumers, O in held global slots when `ows`); None
+    (the library's call): 3 where RLKERNEL_ATTENTION_PREFILL3=1 (`PREFILL3`), else 2."""
+    if cons is None:
+        cons = 3 if PREFILL3 else 2
     if cons == 3:
-        return _launch3(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull,
-                        diag, ows, pdef)
+        grid, args, kwargs = _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt,
+                                           lse, stages, nfull, diag, ows, pdef)
+        _LAUNCHES[0] += 1
+        _prefill3_fast[grid](*args, **kwargs)
+        return out
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
                                       stages, nfull, diag, skip, qreg, qk_first)
     _LAUNCHES[0] += 1
@@ -590,19 +603,19 @@ def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, 
     return out
 
 
-def _launch3(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag, ows,
-             pdef):
-    """`_prefill3_kernel` (three consumers; measurement) through Triton's own launch."""
+def _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag,
+                  ows, pdef):
+    """(grid, positional args, keyword args) of one `_prefill3_kernel` launch (`launch` with cons=3, `verify`)."""
     hkv, d = k.shape[1:]
     n_groups = -(-n_tiles // 3)
     ws, locks = _slots(q.device, cfg.block_m, d) if ows else (out, q_len)
-    _prefill3_kernel[(n_groups, q_len.shape[0], hkv)](
-        q, out, lse if lse is not None else out, *_kv_descriptors(k, v, cfg, skt), q_start, q_len, kv_len, kv_start, ws,
-        locks, locks.numel(), q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * _LOG2E, n_groups, G=q.shape[1] // hkv,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, D=d, SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None,
-        NFULL=nfull, DIAG=diag, OWS=ows, PDEF=pdef, num_warps=4, enable_fp_fusion=False)
-    return out
+    args = (q, out, lse if lse is not None else out, *_kv_descriptors(k, v, cfg, skt), q_start, q_len, kv_len, kv_start,
+            ws, locks, locks.numel(), q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * _LOG2E,
+            n_groups)
+    kwargs = dict(G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
+                  SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull,
+                  DIAG=diag, OWS=ows, PDEF=pdef, num_warps=4, enable_fp_fusion=False)
+    return (n_groups, q_len.shape[0], hkv), args, kwargs
 
 
 _SLOTS: dict = {}  # (device index, block_m, d) -> `_prefill3_kernel`'s O slots and their locks
@@ -626,8 +639,13 @@ def _slots(device, block_m: int, d: int):
 
 def verify(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
            nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST) -> dict:
-    """`launch`'s arguments through launch.py's `FastKernel.verify`: runs the kernel three times (fast path, fast path
-    again, Triton's own `run`) into `out` / `lse` and says whether all three ran one compiled kernel (a GPU's check)."""
+    """`launch`'s arguments (the library's kernel: `PREFILL3` picks it) through launch.py's `FastKernel.verify`: runs
+    the kernel three times (fast path, fast path again, Triton's own `run`) into `out` / `lse` and says whether all
+    three ran one compiled kernel (a GPU's check)."""
+    if PREFILL3:
+        grid, args, kwargs = _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt,
+                                           lse, stages, nfull, diag, 1, 0)
+        return _prefill3_fast.verify(grid, *args, **kwargs)
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
                                       stages, nfull, diag, skip, qreg, qk_first)
     return _prefill_fast.verify(grid, *args, **kwargs)
@@ -639,4 +657,6 @@ def describe() -> str:
         return f"off ({ENV}=0)"
     if _IMPORT_ERROR is not None:
         return f"unavailable ({_IMPORT_ERROR})"
-    return "on where supported (sm_90, bf16, head dim 128)" + describe_checks(_CHECKED, lambda k: f"G={k[1]}")
+    kernel = f"; three consumers, O in held slots ({PREFILL3_ENV}=1)" if PREFILL3 else ""
+    return "on where supported (sm_90, bf16, head dim 128" + kernel + ")" + describe_checks(_CHECKED,
+                                                                                       lambda k: f"G={k[1]}")
