@@ -413,6 +413,20 @@ if _IMPORT_ERROR is None:
         return bufs_k, bufs_v, q_all, ready, empty, turn
 
     @gluon.jit
+    def _role(ROLE: gl.constexpr, q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all, bufs_k, bufs_v, ready, empty,
+              turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, G: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STORE_LSE: gl.constexpr,
+              NFULL: gl.constexpr, DIAG: gl.constexpr, ws_ptr, lk_ptr, n_slots, OWS: gl.constexpr, k_desc, v_desc,
+              kv_start):
+        """`_prefill3_kernel`'s first two partitions, in either order (its PDEF): ROLE 0 the producer, 1 consumer 0."""
+        if ROLE == 0:
+            _producer(k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)
+        else:
+            _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,
+                      sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
+                      STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)
+
+    @gluon.jit
     def _prefill_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, sqt, sqh, sot, soh, qk_scale,
                         n_pairs, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, NFULL: gl.constexpr,
@@ -443,32 +457,26 @@ if _IMPORT_ERROR is None:
         runs (`_claim`: a lock per slot in lk_ptr, n_slots of them); the same values, so the same bits."""
         grp, req, kvh, kv_start, nc_cta, hq = _cta(n_groups, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N, 3)
         bufs_k, bufs_v, q_all, ready, empty, turn = _shared(k_desc, v_desc, STAGES, 3, BLOCK_M, D)
-        if PDEF:  # the producer as the default partition (its num_warps warps), the three consumers workers of PDEF
-            gl.warp_specialize([  # registers each
-                (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready,
-                              empty, turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,
-                              SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready,
-                              empty, turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
-                              SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), bufs_k, bufs_v, ready,
-                              empty, turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 2, G, BLOCK_M, BLOCK_N, D,
-                              SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
-            ], [4, 4, 4], [PDEF, PDEF, PDEF])
-        else:
-            gl.warp_specialize([
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready,
-                              empty, turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,
-                              SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
-                (_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)),
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready,
-                              empty, turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
-                              SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), bufs_k, bufs_v, ready,
-                              empty, turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 2, G, BLOCK_M, BLOCK_N, D,
-                              SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
-            ], [1, 4, 4], [_PRODUCER_REGS, _CONSUMER3_REGS, _CONSUMER3_REGS])
+        # partitions: `_role` 0 / 1 is the producer / consumer 0 (PDEF: the producer the default partition, 4 warps,
+        # each consumer a worker of PDEF registers; else consumer 0 the default, the producer a 1-warp worker)
+        R0: gl.constexpr = 0 if PDEF else 1
+        W1: gl.constexpr = 4 if PDEF else 1
+        REG1: gl.constexpr = PDEF if PDEF else _PRODUCER_REGS
+        REGS: gl.constexpr = PDEF if PDEF else _CONSUMER3_REGS
+        gl.warp_specialize([
+            (_role, (R0, q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all, bufs_k, bufs_v, ready, empty, turn, sqt,
+                     sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS, STORE_LSE,
+                     NFULL, DIAG, ws_ptr, lk_ptr, n_slots, OWS, k_desc, v_desc, kv_start)),
+            (_role, (1 - R0, q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all, bufs_k, bufs_v, ready, empty, turn,
+                     sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
+                     STORE_LSE, NFULL, DIAG, ws_ptr, lk_ptr, n_slots, OWS, k_desc, v_desc, kv_start)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty,
+                         turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
+            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), bufs_k, bufs_v, ready, empty,
+                         turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 2, G, BLOCK_M, BLOCK_N, D,
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
+        ], [W1, 4, 4], [REG1, REGS, REGS])
 
     _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
     _prefill3_fast = fast(_prefill3_kernel)
