@@ -49,6 +49,7 @@ BAD = [  # (overrides, key the message must name, a phrase of the problem or fix
     (["model.tiny.warmstart_rows=10"], "model.tiny.warmstart_rows", "64"),
     (["reward.fn=not_registered"], "reward.fn", "module:function"),
     (["reward.fn=no_such_module:f"], "reward.fn", "not importable"),
+    (["reward.fn=vime.data.rewards:nope"], "reward.fn", "defines no 'nope' at its top level"),
     (["reward.timeout_s=0"], "reward.timeout_s", "> 0"),
     (["trainer.tp=2", "run.executor=inprocess"], "trainer.tp", "need the Ray executor"),
     (["trainer.cp=2", "run.executor=inprocess"], "trainer.cp", "need the Ray executor"),

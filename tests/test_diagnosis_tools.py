@@ -206,7 +206,14 @@ def test_strict_run_marked_failed_and_doctor_says_why(tmp, strict_run, one_sided
     assert one_sided_run[0]["strict_violations"] == ["trainer ran rms_norm native (asked for by a per-op override: rms_norm=native)"]
     text, why = _cli("doctor", "--run", tmp / "one_sided")
     assert why["failed_steps"] == [0, 1] and "rlkernel.trainer_ops.rms_norm=native" in why["reasons"][0]["why"]
-    fallback = _train(tmp, tmp / "fallback", env={"RLKERNEL_CPU_KERNELS": "0"})  # the kernels off: the composition serves
+    # the kernels off: the composition serves; the run says so under the bar once, in its summary, and by its exit code
+    # where asked (run.fail_on_strict_violation; without it 0, as one_sided_run's)
+    proc = _cli("train", *_recipe(tmp, tmp / "fallback"), "run.fail_on_strict_violation=true", ok=False,
+                env={"RLKERNEL_CPU_KERNELS": "0"})
+    assert proc.returncode == 3 and "exit 3 (run.fail_on_strict_violation)" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("(strict_ok=false)") == 1 and "vime: step 0: not strict (strict_ok=false): " in proc.stderr
+    assert last_json(proc.stdout)["summary"] == {"steps": 2, "mode": "strict", "problem_steps": {"strict_ok": [0, 1]}}
+    fallback = [json.loads(line) for line in (tmp / "fallback" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["mismatch_count"] == 0 and m["strict_ok"] is False for m in fallback)  # same bits, but not what was asked
     assert any("ran linear on 'reference': a fallback from 'cpu'" in v for v in fallback[0]["strict_violations"])
     text, why = _cli("doctor", "--run", tmp / "fallback")

@@ -150,6 +150,24 @@ def test_strict_loop(tmp, strict_run):
     assert _snapshot(out) == before
 
 
+def test_a_role_that_cannot_start_stops_the_run_with_its_cause(tmp, strict_run):
+    """A role whose constructor raises (here: the model's weights file is not safetensors) stops the run at once with
+    the constructor's exception in the message — not retried as a crash (the same start would raise again), not
+    restarted from a checkpoint, the other roles and Ray stopped — and nothing of a run is left behind."""
+    broken = tmp / "broken_model"
+    shutil.copytree(tmp / "model", broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    out = tmp / "cannot_start"
+    proc = subprocess.run(_cli(tmp, out, f"model.path={broken}", "trainer.total_steps=1"), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=_env())
+    assert proc.returncode != 0 and "RoleStartError" in proc.stderr and "failed to start: " in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "failed to start: " in last and "Error" in last.split("failed to start: ", 1)[1], last  # the cause, named
+    assert "resuming from the last checkpoint" not in proc.stderr and "restarting it" not in proc.stderr
+    assert not (out / "metrics.jsonl").exists()
+
+
 def test_exact_resume_after_kill(tmp, strict_run):
     from vime.controller import WALL_CLOCK_FIELDS
 

@@ -35,7 +35,7 @@ FORMAT = 1
 STATE_TENSORS, STATE_JSON, WEIGHTS, META = "trainer_state.safetensors", "trainer_state.json", "model.safetensors", "meta.json"
 # config keys a resume may change without changing what is computed
 RESUMABLE_KEYS = ("trainer.total_steps", "run.resume", "run.save_every", "run.output_dir", "run.name", "run.executor", "run.call_timeout_s",
-                  "run.start_timeout_s", "run.max_restarts", "logging.")
+                  "run.start_timeout_s", "run.max_restarts", "run.fail_on_strict_violation", "logging.")
 
 
 class CheckpointError(RuntimeError):
@@ -275,21 +275,28 @@ def hf_dir(ckpt: Path, model_path: Path) -> Path:
     return hf
 
 
-def truncate_run(run_dir: Path, step: int) -> None:
-    """Drop what steps >= `step` wrote (they are recomputed): metric lines (atomically), records, per-step provenance."""
+def truncate_run(run_dir: Path, step: int) -> str:
+    """Drop what steps >= `step` wrote (they are recomputed): metric lines (atomically), records, per-step provenance.
+    Returns what was dropped, for the console ("" when nothing was)."""
     path = run_dir / "metrics.jsonl"
+    lines = 0
     if path.exists():
         keep = []
-        for line in path.read_text().splitlines():
+        old = path.read_text().splitlines()
+        for line in old:
             try:
                 if json.loads(line)["step"] < step:
                     keep.append(line)
             except ValueError:  # the torn last line _check_metrics allowed
                 pass
+        lines = len(old) - len(keep)
         tmp = path.with_suffix(".jsonl.tmp")
         _write_text(tmp, "".join(line + "\n" for line in keep))
         os.replace(tmp, path)
+    files = 0
     for sub, suffix in (("records", ".parquet"), ("provenance", ".json")):
         for f in (run_dir / sub).glob(f"step_*{suffix}"):
             if int(f.stem.split("_")[1]) >= step:
                 f.unlink()
+                files += 1
+    return f"discarded {lines} metric line(s) and {files} record / provenance file(s) of steps >= {step}" if lines or files else ""

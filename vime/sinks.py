@@ -31,6 +31,8 @@ class MetricSinks:
                                     mode=cfg.logging.wandb_mode, config=config_dict, resume="allow", id=_run_id(run_dir),
                                     group=cfg.run.name, tags=arm_tags(config_dict))
         self._desc = f"{cfg.run.name} [{cfg.rlkernel.mode}]"
+        self._strict = cfg.rlkernel.mode == "strict"
+        self._warned: set[str] = set()
         self.bar = tqdm(total=total, initial=start, desc=self._desc, unit="step", disable=not cfg.logging.progress)
 
     def phase(self, name: str) -> None:
@@ -49,6 +51,11 @@ class MetricSinks:
             self.bar.write(f"vime: step {metrics['step']} spent {compile_s:.0f} s of its {metrics['time_step']:.0f} s compiling "
                            "rlkernel's Triton kernels for this GPU (once per machine: Triton caches them; "
                            f"cache: {_triton_cache_dir()})", file=sys.stderr)
+        for kind, line in alarms(metrics, self._strict):  # the first step of each kind says so under the bar
+            if kind not in self._warned:
+                self._warned.add(kind)
+                self.bar.write(f"vime: step {metrics['step']}: {line} (later steps of this kind: metrics.jsonl and the run's "
+                               f"summary; `vime doctor --run {self.run_dir}`)", file=sys.stderr)
         self.bar.set_postfix(postfix(metrics))
         self.bar.update(1)
 
@@ -84,6 +91,42 @@ def arm_tags(config: dict) -> list[str]:
     """wandb tags: the arm (G00..G11), the mode, and each override."""
     name = arm_name(config)
     return [name.split("+")[0], config.get("rlkernel", {}).get("mode", "strict"), *name.split("+")[1:]]
+
+
+def alarms(metrics: dict, strict: bool) -> list[tuple[str, str]]:
+    """What a step's metric line says went wrong, as (kind, one line): a strict run that did not run strict, engines on
+    different contracts, a step that could not be compared, rollout and training logprobs that differ in a strict run,
+    samples whose reward failed."""
+    out = []
+    if metrics.get("strict_ok") is False:
+        v = metrics.get("strict_violations") or []
+        out.append(("strict_ok", f"not strict (strict_ok=false): {v[0] if v else '?'}" + (f" (+{len(v) - 1} more)" if len(v) > 1 else "")))
+    if metrics.get("contracts_match") is False:
+        out.append(("contracts", f"the engines ran different contracts for {', '.join(metrics.get('contracts_differ') or ['?'])}"))
+    if metrics.get("comparable") is False:
+        out.append(("comparable", f"not compared: {'; '.join(metrics.get('not_comparable_reasons') or ['?'])}"))
+    if strict and metrics.get("mismatch_count"):
+        out.append(("mismatch", f"{metrics['mismatch_count']} rollout logprobs differ from training's (max |diff| "
+                                f"{metrics.get('max_abs_diff')})"))
+    if (metrics.get("sample_status") or {}).get("aborted"):
+        out.append(("aborted", f"{metrics['sample_status']['aborted']} sample(s) aborted by the engine (trained on as far as "
+                               "they got; records: status 'aborted')"))
+    failed = metrics.get("reward_failures") or {}
+    if failed:
+        out.append(("reward", f"{sum(failed.values())} sample(s) got reward 0 because their reward failed: {failed}"))
+    return out
+
+
+def summarize(run_dir: str | Path) -> dict:
+    """A finished run in numbers (what `vime train` prints last): its steps and, per kind of `alarms`, the steps that
+    had it."""
+    rows = read_metrics(run_dir)
+    strict = bool(rows) and rows[0].get("strict_ok") is not None
+    steps: dict[str, list[int]] = {}
+    for m in rows:
+        for kind, _ in alarms(m, strict):
+            steps.setdefault(kind, []).append(m["step"])
+    return {"steps": len(rows), "mode": "strict" if strict else "native", "problem_steps": steps}
 
 
 def postfix(metrics: dict) -> dict:

@@ -140,4 +140,8 @@ def quarantine_long(prompts: list[Prompt], report: LoadReport, lengths: list[int
                          + (f", or rollout.max_num_batched_tokens={chunk}: vLLM-CPU cannot split a seeded prompt" if chunk < budget else "")
                          + "); raise rollout.max_model_len / rollout.max_num_batched_tokens or lower rollout.max_tokens")
     q = Counter(report.quarantined) + Counter({"prompt_too_long": long, "empty_prompt": empty, "prompt_exceeds_chunk_budget": over_chunk})
+    if long + empty + over_chunk:  # said as load_prompts says its own, with the share of the data left out
+        log.warning("%s: quarantined %d of %d prompts by their token length (%.0f %%): %s", report.path, long + empty + over_chunk,
+                    len(prompts), 100.0 * (long + empty + over_chunk) / len(prompts),
+                    {k: v for k, v in (("prompt_too_long", long), ("empty_prompt", empty), ("prompt_exceeds_chunk_budget", over_chunk)) if v})
     return keep, dataclasses.replace(report, kept=len(keep), skipped=report.skipped + long + empty + over_chunk, quarantined=dict(q))
