@@ -41,7 +41,11 @@ def _train(args) -> int:
     except (ConfigError, PreflightError) as e:  # the message names the key and the fix: one line, no traceback
         print(f"vime: {e}", file=sys.stderr)
         return 2
-    run_dir = train(cfg, plain)
+    try:
+        run_dir = train(cfg, plain)
+    except ConfigError as e:  # found while preparing (a model or data file that is not what the config asks for)
+        print(f"vime: {e}", file=sys.stderr)
+        return 2
     summary = summarize(run_dir)
     print(json.dumps({"run_dir": str(run_dir), "metrics": str(run_dir / "metrics.jsonl"), "summary": summary}))
     broken = sorted(set(summary["problem_steps"]) & STRICT_PROBLEMS) if cfg.rlkernel.mode == "strict" else []

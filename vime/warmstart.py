@@ -31,6 +31,7 @@ def build_tiny_policy(out: str | Path, tiny, seed: int = 0, progress: bool = Tru
 
     out = Path(out)
     if (out / "vime_warmstart.json").exists():
+        _check_built(out, tiny, seed)
         return out
     make_tiny_checkpoint(out, arch=tiny.arch, vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size,
                          intermediate_size=tiny.intermediate_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
@@ -64,5 +65,36 @@ def build_tiny_policy(out: str | Path, tiny, seed: int = 0, progress: bool = Tru
     if device == "cuda":
         torch.cuda.empty_cache()  # the roles (other processes) take the GPU next
     (out / "vime_warmstart.json").write_text(json.dumps({"steps": tiny.warmstart_steps, "lr": tiny.warmstart_lr, "seed": seed,
-                                                         "loss_first": losses[0], "loss_last": losses[-1]}))
+                                                         "loss_first": losses[0], "loss_last": losses[-1],
+                                                         "model_tiny": _tiny_dict(tiny)}))
     return out
+
+
+def _tiny_dict(tiny) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(tiny, f.name) for f in dataclasses.fields(tiny)}
+
+
+def _check_built(out: Path, tiny, seed: int) -> None:
+    """An existing warm-started model is used only as what the config asks for: every model.tiny key it was built with
+    equal to this run's (else refused, naming the keys); another run.seed is said (it seeded the build; this run's
+    seeds its sampling). A marker of an earlier vime, without the keys, is said too."""
+    import sys
+
+    marker = json.loads((out / "vime_warmstart.json").read_text())
+    built = marker.get("model_tiny")
+    if built is None:
+        print(f"vime: {out} was built by an earlier vime that did not record its model.tiny keys; using it as it is "
+              f"(delete it to rebuild with this config)", file=sys.stderr)
+        return
+    differ = {k: (v, built.get(k)) for k, v in _tiny_dict(tiny).items() if built.get(k) != v}
+    if differ:
+        from .config import ConfigError
+
+        raise ConfigError(f"model.path: {out} holds a tiny model built with other model.tiny keys: "
+                          + ", ".join(f"model.tiny.{k}={old!r} there, {new!r} here" for k, (new, old) in sorted(differ.items()))
+                          + f". Fix: delete {out} to rebuild it with this config, or set model.path to another directory")
+    if marker.get("seed") != seed:
+        print(f"vime: {out} was built with run.seed={marker.get('seed')}; this run's run.seed={seed} seeds its sampling only "
+              "(delete the directory to rebuild the model with this seed)", file=sys.stderr)
