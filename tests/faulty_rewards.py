@@ -11,7 +11,8 @@ def digit_share(response: str, ground_truth: str) -> float:
 
 
 def by_text(response: str, ground_truth: str):
-    """The response text picks the failure: raise, hang, nan, none, exit; otherwise exact match."""
+    """The response text picks the failure: raise, hang, nan, none, exit, np32 (a numpy scalar), array; otherwise exact
+    match."""
     if response == "raise":
         raise ValueError("reward bug")
     if response == "hang":
@@ -22,6 +23,14 @@ def by_text(response: str, ground_truth: str):
         return None
     if response == "exit":
         os._exit(3)
+    if response == "np32":  # a numpy scalar: a number (the worker takes its Python value)
+        import numpy as np
+
+        return np.float32(0.5)
+    if response == "array":  # not a scalar: not a number
+        import numpy as np
+
+        return np.zeros(3)
     if response == "alloc":  # 8 GiB of address space (calloc: untouched pages, no real memory), beyond reward.memory_mb
         return float(len(bytes(8 << 30)))
     return 1.0 if response.strip() == ground_truth else 0.0

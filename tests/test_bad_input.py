@@ -158,17 +158,24 @@ def test_malformed_rows_are_quarantined_with_reasons(tmp_path):
         load_prompts(data, "dapo", strict=True)
 
 
-def test_reward_failures_are_counted_never_silent():
+def test_reward_failures_are_counted_never_silent(capsys):
+    """Each failure is counted by kind; the first of each kind is shown with its cause (the exception and its frames,
+    or what came back); a numpy scalar is a number."""
     worker = RewardWorker("faulty_rewards:by_text", timeout_s=1.0)
     try:
         t0 = time.monotonic()
-        res = worker.score([("7", "7"), ("raise", "7"), ("hang", "7"), ("7", "7"), ("nan", "7"), ("none", "7"), ("exit", "7"), ("8", "7")])
+        res = worker.score([("7", "7"), ("raise", "7"), ("hang", "7"), ("7", "7"), ("nan", "7"), ("none", "7"), ("exit", "7"), ("8", "7"),
+                            ("raise", "7"), ("np32", "7"), ("array", "7")])
         took = time.monotonic() - t0
     finally:
         worker.close()
-    assert [r.status for r in res] == ["ok", "raised:ValueError", "timeout", "ok", "not_a_number", "not_a_number", "worker_died", "ok"]
-    assert [r.value for r in res] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert [r.status for r in res] == ["ok", "raised:ValueError", "timeout", "ok", "not_a_number", "not_a_number", "worker_died", "ok",
+                                       "raised:ValueError", "ok", "not_a_number"]
+    assert [r.value for r in res] == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0]
     assert took < 30  # the hang cost one timeout, not an hour
+    err = capsys.readouterr().err
+    assert err.count("(raised:ValueError;") == 1 and "raised ValueError: reward bug" in err and "faulty_rewards.py" in err
+    assert err.count("(not_a_number;") == 1 and "returned float nan, not a finite number" in err
 
 
 def test_default_reward_runs_in_the_worker():

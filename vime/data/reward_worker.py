@@ -35,6 +35,7 @@ import select
 import subprocess
 import sys
 import time
+import traceback
 import weakref
 from dataclasses import dataclass
 
@@ -61,6 +62,13 @@ def _result(msg: dict) -> RewardResult:
     return RewardResult(value=0.0, status="not_a_number")
 
 
+def _why(msg: dict) -> str:
+    """What a failed sample's reply says, for the console: the exception and its last frames, or what came back."""
+    if "raised" in msg:
+        return f"raised {msg['raised']}: {msg.get('message', '')}\n{msg.get('trace', '')}".rstrip()
+    return f"returned {msg.get('returned') or type(msg.get('value')).__name__} {msg.get('value')!r}, not a finite number"
+
+
 def _kill(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
@@ -76,6 +84,7 @@ class RewardWorker:
         self._proc: subprocess.Popen | None = None
         self._buf = b""
         self._finalizer = None
+        self._said: set[str] = set()  # the failure kinds already shown on the console
 
     def _start(self) -> None:
         # the child imports what this process can (tests' modules, a user's package on sys.path)
@@ -129,7 +138,12 @@ class RewardWorker:
                 self._stop()
                 out.append(RewardResult(value=0.0, status="timeout"))
                 continue
-            out.append(_result(msg))
+            res = _result(msg)
+            if res.status != "ok" and res.status not in self._said:  # the first of each kind, with its cause
+                self._said.add(res.status)
+                print(f"vime: reward.fn {self.fn} failed on a sample ({res.status}; it gets reward 0, counted in the "
+                      f"step's reward_failures; later ones of this kind are counted only): {_why(msg)}", file=sys.stderr)
+            out.append(res)
         return out
 
     def close(self) -> None:
@@ -156,13 +170,20 @@ def _serve(fn_path: str, memory_mb: int) -> int:
     for line in sys.stdin:
         req = json.loads(line)
         try:
-            reply = {"value": fn(req["text"], req["truth"])}
-        except Exception as e:  # noqa: BLE001 — counted by type in the parent
-            reply = {"raised": type(e).__name__}
+            value = fn(req["text"], req["truth"])
+            if not isinstance(value, (bool, int, float)) and type(value).__module__.split(".")[0] in ("numpy", "torch"):
+                try:  # a numpy / torch scalar (np.float32, a 0-d tensor) is a number: its Python value
+                    value = value.item()
+                except (ValueError, RuntimeError, AttributeError):
+                    pass
+            reply = {"value": value}
+        except Exception as e:  # noqa: BLE001 — counted by type in the parent, which shows the first of each type
+            reply = {"raised": type(e).__name__, "message": str(e)[:500],
+                     "trace": "".join(traceback.format_exception(e)[-4:])[-2000:]}
         try:
             text = json.dumps(reply)
         except (TypeError, ValueError):  # not JSON: certainly not a number
-            text = json.dumps({"value": None})
+            text = json.dumps({"value": None, "returned": type(reply.get("value")).__name__})
         proto.write(text + "\n")
     return 0
 
