@@ -51,6 +51,8 @@ BAD = [  # (overrides, key the message must name, a phrase of the problem or fix
     (["reward.fn=no_such_module:f"], "reward.fn", "not importable"),
     (["reward.fn=vime.data.rewards:nope"], "reward.fn", "defines no 'nope' at its top level"),
     (["reward.timeout_s=0"], "reward.timeout_s", "> 0"),
+    (["hydra.run.dir=/tmp/x"], "hydra.run.dir", "run.output_dir"),
+    (["trainer.profile_update=500"], "trainer.profile_update", "trainer.total_steps=80"),
     (["trainer.tp=2", "run.executor=inprocess"], "trainer.tp", "need the Ray executor"),
     (["trainer.cp=2", "run.executor=inprocess"], "trainer.cp", "need the Ray executor"),
     (["trainer.token_segments=3"], "trainer.token_segments", "power of two"),

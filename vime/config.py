@@ -465,6 +465,9 @@ class VimeConfig:
                      "set rollout.weight_sync=host, or give the trainer at least as many ranks as the engines have workers")
             _require(res.gpus == 0 or res.colocate, "rollout.weight_sync", "CUDA IPC handles open on the GPU that holds them: "
                      "the engines must share the trainer's GPUs (resources.colocate=false here)", "set resources.colocate=true, or rollout.weight_sync=host")
+        _require(t.profile_update is None or t.profile_update < t.total_steps, "trainer.profile_update",
+                 f"step {t.profile_update} is past the run's last (trainer.total_steps={t.total_steps}): nothing would be profiled",
+                 f"set trainer.profile_update to a step below {t.total_steps}, or null")
         if res.gpus == 0:  # the CPU loop: trainer ranks (gloo) and vLLM-CPU engines, all on this node
             _require(res.nodes == 1, "resources.nodes", f"{res.nodes} is not supported on CPU (resources.gpus=0): the CPU loop runs on one node",
                      "set resources.nodes=1")
@@ -491,6 +494,10 @@ def load_config(name: str, overrides: list[str] | None = None, recipes: Path = R
     from .config_errors import explain, unknown_keys
 
     _register()
+    for o in overrides or []:  # Hydra's own node is dropped by compose: its keys would be accepted and ignored
+        key = o.lstrip("+~").split("=", 1)[0]
+        _require(not key.startswith("hydra.") and key != "hydra", key, "Hydra's own settings are not used by `vime train` "
+                 "(its run directory, logging, sweeps)", "set run.output_dir=<dir> for where the run writes; drop the hydra override")
     if not (recipes / f"{name}.yaml").exists():
         known = sorted(p.stem for p in recipes.glob("*.yaml"))
         raise FileNotFoundError(f"no recipe {name!r} in {recipes} (known: {known})")

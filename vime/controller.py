@@ -62,6 +62,9 @@ def _train(cfg: VimeConfig, config_dict: dict) -> Path:
     identity = checkpoint.model_identity(model_path, cfg.model.dtype)
     resume = _resume_point(cfg, run_dir, identity, config_dict)                     # verified and loaded; nothing changed yet
     start, version = (resume.step, resume.weight_version) if resume else (0, 0)
+    if cfg.logging.progress:  # the longest silent stretch otherwise: processes, imports, model loads, vLLM's start
+        print(f"vime: starting {cfg.trainer.tp * cfg.trainer.cp} trainer rank(s) and {cfg.rollout.num_engines} rollout "
+              f"engine(s) (run.start_timeout_s={cfg.run.start_timeout_s:g})", file=sys.stderr)
     executor, rollout, trainer, rollout_vocab = _roles(cfg, model_path, resume)  # (shut down again if a role fails to start)
     sinks = None
     try:  # from here on every role is stopped however the run ends (a restart then starts from a clean Ray)
@@ -101,6 +104,7 @@ def _train(cfg: VimeConfig, config_dict: dict) -> Path:
             sinks.log(_step_metrics(step, records, stats, cmp, upd, version, (t0, t1, t2, t3, t4)) | ops
                       | {"data_quarantined": data_report.quarantined, "rollout_restarts": rollout.take_restarts()})
             if cfg.run.save_every and (step + 1) % cfg.run.save_every == 0 or step + 1 == cfg.trainer.total_steps:
+                sinks.phase("checkpoint")
                 save_checkpoint(run_dir, step + 1, version, trainer, identity, config_dict)
     finally:
         if sinks is not None:
@@ -323,6 +327,8 @@ def _resume_point(cfg: VimeConfig, run_dir: Path, identity: dict, config_dict: d
     if not cfg.run.resume:
         _refuse_finished_run(cfg, run_dir)
         return None
+    if cfg.logging.progress:
+        print(f"vime: verifying the last checkpoint of {run_dir} (its files' checksums, the model, the config)", file=sys.stderr)
     resume = checkpoint.resume_point(run_dir, identity, config_dict)
     if resume.step >= cfg.trainer.total_steps:  # nothing to run: refused before any recorded step is discarded
         raise checkpoint.CheckpointError(

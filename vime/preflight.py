@@ -27,6 +27,9 @@ def check_resources(cfg) -> None:
         if limit is not None and cfg.rollout.max_model_len > limit:
             problems.append(f"rollout.max_model_len={cfg.rollout.max_model_len} exceeds the model's max_position_embeddings={limit} "
                             f"({hf}); set rollout.max_model_len<={limit}")
+    if cfg.logging.wandb and cfg.logging.wandb_mode == "online" and not _wandb_key():  # else found after every role started
+        problems.append("logging.wandb_mode=online but no wandb API key here (WANDB_API_KEY, or `wandb login`'s ~/.netrc "
+                        "entry for api.wandb.ai); log in, or set logging.wandb_mode=offline (sync later with `wandb sync`)")
     if cfg.trainer.tp > 1:  # the model's canonical segments must split evenly over the TP ranks (checked before any load)
         problems += _tp_layout_problems(cfg, hf)
     if cfg.rollout.tp > 1 and cfg.rlkernel.rollout_engine() != "stock":  # the strict vLLM model shards like the trainer
@@ -75,3 +78,17 @@ def _tp_layout_problems(cfg, hf: Path, key: str = "trainer.tp", tp: int | None =
     except ValueError as e:
         return [f"{key}={tp} cannot shard this model: {e}; choose a {key} that divides it"]
     return []
+
+
+def _wandb_key() -> bool:
+    """Whether wandb would find an API key: WANDB_API_KEY, or a ~/.netrc (or $NETRC) entry for its host."""
+    import netrc
+    import os
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0].split(":")[0]
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
