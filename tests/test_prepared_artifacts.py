@@ -1,7 +1,7 @@
 """A model or data file that a recipe builds once and later runs reuse is reused only as what the config asks for:
 a tiny model whose recorded model.tiny keys differ, or generated data whose data.generate / data.num_rows differ, is
 refused naming the keys (before, any existing directory or file was taken as it was, silently); another run.seed, a
-file without a record, is said on the console."""
+file without a record, is said on the console. And what a killed engine leaves in /dev/shm is swept by the next."""
 import json
 
 import pytest
@@ -48,3 +48,24 @@ def test_generated_data_with_other_settings_is_refused(tmp_path, capsys):
         _check_generated(data, record, {**made, "generate": "word_problems"})
     _check_generated(data, record, {**made, "seed": 9})
     assert "generated with run.seed=1234; this run's run.seed=9" in capsys.readouterr().err
+
+
+def test_reload_directories_of_engines_that_are_gone_are_swept(tmp_path):
+    """A stock engine's reload directory (a float32 copy of the model, in /dev/shm where it fits) outlives an engine
+    that Ray killed (no atexit handler runs): the next engine's first reload removes those of processes that no
+    longer run, and only those."""
+    import os
+    import subprocess
+    import sys
+
+    from vime.rollout import _sweep_reload_dirs
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # exited: no such process now (barring reuse of its id within this test)
+    gone, alive, other = (tmp_path / f"vime_reload_{pid}_ab_c1", tmp_path / f"vime_reload_{os.getpid()}_x2",
+                          tmp_path / "vime_reload_nopid")
+    for d in (gone, alive, other):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"w")
+    assert _sweep_reload_dirs(str(tmp_path)) == [str(gone)]
+    assert not gone.exists() and alive.exists() and other.exists()

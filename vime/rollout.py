@@ -169,6 +169,25 @@ def _scratch_dir(nbytes: int) -> str | None:
     return None
 
 
+def _sweep_reload_dirs(folder: str) -> list[str]:
+    """Remove the reload directories (`VLLMRollout._stock_reload`: a float32 copy of the model, in /dev/shm's memory
+    where it fits) of engine processes that no longer run: an engine ended by `ray.kill` / `ray.shutdown` runs no
+    atexit handler, so its last one stays behind. Returns the removed paths."""
+    import shutil
+
+    gone = []
+    for d in Path(folder).glob("vime_reload_*_*"):
+        try:
+            pid = int(d.name.split("_")[2])
+            os.kill(pid, 0)  # raises where no such process runs
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(str(d))
+        except (ValueError, IndexError, PermissionError):  # not ours, or another user's running process
+            continue
+    return gone
+
+
 class VLLMRollout:
     """Owns one vllm.LLM; generate / update_weights / weight_version."""
 
@@ -382,7 +401,11 @@ class VLLMRollout:
 
         from rlkernel.integrations import vllm_compat
 
-        new = vllm_compat.write_reload_checkpoint(tensors, tempfile.mkdtemp(prefix="vime_reload_", dir=self._scratch(tensors)), self._tied)
+        scratch = self._scratch(tensors)
+        if getattr(self, "_reload_dir", None) is None:  # this engine's first reload: the leftovers of killed ones go
+            _sweep_reload_dirs(scratch or tempfile.gettempdir())
+        new = vllm_compat.write_reload_checkpoint(tensors, tempfile.mkdtemp(prefix=f"vime_reload_{os.getpid()}_", dir=scratch),
+                                                  self._tied)
         vllm_compat.reload_weights(self.llm, new)
         old, self._reload_dir = getattr(self, "_reload_dir", None), new
         if old is not None:
