@@ -468,10 +468,11 @@ class VimeConfig:
         _require(t.profile_update is None or t.profile_update < t.total_steps, "trainer.profile_update",
                  f"step {t.profile_update} is past the run's last (trainer.total_steps={t.total_steps}): nothing would be profiled",
                  f"set trainer.profile_update to a step below {t.total_steps}, or null")
-        if res.gpus == 0:  # the CPU loop: trainer ranks (gloo) and vLLM-CPU engines, all on this node
-            _require(res.nodes == 1, "resources.nodes", f"{res.nodes} is not supported on CPU (resources.gpus=0): the CPU loop runs on one node",
-                     "set resources.nodes=1")
-        else:
+        # every role runs on this node: the Ray executor listens on loopback only (vime.executor), so another node's
+        # GPUs would be counted here and never used
+        _require(res.nodes == 1, "resources.nodes", f"{res.nodes} nodes: vime runs every role on this node (its Ray listens "
+                 "on loopback only)", "set resources.nodes=1 and resources.gpus to this node's GPUs")
+        if res.gpus != 0:
             have, train, roll = res.gpus * res.nodes, t.tp * t.cp * t.pp, r.tp * r.num_engines
             need = max(train, roll) if res.colocate else train + roll
             _require(need <= have, "resources.gpus", f"the layout needs {need} GPUs (trainer tp*cp*pp={train}, rollout tp*num_engines={roll}, "
