@@ -104,6 +104,7 @@ def mode(mode: str = "strict", *, impl: str | None = None, ops: Mapping[str, str
     outer = _POLICY.get()
     if impl is None:
         impl = outer.impl
+    _check_names(impl, ops)
     policy = ExecutionPolicy(mode=mode, impl=None if impl == "auto" else impl, ops=tuple(sorted((ops or {}).items())),
                              pack_weights=outer.pack_weights if pack_weights is None else pack_weights)
     token = _POLICY.set(policy)
@@ -111,6 +112,22 @@ def mode(mode: str = "strict", *, impl: str | None = None, ops: Mapping[str, str
         yield policy
     finally:
         _POLICY.reset(token)
+
+
+LAZY_IMPLS = ("fa3",)  # implementations registered when their module is imported (backends/fa3.py: vLLM's CUDA build)
+
+
+def _check_names(impl: str | None, ops: Mapping[str, str] | None) -> None:
+    """`mode`'s implementation names, at the block's entry rather than at its first op: `impl` one of the strict
+    implementations, each per-op choice strict, native or an implementation of that op."""
+    strict = sorted({name for (_, name) in _REGISTRY if name != "native"} | set(LAZY_IMPLS))
+    if impl is not None and impl != "auto" and impl not in strict:
+        hint = " (for torch's own ops use mode='native')" if impl == "native" else ""
+        raise ValueError(f"mode: impl={impl!r} is not a strict implementation; known: {strict} or 'auto'{hint}")
+    for op, choice in (ops or {}).items():
+        known = sorted(set(_CHOICES) | {name for (o, name) in _REGISTRY if o == op} | set(LAZY_IMPLS))
+        if choice not in known:
+            raise ValueError(f"mode: ops[{op!r}]={choice!r} is not one of {known}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +182,8 @@ def register(op: str, impl: str, contract: Contract, devices=("cpu", "cuda"), av
 
 
 def _choice(op: str, policy: ExecutionPolicy, explicit: str | None) -> str:
+    if explicit is not None and not explicit:
+        raise ValueError(f"{op}: backend='' names no implementation (None: the current policy's)")
     choice = explicit or policy.choice(op)
     if choice == "strict":
         per_op = policy.choice(op)
@@ -282,8 +301,14 @@ def _record(op: str, impl: Implementation, tensors: tuple) -> None:
 
 
 def call(op: str, backend: str | None, tensors: tuple, *args, **kwargs):
-    """Resolve `op` for the device of its first tensor, record provenance, run it."""
-    impl = resolve(op, tensors[0].device, backend)
+    """Resolve `op` for the device of its first tensor, record provenance, run it. Its tensors must share that device
+    (an implementation reads them all where the first one lives: a pointer of another device is not memory there)."""
+    device = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != device:
+            raise ValueError(f"{op}: all tensor arguments must be on one device; the first is on {device}, another "
+                             f"{tuple(t.shape)} on {t.device}")
+    impl = resolve(op, device, backend)
     _record(op, impl, tensors)
     taps = _TAPS.get()
     if not taps:

@@ -20,6 +20,7 @@ every rank's output is the unsplit model's, bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -83,11 +84,16 @@ class DecoderConfig:
     def __post_init__(self):
         if self.arch not in _ARCHS:
             raise ValueError(f"arch must be one of {sorted(_ARCHS)}, got {self.arch!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "row_segments"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads} heads cannot share {self.num_kv_heads} kv heads")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim", "row_segments"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and (v >= 0 if name == "rms_norm_eps" else v > 0)):
+                raise ValueError(f"{name} must be a finite number {'>= 0' if name == 'rms_norm_eps' else '> 0'}, got {v!r}")
 
     @property
     def qk_norm(self) -> bool:
@@ -114,8 +120,8 @@ class DecoderConfig:
             intermediate_size=get("intermediate_size"),
             num_layers=get("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=get("num_key_value_heads") or heads,
-            head_dim=get("head_dim") or get("hidden_size") // heads,
+            num_kv_heads=heads if get("num_key_value_heads") is None else get("num_key_value_heads"),  # 0 is refused
+            head_dim=get("head_dim") or (get("hidden_size") // heads if heads else 0),
             rms_norm_eps=get("rms_norm_eps"),
             rope_theta=float(theta),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
@@ -397,6 +403,9 @@ class StrictDecoder(nn.Module):
     def score(self, sequences: Sequence[Sequence[int]], temperature: float = 1.0) -> list[torch.Tensor]:
         """For each sequence, float32 log p(token t | tokens < t) for t = 1..len-1."""
         ids, cu = pack_sequences(sequences, self.model.embed_tokens.weight.device)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ValueError(f"score: token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
         hidden = self.forward_packed(ids, cu)
         keep = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
         keep[cu[1:] - 1] = False  # the last token of each sequence predicts nothing
@@ -464,6 +473,9 @@ def pack_sequences(sequences: Sequence[Sequence[int]], device="cpu") -> tuple[to
     """(flat int64 ids, cu_seqlens int64 [B+1]) of a list of token-id lists."""
     if any(len(s) == 0 for s in sequences):
         raise ValueError("pack_sequences: empty sequence")
-    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
+    ids = torch.tensor([t for s in sequences for t in s])  # its dtype inferred: a float id must not be truncated
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"pack_sequences: token ids must be ints, got {ids.dtype} values")
+    ids = ids.to(device=device, dtype=torch.long)
     cu = torch.tensor([0] + [len(s) for s in sequences], device=device).cumsum(0)
     return ids, cu

@@ -1,6 +1,8 @@
 """`linear(x, weight, bias)`: mirrors F.linear (contract: rlkernel/contracts/gemm.py)."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .. import dispatch
@@ -19,10 +21,13 @@ def canonical_segments(k: int, max_segments: int) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, k_segments: int = 1, backend: str | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias), like F.linear; x [..., K], weight [N, K]. `k_segments` cuts K
     into canonical segments merged by one tree (the layout a row-parallel TP layer reproduces)."""
-    if weight.dim() != 2 or weight.shape[-1] != x.shape[-1]:
-        raise ValueError(f"linear: x has K={x.shape[-1]} but weight is {tuple(weight.shape)}")
-    if bias is not None and bias.shape != weight.shape[:1]:
-        raise ValueError(f"linear: bias {tuple(bias.shape)} does not match {weight.shape[0]} outputs")
+    if x.dim() == 0 or weight.dim() != 2 or weight.shape[-1] != x.shape[-1]:
+        raise ValueError(f"linear: want x [..., K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.device != weight.device):
+        raise ValueError(f"linear: bias {tuple(bias.shape)} on {bias.device} does not match {weight.shape[0]} outputs on "
+                         f"{weight.device}")
+    if not isinstance(k_segments, numbers.Integral) or isinstance(k_segments, bool):
+        raise ValueError(f"linear: k_segments must be an int, got {k_segments!r}")
     if k_segments < 1 or x.shape[-1] % k_segments:
         raise ValueError(f"linear: K={x.shape[-1]} is not divisible into {k_segments} canonical segments")
     return dispatch.call("linear", backend, (x, weight), x, weight, bias, k_segments=k_segments)

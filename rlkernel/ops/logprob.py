@@ -18,6 +18,8 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         raise ValueError(f"linear_logprob: weight {tuple(weight.shape)} does not fit hidden {hidden.shape[1]} / vocab_size {vocab_size}")
     if not temperature > 0:
         raise ValueError(f"linear_logprob: temperature must be > 0, got {temperature}")
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise ValueError(f"linear_logprob: targets must be an integer tensor, got {targets.dtype}")
     if targets.numel():
         if targets.is_cuda:  # checked on the device: reading the targets back would sync every decode step
             torch._assert_async(((targets >= 0) & (targets < vocab_size)).all(), "linear_logprob: targets outside the vocab")
@@ -47,4 +49,6 @@ def linear_entropy(hidden: torch.Tensor, weight: torch.Tensor, temperature: floa
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
     if hidden.dim() != 2 or weight.shape[1] != hidden.shape[1] or not 0 < vocab_size <= weight.shape[0]:
         raise ValueError(f"linear_entropy: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, vocab_size {vocab_size}")
+    if not temperature > 0:
+        raise ValueError(f"linear_entropy: temperature must be > 0, got {temperature}")
     return dispatch.call("linear_logprob", backend, (hidden, weight), "entropy", hidden, weight, None, float(temperature), vocab_size)

@@ -1,14 +1,26 @@
 """`rms_norm(x, weight, eps, residual)` (contract: rlkernel/contracts/norm.py)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import dispatch
 
 
+def _eps(name: str, eps) -> None:
+    try:
+        ok = math.isfinite(float(eps)) and float(eps) >= 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}: eps must be a finite number >= 0, got {eps!r}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None, *, backend: str | None = None):
     """RMSNorm over the last dim; with `residual`, returns (normed, x + residual)."""
-    if weight.shape[-1] != x.shape[-1]:
+    _eps("rms_norm", eps)
+    if x.dim() == 0 or weight.dim() != 1 or weight.shape[-1] != x.shape[-1]:
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"rms_norm: residual {tuple(residual.shape)} differs from x {tuple(x.shape)}")
@@ -22,8 +34,10 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: 
     run it registered a fusion (the Triton norm kernel with the rope kernel's arithmetic in its epilogue, reading a
     strided q/k view without a copy) and no gradient is wanted, it is one launch; provenance still records both ops.
     Under a `dispatch.tap` it runs the two ops, so the tap sees each."""
-    from .rope import rope
+    from .rope import _positions, rope
 
+    _eps("rms_norm_rope", eps)
+    _positions("rms_norm_rope", positions, theta)
     if x.dim() != 3 or positions.shape != x.shape[:1]:
         raise ValueError(f"rms_norm_rope: want x [T, heads, d] and positions [T], got {tuple(x.shape)} and "
                          f"{tuple(positions.shape)}")

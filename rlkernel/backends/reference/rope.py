@@ -124,6 +124,9 @@ def negated_sin(sin: torch.Tensor) -> torch.Tensor:
         return neg
 
 
+UNBOUNDED_TABLE = 1 << 22  # positions read back (no max_position) above this many rows: refused (~1 GiB of tables at d 128)
+
+
 def mark_below(positions: torch.Tensor, bound: int) -> torch.Tensor:
     """Record that every entry of `positions` is below `bound` by construction (e.g. positions inside sequences packed
     into a stream of `bound` tokens), so `rope(..., max_position >= bound)` skips its device-side check for it."""
@@ -134,9 +137,13 @@ def mark_below(positions: torch.Tensor, bound: int) -> torch.Tensor:
 def _check_below(positions: torch.Tensor, n: int) -> None:
     if positions.numel():
         if positions.is_cuda:
-            torch._assert_async((positions < n).all(), "rope: a position is >= max_position")
-        elif int(positions.max()) >= n:
-            raise ValueError(f"rope: position {int(positions.max())} is >= max_position {n}")
+            torch._assert_async(((positions >= 0) & (positions < n)).all(), "rope: a position is < 0 or >= max_position")
+        else:
+            lo, hi = (int(v) for v in torch.aminmax(positions))
+            if lo < 0:
+                raise ValueError(f"rope: positions must be >= 0, got {lo}")
+            if hi >= n:
+                raise ValueError(f"rope: position {hi} is >= max_position {n}")
 
 
 def checked_below(positions: torch.Tensor, bound: int) -> torch.Tensor:
@@ -152,8 +159,14 @@ def rope(x, positions, theta, *, fwd=forward, max_position=None):
     from it instead of reading positions.max() back from the device (a sync); on CUDA the bound
     is then checked by a device-side assert."""
     d = x.shape[-1]
-    if max_position is None:
-        n = int(positions.max()) + 1 if positions.numel() else 1
+    if max_position is None:  # the table from the positions themselves (one read of them)
+        lo, hi = (int(v) for v in torch.aminmax(positions)) if positions.numel() else (0, 0)
+        if lo < 0:
+            raise ValueError(f"rope: positions must be >= 0, got {lo}")
+        if hi >= UNBOUNDED_TABLE:
+            raise ValueError(f"rope: position {hi} without max_position would build (and keep) a table of {hi + 1:,} rows; "
+                             f"pass max_position (the model's length limit)")
+        n = hi + 1
     else:
         n = int(max_position)
         known = getattr(positions, "_rk_below", None)  # mark_below / checked_below: checked already
