@@ -65,20 +65,25 @@ def test_uncompared_step_logs_null_and_na(tmp_path):
 
 def test_a_step_that_compiled_kernels_says_so(tmp_path, capsys, monkeypatch):
     """A step whose trainer spent >= 10 s in first launches of rlkernel's Triton kernels (a cold machine's first step)
-    says so under the progress bar, naming Triton's cache; shorter ones and CPU runs (time_compile None) say nothing."""
+    says so under the progress bar, naming Triton's cache; shorter ones and CPU runs (time_compile None) say nothing.
+    And a problem (here: steps not compared) is said once, at its first step, with its reason."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "tc"))
     cfg, plain = load_config("grpo_tiny", [f"run.output_dir={tmp_path}", "logging.wandb=false"])
     sinks = MetricSinks(tmp_path, cfg, plain, total=3, start=0)
     try:
-        base = {"reward_mean": 0.5, "weight_version": 1, "comparable": False, **not_compared()}
+        base = {"reward_mean": 0.5, "weight_version": 1, "comparable": False, "not_comparable_reasons": ["stale_weights"],
+                **not_compared()}
         sinks.log({"step": 0, **base, "time_step": 131.0, "time_compile": 124.6})
         sinks.log({"step": 1, **base, "time_step": 0.5, "time_compile": 0.2})
         sinks.log({"step": 2, **base, "time_step": 0.5, "time_compile": None})
     finally:
         sinks.close()
-    said = [x for x in capsys.readouterr().err.splitlines() if x.startswith("vime: step")]
+    err = capsys.readouterr().err.splitlines()
+    said = [x for x in err if x.startswith("vime: step") and "compiling" in x]
     assert said == [f"vime: step 0 spent 125 s of its 131 s compiling rlkernel's Triton kernels for this GPU (once per "
                     f"machine: Triton caches them; cache: {tmp_path / 'tc'})"], said
+    problems = [x for x in err if x.startswith("vime: step") and "compiling" not in x]
+    assert len(problems) == 1 and problems[0].startswith("vime: step 0: not compared: stale_weights (later steps"), problems
 
 
 @pytest.fixture(scope="module")

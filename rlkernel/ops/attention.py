@@ -25,18 +25,20 @@ def _index(name: str, t, dims: int) -> None:
         raise ValueError(f"{name} must be a {dims}-D integer tensor, got {got}")
 
 
-def _offsets(name: str, offsets, total: int) -> None:
+def _offsets(name: str, offsets, total: int, padded: bool = False) -> None:
     """Row offsets [B+1] (cu_seqlens, query_start_loc) checked where they are host memory (CPU tensors: a read here is
     free; on a GPU it would wait for the device, and the kernels bound their own reads): from 0, non-decreasing, to
-    `total` — the CPU kernels index the rows by them without bounds checks."""
+    `total` — or, `padded`, to at most `total` (an engine pads a decode batch to a captured size: rows past the last
+    offset are padding) — the CPU kernels index the rows by them without bounds checks."""
     if offsets.device.type != "cpu" or offsets.numel() == 0:
         if offsets.numel() == 0:
             raise ValueError(f"{name} must hold B+1 >= 1 offsets, got none")
         return
     o = offsets.long()
-    if int(o[0]) != 0 or int(o[-1]) != total or bool((o[1:] < o[:-1]).any()):
+    if int(o[0]) != 0 or (int(o[-1]) > total if padded else int(o[-1]) != total) or bool((o[1:] < o[:-1]).any()):
         shown = o.tolist() if o.numel() <= 12 else o[:6].tolist() + ["..."] + o[-3:].tolist()
-        raise ValueError(f"{name} must start at 0, not decrease and end at the row count {total}; got {shown}")
+        end = f"end within the {total} rows" if padded else f"end at the row count {total}"
+        raise ValueError(f"{name} must start at 0, not decrease and {end}; got {shown}")
 
 
 def attention_varlen(q, k, v, cu_seqlens, *, scale: float | None = None, backend: str | None = None,
@@ -77,7 +79,7 @@ def attention_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     if query_start_loc.shape[0] != B + 1 or block_tables.shape[0] < B:
         raise ValueError(f"attention_paged: {B} requests (seq_lens) want query_start_loc [{B + 1}] and block_tables with >= {B} "
                          f"rows; got {tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}")
-    _offsets("attention_paged: query_start_loc", query_start_loc, q.shape[0])
+    _offsets("attention_paged: query_start_loc", query_start_loc, q.shape[0], padded=True)
     if block_tables.device.type == "cpu" and B:  # the blocks each request reads, within the cache (host memory: free)
         lens, bs = seq_lens.long(), k_cache.shape[1]
         if int(lens.min()) < 0:
