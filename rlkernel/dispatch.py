@@ -294,11 +294,13 @@ def _record(op: str, impl: Implementation, tensors: tuple) -> None:
 
 
 def call(op: str, backend: str | None, tensors: tuple, *args, **kwargs):
-    """Resolve `op` for the device of its first tensor, record provenance, run it. Its tensors must share that device
-    (an implementation reads them all where the first one lives: a pointer of another device is not memory there)."""
+    """Resolve `op` for the device of its first tensor, record provenance, run it. Its floating-point tensors (the data:
+    x, weight, q / k / v, hidden) must share that device — an implementation reads them where the first one lives, and
+    a pointer of another device is not memory there; index tensors (positions, targets) are the implementations' to
+    place."""
     device = tensors[0].device
     for t in tensors[1:]:
-        if t.device != device:
+        if t.is_floating_point() and t.device != device:
             raise ValueError(f"{op}: all tensor arguments must be on one device; the first is on {device}, another "
                              f"{tuple(t.shape)} on {t.device}")
     impl = resolve(op, device, backend)
