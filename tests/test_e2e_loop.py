@@ -145,9 +145,16 @@ def test_strict_loop(tmp, strict_run):
     assert [b for b in bound if not is_loopback(b[1])] == []
     assert not list((out / "checkpoints").rglob("*.pt")) and not list((out / "checkpoints").rglob("*.pkl"))  # no pickles
     before = _snapshot(out)  # a finished run directory is refused without resume, for that reason, and left as it was
+    written = (out / "data_report.json").stat().st_mtime_ns  # (not even rewritten with the same bytes)
     proc = subprocess.run(_cli(tmp, out, *RESUMABLE), cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env())
     assert proc.returncode != 0 and "already holds a run; pass run.resume=true" in proc.stderr, proc.stderr[-3000:]
-    assert _snapshot(out) == before
+    assert _snapshot(out) == before and (out / "data_report.json").stat().st_mtime_ns == written
+    # a resume with nothing to run (the checkpoint is at trainer.total_steps) is refused before any step is discarded
+    proc = subprocess.run(_cli(tmp, out, *RESUMABLE, "run.resume=true"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env=_env())
+    assert proc.returncode != 0 and "is at step 3 and trainer.total_steps=3: nothing to resume" in proc.stderr, proc.stderr[-3000:]
+    assert {k: v for k, v in _snapshot(out).items() if k != "data_report.json"} == \
+        {k: v for k, v in before.items() if k != "data_report.json"}
 
 
 def test_a_role_that_cannot_start_stops_the_run_with_its_cause(tmp, strict_run):
