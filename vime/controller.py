@@ -151,6 +151,7 @@ WALL_CLOCK_FIELDS = ("time_rollout", "time_score", "time_update", "time_sync", "
 
 def _step_metrics(step, records, stats, cmp, upd, version, t) -> dict:
     rewards = np.array([r.reward for r in records], dtype=np.float64)
+    status = Counter(str(getattr(r.status, "value", r.status)) for r in records)  # records.Status, or its string
     tokens = sum(len(r.response_ids) for r in records)
     return {
         "step": step, **stats, "comparable": cmp["comparable"], "not_comparable_reasons": cmp["reasons"],
@@ -163,9 +164,8 @@ def _step_metrics(step, records, stats, cmp, upd, version, t) -> dict:
         # why rewards failed this step (reason -> samples; those samples got reward 0.0): never a silent 0
         "reward_failures": dict(Counter(r.reward_status for r in records if r.reward_status != "ok")),
         # how samples ended other than by EOS / a stop string (truncated: hit rollout.max_tokens; aborted by the engine)
-        "sample_status": dict(Counter(str(getattr(r.status, "value", r.status)) for r in records
-                                      if str(getattr(r.status, "value", r.status)) != "ok")),
-        "truncated_fraction": sum(str(getattr(r.status, "value", r.status)) == "truncated" for r in records) / len(records),
+        "sample_status": {k: n for k, n in status.items() if k != "ok"},
+        "truncated_fraction": status["truncated"] / len(records),
         "time_rollout": t[1] - t[0], "time_score": t[2] - t[1], "time_update": t[3] - t[2], "time_sync": t[4] - t[3],
         "time_step": t[4] - t[0], "tokens_per_second": tokens / max(t[4] - t[0], 1e-9),
         # of the score and update: the trainer's first launches of rlkernel's Triton kernels (compiling them, once per
@@ -324,8 +324,7 @@ def save_checkpoint(run_dir: Path, step: int, version: int, trainer, identity: d
 
 
 def _resume_point(cfg: VimeConfig, run_dir: Path, identity: dict, config_dict: dict) -> checkpoint.ResumePoint | None:
-    if not cfg.run.resume:
-        _refuse_finished_run(cfg, run_dir)
+    if not cfg.run.resume:  # (a finished run directory was refused already: _refuse_finished_run)
         return None
     if cfg.logging.progress:
         print(f"vime: verifying the last checkpoint of {run_dir} (its files' checksums, the model, the config)", file=sys.stderr)

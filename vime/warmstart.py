@@ -73,7 +73,7 @@ def build_tiny_policy(out: str | Path, tiny, seed: int = 0, progress: bool = Tru
 def _tiny_dict(tiny) -> dict:
     import dataclasses
 
-    return {f.name: getattr(tiny, f.name) for f in dataclasses.fields(tiny)}
+    return dataclasses.asdict(tiny)
 
 
 def _check_built(out: Path, tiny, seed: int) -> None:
