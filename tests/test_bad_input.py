@@ -37,6 +37,7 @@ BAD = [  # (overrides, key the message must name, a phrase of the problem or fix
     (["trainer.lr=nan"], "trainer.lr", "finite"),
     (["algorithm.kl_estimator=k2"], "algorithm.kl_estimator", "low_var_kl"),
     (["algorithm.clip_eps_low=1.5"], "algorithm.clip_eps_low", "[0, 1)"),
+    (["algorithm.mask_truncated=maybe"], "algorithm.mask_truncated", "expected bool"),
     (["rollout.top_p=0"], "rollout.top_p", "(0, 1]"),
     (["rollout.temperature=0"], "rollout.temperature", "> 0"),
     (["rollout.max_tokens=5000"], "rollout.max_tokens", "rollout.max_model_len=1024"),

@@ -24,7 +24,8 @@ Native (stock vLLM in the rollout at vLLM's own TP=2, weights synced in place; p
 trainer): mismatch_count > 0 on most steps, every step comparable and within 1e-3.
 In-process, with a reward function that raises or hangs on some prompts: those samples are
 counted per reason in the step's `reward_failures`, exactly as their records' `reward_status`
-says, and the run goes on."""
+says, and the run goes on; with algorithm.mask_truncated the samples cut at rollout.max_tokens are not trained on (the
+default run's are)."""
 import dataclasses
 import hashlib
 import json
@@ -121,6 +122,7 @@ def strict_run(tmp):
 def test_strict_loop(tmp, strict_run):
     out, rows, bound = strict_run
     assert [m["step"] for m in rows] == [0, 1, 2]
+    truncated = 0
     for m in rows:
         assert m["comparable"] and m["compared_tokens"] > 0 and m["mismatch_count"] == 0 and m["max_abs_diff"] == 0.0
         assert m["nonfinite_tokens"] == 0 and m["reward_failures"] == {} and m["data_quarantined"] == {} and m["not_comparable_reasons"] == []
@@ -130,11 +132,15 @@ def test_strict_loop(tmp, strict_run):
         assert sum(len(r.response_ids) for r in recs) == m["compared_tokens"] == m["response_tokens"]
         assert abs(sum(r.reward for r in recs) / len(recs) - m["reward_mean"]) < 1e-9
         assert len({r.sampling.seed for r in recs}) == 16  # a seed per sample, recorded
+        # algorithm.mask_truncated off (the default): every sample is trained on, however it ended
+        assert m["masked_samples"] == 0 and all(r.loss_mask == [1] * len(r.response_ids) for r in recs)
+        truncated += sum(r.status.value == "truncated" for r in recs)
         assert "time_compile" in m and m["time_compile"] is None  # no Triton kernels run off CUDA (the field is always there)
         prov = json.loads((out / "provenance" / f"step_{m['step']:06d}.json").read_text())
         assert m["contracts_match"] and prov["contracts_match"]
         for side in ("rollout", "trainer"):  # both engines ran the strict contracts, and only those
             assert {e["backend"] for op in ("attention", "linear_logprob", "rms_norm") for e in prov[side][op]} == {"strict"}
+    assert truncated > 0  # (the mask check above saw truncated samples trained on: test_inprocess's control)
     wandb_runs = list((out / "wandb").glob("offline-run-*"))
     assert wandb_runs and (out / "provenance.json").exists() and (out / "checkpoints" / "latest").read_text() == "step_000003"
     prov = json.loads((out / "provenance.json").read_text())
@@ -289,6 +295,7 @@ def test_trainer_tp2_and_two_engines(tmp, strict_run):
     assert "ranks" in json.dumps(state)  # one optimizer state per rank
     rows = _train(tmp, out, *RESUMABLE, *PARALLEL, "run.resume=true")
     assert [m["step"] for m in rows] == [0, 1, 2]
+    truncated = 0
     for m in rows:
         assert m["comparable"] and m["compared_tokens"] > 0 and m["mismatch_count"] == 0 and m["max_abs_diff"] == 0.0
         assert m["entropy"] is not None and m["contracts_match"]
@@ -326,6 +333,7 @@ def test_trainer_cp2_rollout_tp2(tmp, strict_run):
     rows = _train(tmp, out, *RESUMABLE, "trainer.cp=2", "rollout.tp=2", "trainer.token_segments=2")
     rows_1 = _train(tmp, one, *RESUMABLE, "trainer.token_segments=2")
     assert [m["step"] for m in rows] == [0, 1, 2]
+    truncated = 0
     for m in rows:
         assert m["comparable"] and m["compared_tokens"] > 0 and m["mismatch_count"] == 0 and m["max_abs_diff"] == 0.0
     prov = json.loads((out / "provenance.json").read_text())
@@ -458,7 +466,7 @@ def test_inprocess_executor_and_plot(tmp):
     out = tmp / "inprocess"
     rows = _train(tmp, out, "trainer.total_steps=2", "run.executor=inprocess", "logging.wandb=false",
                   "reward.fn=faulty_rewards:by_truth", "reward.timeout_s=0.5", "rlkernel.row_segments=1",
-                  "trainer.profile_update=1")
+                  "trainer.profile_update=1", "algorithm.mask_truncated=true", "rollout.max_tokens=2")
     assert [m["mismatch_count"] for m in rows] == [0, 0] and all(m["compared_tokens"] > 0 for m in rows)
     run = json.loads((out / "provenance.json").read_text())
     assert run["rollout"]["rlkernel"]["row_segments"] == run["trainer"]["row_segments"] == 1
@@ -467,13 +475,21 @@ def test_inprocess_executor_and_plot(tmp):
     prof = json.loads((out / "profile" / "update_step_000001.json").read_text())
     assert prof["step"] == 1 and prof["mode"] == "strict" and prof["wall_seconds"] > 0 and prof["tokens"] > 0
     assert prof["top_by_host"] and prof["host_waits"] == 0  # on the CPU nothing waits for a device
-    failed = Counter()
+    failed, ended = Counter(), Counter()
     for m in rows:
         recs = read_records(out / "records" / f"step_{m['step']:06d}.parquet")
+        # algorithm.mask_truncated: a sample cut at rollout.max_tokens is not trained on (a loss mask of 0s), one that
+        # ended by EOS is; every token is still compared
+        for r in recs:
+            assert r.loss_mask == [int(r.status.value == "ok")] * len(r.response_ids), (r.status, r.loss_mask)
+        assert m["masked_samples"] == sum(r.status.value != "ok" for r in recs) == sum(m["sample_status"].values())
+        assert m["compared_tokens"] == sum(len(r.response_ids) for r in recs)
+        ended.update(r.status.value for r in recs)
         assert m["reward_failures"] == dict(Counter(r.reward_status for r in recs if r.reward_status != "ok"))
         assert all(r.reward == 0.0 for r in recs if r.reward_status != "ok")
         failed.update(m["reward_failures"])
     assert set(failed) <= {"raised:KeyError", "timeout"} and failed["raised:KeyError"] > 0
+    assert ended["ok"] > 0 and ended["truncated"] > 0, ended  # both kinds of mask were seen
     proc = subprocess.run([sys.executable, "-m", "vime.cli", "plot", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     png = out / "curves.png"

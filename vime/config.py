@@ -253,9 +253,16 @@ class AlgorithmSection:
     entropy_coef: float = 0.0
     tis_cap: Optional[float] = None  # TIS weight min(exp(recompute - rollout), cap); needs use_rollout_logprobs=false
     normalize_adv_std: bool = True
+    # DAPO's overlong filtering: a sample that did not end by EOS / a stop string (truncated at rollout.max_tokens, or
+    # aborted by the engine) keeps its reward in its group's advantage but is not trained on (loss mask all 0); its
+    # logprobs are still compared (mismatch_count covers every token)
+    mask_truncated: bool = False
 
     def __post_init__(self):
         from .grpo import KL_ESTIMATORS
+
+        _require(isinstance(self.mask_truncated, bool), "algorithm.mask_truncated",
+                 f"must be true or false, got {self.mask_truncated!r}", "set algorithm.mask_truncated=true")
 
         _choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _require(0 <= self.clip_eps_low < 1, "algorithm.clip_eps_low", f"must be in [0, 1), got {self.clip_eps_low}",

@@ -166,6 +166,8 @@ def _step_metrics(step, records, stats, cmp, upd, version, t) -> dict:
         # how samples ended other than by EOS / a stop string (truncated: hit rollout.max_tokens; aborted by the engine)
         "sample_status": {k: n for k, n in status.items() if k != "ok"},
         "truncated_fraction": status["truncated"] / len(records),
+        # samples not trained on (algorithm.mask_truncated: a loss mask of 0s); their logprobs are compared all the same
+        "masked_samples": sum(1 for r in records if r.loss_mask and not any(r.loss_mask)),
         "time_rollout": t[1] - t[0], "time_score": t[2] - t[1], "time_update": t[3] - t[2], "time_sync": t[4] - t[3],
         "time_step": t[4] - t[0], "tokens_per_second": tokens / max(t[4] - t[0], 1e-9),
         # of the score and update: the trainer's first launches of rlkernel's Triton kernels (compiling them, once per

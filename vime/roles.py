@@ -139,9 +139,10 @@ class RolloutRole:
             g, s = divmod(k, n)
             p, g = prompts[g], first_group + g
             status = {"length": Status.TRUNCATED, "abort": Status.ABORTED}.get(c.finish_reason, Status.OK)
+            trained = int(status is Status.OK or not self.cfg.algorithm.mask_truncated)  # algorithm.mask_truncated
             records.append(TokenRecord(
                 record_id=f"{step}-{g}-{s}", step=step, prompt_id=p.prompt_id, group_id=g, sample_idx=s,
-                prompt_ids=c.prompt_ids, response_ids=c.response_ids, loss_mask=[1] * len(c.response_ids),
+                prompt_ids=c.prompt_ids, response_ids=c.response_ids, loss_mask=[trained] * len(c.response_ids),
                 rollout_logprobs=c.logprobs, weight_versions=[c.weight_version] * len(c.response_ids), engine_id=self.engine_id,
                 sampling=specs[k], finish_reason=c.finish_reason, reward=rw.value, reward_status=rw.status, status=status,
                 response_text=c.text,

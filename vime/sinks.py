@@ -109,8 +109,10 @@ def alarms(metrics: dict, strict: bool) -> list[tuple[str, str]]:
         out.append(("mismatch", f"{metrics['mismatch_count']} rollout logprobs differ from training's (max |diff| "
                                 f"{metrics.get('max_abs_diff')})"))
     if (metrics.get("sample_status") or {}).get("aborted"):
-        out.append(("aborted", f"{metrics['sample_status']['aborted']} sample(s) aborted by the engine (trained on as far as "
-                               "they got; records: status 'aborted')"))
+        masked = bool(metrics.get("masked_samples"))  # algorithm.mask_truncated
+        out.append(("aborted", f"{metrics['sample_status']['aborted']} sample(s) aborted by the engine ("
+                               + ("not trained on: algorithm.mask_truncated" if masked else "trained on as far as they got")
+                               + "; records: status 'aborted')"))
     failed = metrics.get("reward_failures") or {}
     if failed:
         out.append(("reward", f"{sum(failed.values())} sample(s) got reward 0 because their reward failed: {failed}"))
