@@ -73,6 +73,7 @@ _LOG2E = 1.4426950408889634
 
 try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API is young, so any failure is a reason
     import triton
+    import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -484,7 +485,6 @@ if _IMPORT_ERROR is None:
     @triton.jit
     def _nsmid_kernel(out_ptr):
         """%nsmid, the SM identifiers' bound (`_slots`)."""
-        import triton.language as tl
         n = tl.inline_asm_elementwise("mov.u32 $0, %nsmid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
         tl.store(out_ptr, n)
 
