@@ -67,6 +67,10 @@ VARIANTS = {
     # session 37: the producer as the default partition (4 warps), each consumer a worker of 160 registers (three_ows:
     # 152 / 168 / 168); sm_90 here: 144 B of spill stores, all on the fold's path (152: 228 B; 168: C7512, 1,464 B)
     "three_ows_pdef160": dict(cons=3, ows=1, pdef=160),
+    # session 38: three_ows lost (0.65x SDPA, pdef160 0.71x: the fold's global round trip stalls the turn ring). O in
+    # shared memory instead (OWS 2), K and V in rings of their own so that it fits: K stages (`stages`) + 2 V stages
+    "three_osm_k3": dict(cons=3, ows=2, stages=3),
+    "three_osm_k2": dict(cons=3, ows=2, stages=2),
     "diag_three_nofold": dict(cons=3, diag=3, ows=0),
     "diag_nofold": dict(diag=3),
     "qreg": dict(qreg=1),
@@ -427,7 +431,7 @@ def main(argv=None) -> int:
                     rec["max_abs_diff"] = float(diff.max())
                 rec["run_to_run_equal"] = bool(torch.equal(y, gluon_varlen(q, k, v, cu, L, name)))
                 rec["out_sha"] = _sha(y)  # measurement variants of other bits compared with each other
-                if VARIANTS[name].get("cons") == 3 and VARIANTS[name].get("ows", 1):  # every O slot released again
+                if VARIANTS[name].get("cons") == 3 and VARIANTS[name].get("ows", 1) == 1:  # every O slot released again
                     rec["slots_held_after"] = int(AG._slots(q.device, 64, d)[1].count_nonzero())
                 if timed:
                     t = bench(lambda: gluon_varlen(q, k, v, cu, L, name))

@@ -63,6 +63,11 @@ STEPS: dict[str, tuple[int, str]] = {
     "attn_three": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096 --variants "
                         "production,three_ows,three_ows_pdef160,diag_three_nofold && python3 scripts/gpu_gluon_attn.py "
                         "--out {out} --ab 5 --ab-variants three_ows,three_ows_pdef160,diag_three_nofold,diag_nofold"),
+    # session 38: O in shared memory (OWS 2: no slot, no lock), K and V in rings of their own so that it fits (K 3 or 2
+    # stages, V 2; sm_90 here: 229,732 / 213,332 B of shared memory, 0 / 4 B of spills): the bits, then the A/B
+    "attn_osm": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096 --variants "
+                      "production,three_osm_k3,three_osm_k2 && python3 scripts/gpu_gluon_attn.py "
+                      "--out {out} --ab 5 --ab-variants three_osm_k3,three_osm_k2,diag_three_nofold"),
     "gemm_stages": (240, "python3 scripts/gpu_gluon_gemm.py --out {out} --gemms o,down --seg-ms 1024,4096,16384"),
     "ncu_probe": (240, "ncu --clock-control none --profile-from-start off --set full -f -o /tmp/probe "
                        "python3 scripts/gpu_ncu_probe.py && ncu -i /tmp/probe.ncu-rep --page details > {out}/ncu_details.txt "

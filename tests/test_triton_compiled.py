@@ -250,6 +250,48 @@ def test_three_consumer_prefill_holds_its_o_slots_by_lock_for_sm90():
     assert not re.search(r"atom\.|%smid", regs.asm["ptx"])
 
 
+def test_three_consumer_prefill_with_o_in_shared_memory_for_sm90():
+    """`_prefill3_kernel`'s OWS 2 (session 38: O in each consumer's shared tile, K and V in rings of their own)
+    compiled for sm_90: the Triton kernel's arithmetic (the same float ops, the same reduction layouts), no serialized
+    wgmma, no slot and no lock (no atomics, no %smid), within sm_90's 227 KB of shared memory a block — 3 K stages +
+    2 V stages + the query and O tiles of three consumers fill it to 224 KB plus barriers."""
+    pytest.importorskip("triton.experimental.gluon")
+    import sys
+    from pathlib import Path
+
+    from rlkernel.backends.triton import attention as A
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_gluon_attn as GA
+
+    const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=8, PAGED=False, SPLIT=False, PAGE=16, IEEE=False,
+                 STORE_LSE=True, NESTED=False, TMA=True)
+    triton_ir = _compile(A._attn_fwd, {a: _ATTN_TYPES.get(a, "i32") for a in _ATTN_ARGS}, const, asm="ttgir",
+                         enable_fp_fusion=False)
+    for variant in ("three_osm_k3", "three_osm_k2"):
+        k = compile_sm90_or_skip(lambda: GA.compile_sm90(variant))
+        assert _reduce_layouts(k.asm["ttgir"]) == _reduce_layouts(triton_ir), variant
+        assert _float_ops(k.asm["ttgir"]) == _float_ops(triton_ir), (variant, _float_ops(k.asm["ttgir"]) ^ _float_ops(triton_ir))
+        facts = GA.ptx_facts(k)
+        assert facts["wgmma_shapes"] == ["m64n128k16", "m64n64k16"] and "C7511" not in facts["ptxas"], (variant, facts)
+        assert not re.search(r"atom\.|%smid", k.asm["ptx"]), variant
+        assert k.metadata.shared <= 232448, (variant, k.metadata.shared)
+
+
+def test_nsmid_probe_compiles_for_sm90():
+    """`_slots` reads %nsmid on the device through `_nsmid_kernel`: it compiles (session 37's version imported inside
+    the jit function, which Triton refuses: only the first GPU call found it)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rlkernel.backends.triton import attention_gluon as AG
+
+    k = compile_sm90_or_skip(lambda: triton.compile(ASTSource(AG._nsmid_kernel, {"out_ptr": "*i32"}, {}),
+                                                    target=GPUTarget("cuda", 90, 32)))
+    assert "%nsmid" in k.asm["ptx"]
+
+
 def test_gluon_prefill_layout_is_made_once_and_is_tritons_default():
     """attention_gluon.kv_layout keeps Triton's default shared layout per (block_n, d) instead of asking for it every
     launch: equal to a fresh `get_default_for` (so the descriptors' specialization string, and with it the compiled

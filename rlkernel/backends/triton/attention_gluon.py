@@ -65,6 +65,7 @@ STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's sp
 PRODUCER_REGS = 24
 CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
 CONSUMER3_REGS = 168  # three consumers (cons=3): 13 warps share the register file
+OSM_VSTAGES = 2  # `_prefill3_kernel` with O in shared memory (OWS 2): its V ring (K: `stages`)
 PREFILL3_ENV = "RLKERNEL_ATTENTION_PREFILL3"
 # the library's prefill on `_prefill3_kernel` (three consumers, O in held global slots; the same bits, checked at first
 # use as the two-consumer kernel is): off until a GPU times it against `_prefill_kernel` (H200_NOTES, session 37)
@@ -87,6 +88,7 @@ if _IMPORT_ERROR is None:
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
     _CONSUMER3_REGS = gl.constexpr(CONSUMER3_REGS)
+    _OSM_VSTAGES = gl.constexpr(OSM_VSTAGES)
 
     @gluon.jit
     def _merge_stats(M, L, m, l):
@@ -428,6 +430,163 @@ if _IMPORT_ERROR is None:
                       STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)
 
     @gluon.jit
+    def _shared_split(k_desc, v_desc, KSTAGES: gl.constexpr, VSTAGES: gl.constexpr, NCONS: gl.constexpr,
+                      BLOCK_M: gl.constexpr, D: gl.constexpr):
+        """`_shared` with K and V in rings of their own (KSTAGES, VSTAGES: a K stage is free once every consumer's
+        q.k^T read it, a turn before its V stage) and each consumer's finished segments' O (fp32) in shared memory."""
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
+        o_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.float32)
+        bufs_k = gl.allocate_shared_memory(k_desc.dtype, [KSTAGES] + k_desc.block_type.shape, k_desc.layout)
+        bufs_v = gl.allocate_shared_memory(v_desc.dtype, [VSTAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_all = gl.allocate_shared_memory(gl.bfloat16, [NCONS, BLOCK_M, D], q_layout)
+        o_all = gl.allocate_shared_memory(gl.float32, [NCONS, BLOCK_M, D], o_smem_layout)
+        bars = gl.allocate_shared_memory(gl.int64, [2 * KSTAGES + 2 * VSTAGES + NCONS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(KSTAGES + VSTAGES):
+            mbarrier.init(bars.index(i), count=1)  # ready: K stages, then V stages
+            mbarrier.init(bars.index(KSTAGES + VSTAGES + i), count=NCONS)  # empty: likewise
+        for i in gl.static_range(NCONS):
+            mbarrier.init(bars.index(2 * (KSTAGES + VSTAGES) + i), count=1)  # the turns
+        return bufs_k, bufs_v, q_all, o_all, bars
+
+    @gluon.jit
+    def _producer_split(k_desc, v_desc, bufs_k, bufs_v, bars, kv_start, kvh, nc_cta, BLOCK_N: gl.constexpr,
+                        D: gl.constexpr):
+        """`_producer` over `_shared_split`'s two rings: chunk c's K once its K stage is free, then its V once its V
+        stage is (V is read a turn after K: its ring may be the shorter)."""
+        SK: gl.constexpr = bufs_k.type.shape[0]
+        SV: gl.constexpr = bufs_v.type.shape[0]
+        for c in range(0, nc_cta):
+            sk = c % SK
+            sv = c % SV
+            mbarrier.wait(bars.index(SK + SV + sk), ((c // SK) & 1) ^ 1)  # a fresh barrier counts as released once
+            mbarrier.expect(bars.index(sk), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_start + c * BLOCK_N, kvh * D], bars.index(sk), bufs_k.index(sk))
+            mbarrier.wait(bars.index(SK + SV + SK + sv), ((c // SV) & 1) ^ 1)
+            mbarrier.expect(bars.index(SK + sv), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_start + c * BLOCK_N, kvh * D], bars.index(SK + sv), bufs_v.index(sv))
+
+    @gluon.jit
+    def _fold_smem(M, L, m, l, acc, o_smem, have_o, row_o: gl.constexpr, o_layout: gl.constexpr):
+        """`_merge` with O in shared memory (`_consumer_osm`), in the accumulator's own layout: the same ops."""
+        M_new, L, a, b = _merge_stats(M, L, m, l)
+        t = acc * gl.convert_layout(b, row_o)[:, None]
+        if have_o:
+            O = o_smem.load(o_layout)
+        else:
+            O = gl.zeros(acc.shape, gl.float32, o_layout)
+        return M_new, L, gl.fma(O, gl.convert_layout(a, row_o)[:, None], t)
+
+    @gluon.jit
+    def _consumer_osm(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, o_smem, bufs_k, bufs_v, bars, sqt, sqh,
+                      sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, WHICH: gl.constexpr, G: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
+                      STORE_LSE: gl.constexpr, NFULL: gl.constexpr):
+        """`_consumer`'s OWS turn for `_prefill3_kernel`'s OWS 2: the finished segments' O in this consumer's shared
+        tile `o_smem` (no slot, no lock), K and V from `_shared_split`'s rings — a K stage released as soon as this
+        consumer's q.k^T read it, a V stage once its p.v did. The output tile goes out through `q_smem` (no longer
+        read) in 16-byte stores, as production's. The same ops on the same values in the same order."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        NCONS: gl.constexpr = 3
+        TOK: gl.constexpr = BLOCK_M // G
+        SK: gl.constexpr = bufs_k.type.shape[0]
+        SV: gl.constexpr = bufs_v.type.shape[0]
+        RK: gl.constexpr = 0  # bars: ready K, ready V, empty K, empty V, turns
+        RV: gl.constexpr = SK
+        EK: gl.constexpr = SK + SV
+        EV: gl.constexpr = 2 * SK + SV
+        TURN: gl.constexpr = 2 * (SK + SV)
+        tok0 = (grp * NCONS + WHICH) * TOK
+        FIRST: gl.constexpr = 1 if WHICH == 0 else 0  # consumer 0 opens: a fresh barrier passes parity 1
+        NEXT: gl.constexpr = (WHICH + 1) % NCONS
+        q_len = gl.load(ql_ptr + req)
+        q_start = gl.load(qs_ptr + req)
+        kv_len = gl.load(kl_ptr + req)
+        first = kv_len - q_len
+        n_full = (first + tok0 + 1) // BLOCK_N  # chunks every row of the tile sees in full
+        if nc_cta > 0:
+            r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
+            d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+            tok = tok0 + r // G
+            row_ok = (tok < q_len) & (r < TOK * G)
+            qrow = (q_start + gl.minimum(tok, q_len - 1)).to(gl.int64)
+            head = kvh * G + r % G
+            q = gl.load(q_ptr + qrow[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=row_ok[:, None], other=0.0)
+            q_smem.store(q)
+            fence_async_shared()
+            rs = gl.arange(0, BLOCK_M, layout=row_s)
+            qpos = first + gl.minimum(tok0 + rs // G, q_len - 1)
+            kcol = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+            M = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+            L = gl.zeros([BLOCK_M], gl.float32, row_s)
+            m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+            l = gl.zeros([BLOCK_M], gl.float32, row_s)
+            acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+            # chunk 0: q.k^T in the first turn (consumer 0 first: a fresh barrier passes parity 1)
+            mbarrier.wait(bars.index(RK), 0)
+            mbarrier.wait(bars.index(TURN + WHICH), FIRST)
+            s_tok = warpgroup_mma(q_smem, bufs_k.index(0).permute((1, 0)), zero_s, is_async=True)
+            mbarrier.arrive(bars.index(TURN + NEXT), count=1)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+            mbarrier.arrive(bars.index(EK), count=1)
+            s = gl.where(kcol[None, :] <= qpos[:, None], s, float("-inf"))
+            m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, 0)
+            for c in range(1, nc_cta):
+                sk = c % SK
+                sv = (c - 1) % SV
+                mbarrier.wait(bars.index(RK + sk), (c // SK) & 1)
+                mbarrier.wait(bars.index(RV + sv), ((c - 1) // SV) & 1)
+                mbarrier.wait(bars.index(TURN + WHICH), (c & 1) ^ FIRST)
+                acc_tok = warpgroup_mma(p, bufs_v.index(sv), acc, is_async=True)  # chunk c - 1's p.v
+                if (c % SEG_CHUNKS) == 0:  # a segment's first chunk folds before its q.k^T (S not live beside O)
+                    mbarrier.arrive(bars.index(TURN + NEXT), count=1)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+                    mbarrier.arrive(bars.index(EV + sv), count=1)
+                    # the first fold (c == SEG_CHUNKS) finds O = 0, as the registers' version does
+                    M, L, O = _fold_smem(M, L, m, l, acc, o_smem, c > SEG_CHUNKS, row_o, o_layout)
+                    o_smem.store(O)
+                    m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+                    l = gl.zeros([BLOCK_M], gl.float32, row_s)
+                    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+                    s_tok = warpgroup_mma(q_smem, bufs_k.index(sk).permute((1, 0)), zero_s, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+                else:
+                    acc, s = _qk_turn(q_smem, bufs_k.index(sk), zero_s, bars.index(TURN + NEXT), acc_tok)
+                    mbarrier.arrive(bars.index(EV + sv), count=1)
+                mbarrier.arrive(bars.index(EK + sk), count=1)
+                s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
+                m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, 0)
+            sl = (nc_cta - 1) % SV
+            mbarrier.wait(bars.index(RV + sl), ((nc_cta - 1) // SV) & 1)
+            acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
+            mbarrier.arrive(bars.index(EV + sl), count=1)
+            M, L, O = _fold_smem(M, L, m, l, acc, o_smem, nc_cta > SEG_CHUNKS, row_o, o_layout)
+            out = gl.div_rn(O, gl.convert_layout(L, row_o)[:, None])
+            q_smem.store(out.to(gl.bfloat16))  # the query tile's shared memory, no longer read, turns the layout
+            gl.thread_barrier()
+            out_ld = q_smem.load(ld_layout)
+            # the output's addresses made afresh (an opaque zero: not the query load's, which would then live across
+            # the chunk loop)
+            z = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            r2 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout)) + z
+            d2 = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+            tok2 = tok0 + r2 // G
+            qrow2 = (q_start + gl.minimum(tok2, q_len - 1)).to(gl.int64)
+            gl.store(o_ptr + qrow2[:, None] * sot + (kvh * G + r2 % G)[:, None] * soh + d2[None, :],
+                     out_ld.to(o_ptr.dtype.element_ty), mask=((tok2 < q_len) & (r2 < TOK * G))[:, None])
+            if STORE_LSE:  # attention._store_lse, from the final (M, L), in the score layout's rows
+                tok_s = tok0 + rs // G
+                ok_s = (tok_s < q_len) & (rs < TOK * G)
+                qrow_s = (q_start + gl.minimum(tok_s, q_len - 1)).to(gl.int64)
+                gl.store(lse_ptr + qrow_s * hq + (kvh * G + rs % G), (M + gl.log2(L)) * 0.6931471805599453, mask=ok_s)
+
+    @gluon.jit
     def _prefill_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, sqt, sqh, sot, soh, qk_scale,
                         n_pairs, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, NFULL: gl.constexpr,
@@ -457,6 +616,21 @@ if _IMPORT_ERROR is None:
         SEG_CHUNKS chunks) in global memory instead of 64 registers a thread: a slot of ws_ptr that it holds while it
         runs (`_claim`: a lock per slot in lk_ptr, n_slots of them); the same values, so the same bits."""
         grp, req, kvh, kv_start, nc_cta, hq = _cta(n_groups, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N, 3)
+        if OWS == 2:  # O in shared memory, K / V in rings of their own (STAGES K stages, OSM_VSTAGES V stages)
+            bufs_k, bufs_v, q_all, o_all, bars = _shared_split(k_desc, v_desc, STAGES, _OSM_VSTAGES, 3, BLOCK_M, D)
+            gl.warp_specialize([
+                (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), o_all.index(0), bufs_k,
+                                 bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 0, G, BLOCK_M,
+                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL)),
+                (_producer_split, (k_desc, v_desc, bufs_k, bufs_v, bars, kv_start, kvh, nc_cta, BLOCK_N, D)),
+                (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), o_all.index(1), bufs_k,
+                                 bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 1, G, BLOCK_M,
+                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL)),
+                (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), o_all.index(2), bufs_k,
+                                 bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 2, G, BLOCK_M,
+                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL)),
+            ], [1, 4, 4], [_PRODUCER_REGS, _CONSUMER3_REGS, _CONSUMER3_REGS])
+            return
         bufs_k, bufs_v, q_all, ready, empty, turn = _shared(k_desc, v_desc, STAGES, 3, BLOCK_M, D)
         # partitions: `_role` 0 / 1 is the producer / consumer 0 (PDEF: the producer the default partition, 4 warps,
         # each consumer a worker of PDEF registers; else consumer 0 the default, the producer a 1-warp worker)
@@ -616,7 +790,7 @@ def _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale
     """(grid, positional args, keyword args) of one `_prefill3_kernel` launch (`launch` with cons=3, `verify`)."""
     hkv, d = k.shape[1:]
     n_groups = -(-n_tiles // 3)
-    ws, locks = _slots(q.device, cfg.block_m, d) if ows else (out, q_len)
+    ws, locks = _slots(q.device, cfg.block_m, d) if ows == 1 else (out, q_len)  # (OWS 2: O in shared memory)
     args = (q, out, lse if lse is not None else out, *_kv_descriptors(k, v, cfg, skt), q_start, q_len, kv_len, kv_start,
             ws, locks, locks.numel(), q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * _LOG2E,
             n_groups)
