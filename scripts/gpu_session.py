@@ -68,6 +68,11 @@ STEPS: dict[str, tuple[int, str]] = {
     "attn_osm": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096 --variants "
                       "production,three_osm_k3,three_osm_k2 && python3 scripts/gpu_gluon_attn.py "
                       "--out {out} --ab 5 --ab-variants three_osm_k3,three_osm_k2,diag_three_nofold"),
+    # session 38: the library with O in shared memory (RLKERNEL_ATTENTION_PREFILL3=2), after attn_osm: the golden bits,
+    # the launch tests (first-use check, fast path) and the parity harness (its hash must stay 8f3204762ef5c300)
+    "prefill3_osm_check": (420, "export RLKERNEL_ATTENTION_PREFILL3=2 && python3 -m rlkernel.golden --check-gpu && "
+                                "python3 -m pytest -q -p no:cacheprovider tests/test_triton_launch.py -k gluon && "
+                                "python3 scripts/gpu_strict_parity.py --only parity --out {out}"),
     "gemm_stages": (240, "python3 scripts/gpu_gluon_gemm.py --out {out} --gemms o,down --seg-ms 1024,4096,16384"),
     "ncu_probe": (240, "ncu --clock-control none --profile-from-start off --set full -f -o /tmp/probe "
                        "python3 scripts/gpu_ncu_probe.py && ncu -i /tmp/probe.ncu-rep --page details > {out}/ncu_details.txt "

@@ -3,7 +3,11 @@ memory by it. Before these checks (a helper's audit, session 37) the CPU kernels
 outside the tensors: cu_seqlens past the rows (heap corruption), a block id outside the cache, k/v of another head
 size than the cache, a weight on another device (segfault); negative rope positions read a cached table's other rows;
 float positions, targets and offsets were truncated; eps < 0, theta 0, entropy at temperature 0 computed garbage; a
-strict block pinned to impl='native' ran torch's ops. Valid neighbours of each bad call still run."""
+strict block pinned to impl='native' ran torch's ops. Dtypes (session 38, from a helper's audit of every caller): a
+mixed call meant something on one backend and nothing on another (the CPU GEMM widened a bf16 weight beside fp32 x, the
+Triton GEMM refused it, the Triton logprob and attention kernels would have fed two dtypes to one dot), float64 was
+rounded to float32 silently, and k / v were rounded into a cache of another dtype by a copy documented as exact; the
+one declared mix, rms_norm's weight, still runs. Valid neighbours of each bad call still run."""
 import pytest
 import torch
 
@@ -54,6 +58,21 @@ BAD = [  # (call, phrase of the message)
     (lambda: rk.linear_entropy(torch.randn(3, 8), torch.randn(10, 8), 0.0), "temperature must be > 0"),
     (lambda: rk.linear_logprob(torch.randn(3, 8), torch.randn(10, 8), torch.tensor([0.0, 5.9, 1.0])), "targets must be an integer tensor"),
     (lambda: rk.mode("strict", impl="native").__enter__(), "for torch's own ops use mode='native'"),
+    (lambda: rk.linear(torch.randn(2, 8), torch.randn(3, 8).bfloat16()), "x and weight must share one dtype"),
+    (lambda: rk.linear(torch.randn(2, 8), torch.randn(3, 8), torch.zeros(3).bfloat16()), "x and weight and bias must share one dtype"),
+    (lambda: rk.linear(torch.randn(2, 8).double(), torch.randn(3, 8).double()), "x is torch.float64"),
+    (lambda: rk.linear_logprob(torch.randn(3, 8), torch.randn(10, 8).bfloat16(), torch.tensor([0, 5, 1])), "hidden and weight must share"),
+    (lambda: rk.linear_entropy(torch.randn(3, 8).double(), torch.randn(10, 8).double()), "hidden is torch.float64"),
+    (lambda: rk.linear_logprobs_full(torch.randn(3, 8).half(), torch.randn(10, 8)), "hidden and weight must share"),
+    (lambda: rk.swiglu(torch.randn(3, 8), torch.randn(3, 8).bfloat16()), "gate and up must share one dtype"),
+    (lambda: rk.rope(X.double(), POS, 1e4), "x is torch.float64"),
+    (lambda: rk.rms_norm(torch.randn(3, 8), torch.ones(8), 1e-6, residual=torch.randn(3, 8).bfloat16()), "x and residual must share"),
+    (lambda: rk.rms_norm(torch.randn(3, 8), torch.ones(8).double()), "weight is torch.float64"),
+    (lambda: rk.attention_varlen(Q, K.bfloat16(), V.bfloat16(), torch.tensor([0, 3, 8])), "q and k and v must share one dtype"),
+    (lambda: rk.attention_paged(QD.bfloat16(), KC, VC, torch.tensor([[1], [0]]), torch.tensor([5, 6]), torch.tensor([0, 1, 3])),
+     "q and k_cache and v_cache must share one dtype"),
+    (lambda: rk.write_kv_cache(torch.randn(3, 2, 8), torch.randn(3, 2, 8), KC.bfloat16(), VC.bfloat16(), torch.tensor([0, 1, 2])),
+     "k and v and k_cache and v_cache must share one dtype"),
     (lambda: pack_sequences([[1.5, 2.2]]), "token ids must be ints"),
     (lambda: DecoderConfig(arch="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=0,
                            num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, tie_word_embeddings=True),
@@ -83,5 +102,15 @@ def test_the_valid_neighbours_run():
     assert rk.rope(X, ONE.repeat(2)[:3], 1e4).shape == X.shape
     assert rk.rms_norm(torch.randn(3, 8), torch.ones(8), 0).shape == (3, 8)
     assert rk.linear(torch.randn(2, 8), torch.randn(3, 8), k_segments=__import__("numpy").int64(2)).shape == (2, 3)
+    # one dtype throughout, in each of the contracts' three; rms_norm's weight in another dtype (declared: the output
+    # is in the weight's dtype, the new residual in x's)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        assert rk.linear(torch.randn(2, 8, dtype=dt), torch.randn(3, 8, dtype=dt), torch.zeros(3, dtype=dt)).dtype == dt
+        assert rk.swiglu(torch.randn(3, 8, dtype=dt), torch.randn(3, 8, dtype=dt)).dtype == dt
+        assert rk.linear_logprob(torch.randn(3, 8, dtype=dt), torch.randn(10, 8, dtype=dt), torch.tensor([0, 5, 1])).dtype == torch.float32
+    y, res = rk.rms_norm(torch.randn(3, 8), torch.ones(8).bfloat16(), 1e-6, residual=torch.randn(3, 8))
+    assert (y.dtype, res.dtype) == (torch.bfloat16, torch.float32)
+    assert rk.attention_varlen(Q.bfloat16(), K.bfloat16(), V.bfloat16(), torch.tensor([0, 3, 8])).dtype == torch.bfloat16
+    rk.write_kv_cache(torch.randn(3, 2, 8).bfloat16(), torch.randn(3, 2, 8).bfloat16(), KC.bfloat16(), VC.bfloat16(), torch.tensor([0, 1, 2]))
     with rk.mode("strict", impl="reference", ops={"attention": "native"}):
         assert rk.linear(torch.randn(2, 8), torch.randn(3, 8)).shape == (2, 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
+from ._dtypes import data_dtype
 from ..backends import cpu as _cpu
 from ..backends.triton import ops as _triton
 
@@ -49,6 +50,7 @@ def attention_varlen(q, k, v, cu_seqlens, *, scale: float | None = None, backend
     implementation then launches without reading it back (no device sync; a device-side assert checks it). It sizes
     the launch only, never a value."""
     _check(q, k, v)
+    data_dtype("attention_varlen", q=q, k=k, v=v)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"attention_varlen: q has {q.shape[0]} rows but k/v have {k.shape[0]} (packed: one key row per query row)")
     _index("attention_varlen: cu_seqlens", cu_seqlens, 1)
@@ -72,6 +74,7 @@ def attention_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"attention_paged: want caches [blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
     _check(q, k_cache[0], v_cache[0])
+    data_dtype("attention_paged", q=q, k_cache=k_cache, v_cache=v_cache)
     _index("attention_paged: block_tables", block_tables, 2)
     _index("attention_paged: seq_lens", seq_lens, 1)
     _index("attention_paged: query_start_loc", query_start_loc, 1)
@@ -104,6 +107,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     if k.dim() != 3 or k.shape != v.shape or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k.shape[1:] != k_cache.shape[2:]:
         raise ValueError(f"write_kv_cache: want k/v [T, Hkv, D] equal in shape and caches [blocks, block_size, Hkv, D] of the same "
                          f"Hkv and D; got k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    data_dtype("write_kv_cache", k=k, v=v, k_cache=k_cache, v_cache=v_cache)  # exact copies: no rounding into the cache
     _index("write_kv_cache: slot_mapping", slot_mapping, 1)
     if slot_mapping.shape[0] > k.shape[0]:
         raise ValueError(f"write_kv_cache: {slot_mapping.shape[0]} slots for {k.shape[0]} keys")

@@ -6,6 +6,7 @@ import numbers
 import torch
 
 from .. import dispatch
+from ._dtypes import data_dtype
 from ..backends.reference import linear as _ref
 
 
@@ -23,6 +24,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     into canonical segments merged by one tree (the layout a row-parallel TP layer reproduces)."""
     if x.dim() == 0 or weight.dim() != 2 or weight.shape[-1] != x.shape[-1]:
         raise ValueError(f"linear: want x [..., K] and weight [N, K]; got {tuple(x.shape)} and {tuple(weight.shape)}")
+    data_dtype("linear", x=x, weight=weight, bias=bias)
     if bias is not None and (bias.shape != weight.shape[:1] or bias.device != weight.device):
         raise ValueError(f"linear: bias {tuple(bias.shape)} on {bias.device} does not match {weight.shape[0]} outputs on "
                          f"{weight.device}")
@@ -42,6 +44,7 @@ def linear_segment_partials(x: torch.Tensor, weight: torch.Tensor, k_segments: i
     """
     if weight.shape[-1] != x.shape[-1]:
         raise ValueError(f"linear: x has K={x.shape[-1]} but weight is {tuple(weight.shape)}")
+    data_dtype("linear_segment_partials", x=x, weight=weight)
     impl = dispatch.resolve("linear", x.device, "strict")
     dispatch.note_call("linear", impl, (x, weight))
     return _ref.partials(x, weight, k_segments, prims=impl.prims)

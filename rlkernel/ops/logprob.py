@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
+from ._dtypes import data_dtype
 
 
 def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, vocab_size: int | None = None, backend: str | None = None) -> torch.Tensor:
@@ -12,6 +13,7 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     hidden [T, H]; weight [V_padded, H]; targets [T] int64 in [0, vocab_size).
     """
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    data_dtype("linear_logprob", hidden=hidden, weight=weight)
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"linear_logprob: want hidden [T, H] and targets [T]; got {tuple(hidden.shape)}, {tuple(targets.shape)}")
     if not 0 < vocab_size <= weight.shape[0] or weight.shape[1] != hidden.shape[1]:
@@ -36,6 +38,7 @@ def linear_logprobs_full(hidden: torch.Tensor, weight: torch.Tensor, temperature
     trainer recomputes. Materialises the whole table: for sampling, not for training.
     """
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    data_dtype("linear_logprobs_full", hidden=hidden, weight=weight)
     if hidden.dim() != 2 or weight.shape[1] != hidden.shape[1] or not 0 < vocab_size <= weight.shape[0]:
         raise ValueError(f"linear_logprobs_full: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, vocab_size {vocab_size}")
     if not temperature > 0:
@@ -47,6 +50,7 @@ def linear_entropy(hidden: torch.Tensor, weight: torch.Tensor, temperature: floa
     """float32 [T] entropy of softmax(hidden @ weight[:vocab_size].T / temperature), differentiable,
     computed tile by tile under the linear-logprob contract (for the GRPO entropy bonus and metrics)."""
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
+    data_dtype("linear_entropy", hidden=hidden, weight=weight)
     if hidden.dim() != 2 or weight.shape[1] != hidden.shape[1] or not 0 < vocab_size <= weight.shape[0]:
         raise ValueError(f"linear_entropy: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, vocab_size {vocab_size}")
     if not temperature > 0:

@@ -6,6 +6,7 @@ import math
 import torch
 
 from .. import dispatch
+from ._dtypes import data_dtype
 
 
 def _eps(name: str, eps) -> None:
@@ -18,8 +19,11 @@ def _eps(name: str, eps) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None, *, backend: str | None = None):
-    """RMSNorm over the last dim; with `residual`, returns (normed, x + residual)."""
+    """RMSNorm over the last dim; with `residual` (x's dtype), returns (normed, x + residual). The output is in the
+    weight's dtype (contracts/norm.py), the new residual in x's."""
     _eps("rms_norm", eps)
+    data_dtype("rms_norm", x=x, residual=residual)  # (the weight may differ: the output is in its dtype)
+    data_dtype("rms_norm", weight=weight)
     if x.dim() == 0 or weight.dim() != 1 or weight.shape[-1] != x.shape[-1]:
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
     if residual is not None and residual.shape != x.shape:
@@ -38,6 +42,8 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: 
 
     _eps("rms_norm_rope", eps)
     _positions("rms_norm_rope", positions, theta)
+    data_dtype("rms_norm_rope", x=x)
+    data_dtype("rms_norm_rope", weight=weight)
     if x.dim() != 3 or positions.shape != x.shape[:1]:
         raise ValueError(f"rms_norm_rope: want x [T, heads, d] and positions [T], got {tuple(x.shape)} and "
                          f"{tuple(positions.shape)}")

@@ -6,6 +6,7 @@ import math
 import torch
 
 from .. import dispatch
+from ._dtypes import data_dtype
 from ..backends.reference.rope import rope_table
 
 __all__ = ["rope", "rope_table"]
@@ -16,6 +17,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float, *, backend: str
     """Rotate x [T, heads, head_dim] by the absolute positions [T] (int64). max_position: a bound
     on the positions the caller knows (sizes the table without reading the positions back)."""
     _positions("rope", positions, theta)
+    data_dtype("rope", x=x)
     if x.dim() != 3 or positions.shape != x.shape[:1]:
         raise ValueError(f"rope: want x [T, heads, d] and positions [T], got {tuple(x.shape)} and {tuple(positions.shape)}")
     if x.shape[-1] % 2:

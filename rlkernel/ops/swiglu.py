@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
+from ._dtypes import data_dtype
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """silu(gate) * up, element-wise; gate and up of equal shape."""
+    data_dtype("swiglu", gate=gate, up=up)
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     return dispatch.call("swiglu", backend, (gate, up), gate, up)
@@ -22,6 +24,7 @@ def linear_swiglu(x: torch.Tensor, gate_up_weight: torch.Tensor, *, backend: str
     still records both ops. Under a `dispatch.tap` it runs the two ops, so the tap sees each."""
     from .linear import linear
 
+    data_dtype("linear_swiglu", x=x, gate_up_weight=gate_up_weight)
     if gate_up_weight.dim() != 2 or gate_up_weight.shape[-1] != x.shape[-1] or gate_up_weight.shape[0] % 2:
         raise ValueError(f"linear_swiglu: x has K={x.shape[-1]} but the gate/up weight is {tuple(gate_up_weight.shape)} "
                          f"(want [2I, {x.shape[-1]}])")

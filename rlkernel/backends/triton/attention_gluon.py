@@ -66,10 +66,12 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
 CONSUMER3_REGS = 168  # three consumers (cons=3): 13 warps share the register file
 OSM_VSTAGES = 2  # `_prefill3_kernel` with O in shared memory (OWS 2): its V ring (K: `stages`)
+OSM_KSTAGES = 3  # ... and its K ring where the library runs it (4 would not fit sm_90's shared memory)
 PREFILL3_ENV = "RLKERNEL_ATTENTION_PREFILL3"
-# the library's prefill on `_prefill3_kernel` (three consumers, O in held global slots; the same bits, checked at first
-# use as the two-consumer kernel is): off until a GPU times it against `_prefill_kernel` (H200_NOTES, session 37)
-PREFILL3 = os.environ.get(PREFILL3_ENV, "0") == "1"
+# the library's prefill on `_prefill3_kernel` (three consumers; the same bits, checked at first use as the two-consumer
+# kernel is): 1 its O in held global slots (OWS 1), 2 in shared memory (OWS 2, session 38: K in OSM_KSTAGES stages);
+# 0 (the default) `_prefill_kernel`, until a GPU times them against it (H200_NOTES)
+PREFILL3 = {"0": 0, "1": 1, "2": 2}.get(os.environ.get(PREFILL3_ENV, "0"), 0)
 _LOG2E = 1.4426950408889634
 
 try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API is young, so any failure is a reason
@@ -724,7 +726,7 @@ def self_check(device, G: int, cfg) -> str | None:
     else:
         n = int((y.view(torch.int16) != ref.view(torch.int16)).any(dim=-1).sum()) + \
             int((lse.view(torch.int32) != ref_lse.view(torch.int32)).sum())  # bit patterns (a NaN equals itself)
-        held = int(_slots(device, cfg.block_m, 128)[1].count_nonzero()) if PREFILL3 else 0
+        held = int(_slots(device, cfg.block_m, 128)[1].count_nonzero()) if PREFILL3 == 1 else 0
         why = (None if n == held == 0 else f"first-use check: {n} values differ from the Triton kernel's"
                + (f"; {held} O slots still held after the launch" if held else ""))
     if why is not None:
@@ -768,10 +770,11 @@ def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, 
            nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, cons=None, ows=1, pdef=0):
     """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None), through
     launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time).
-    cons: 2 (`_prefill_kernel`) or 3 (`_prefill3_kernel`: three consumers, O in held global slots when `ows`); None
-    (the library's call): 3 where RLKERNEL_ATTENTION_PREFILL3=1 (`PREFILL3`), else 2."""
+    cons: 2 (`_prefill_kernel`) or 3 (`_prefill3_kernel`: three consumers, O in held global slots with `ows` 1, in
+    shared memory with 2); None (the library's call): 3 with ows = `PREFILL3` where RLKERNEL_ATTENTION_PREFILL3 is 1
+    or 2 (2: K in OSM_KSTAGES stages), else 2."""
     if cons is None:
-        cons = 3 if PREFILL3 else 2
+        cons, ows, stages = _library_kernel(stages)
     if cons == 3:
         grid, args, kwargs = _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt,
                                            lse, stages, nfull, diag, ows, pdef)
@@ -783,6 +786,13 @@ def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, 
     _LAUNCHES[0] += 1
     _prefill_fast[grid](*args, **kwargs)
     return out
+
+
+def _library_kernel(stages: int) -> tuple:
+    """(cons, ows, stages) of the library's prefill launch (`PREFILL3`)."""
+    if not PREFILL3:
+        return 2, 1, stages
+    return 3, PREFILL3, OSM_KSTAGES if PREFILL3 == 2 else stages
 
 
 def _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag,
@@ -825,8 +835,9 @@ def verify(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, 
     the kernel three times (fast path, fast path again, Triton's own `run`) into `out` / `lse` and says whether all
     three ran one compiled kernel (a GPU's check)."""
     if PREFILL3:
+        _, ows, stages = _library_kernel(stages)
         grid, args, kwargs = _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt,
-                                           lse, stages, nfull, diag, 1, 0)
+                                           lse, stages, nfull, diag, ows, 0)
         return _prefill3_fast.verify(grid, *args, **kwargs)
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
                                       stages, nfull, diag, skip, qreg, qk_first)
@@ -839,6 +850,7 @@ def describe() -> str:
         return f"off ({ENV}=0)"
     if _IMPORT_ERROR is not None:
         return f"unavailable ({_IMPORT_ERROR})"
-    kernel = f"; three consumers, O in held slots ({PREFILL3_ENV}=1)" if PREFILL3 else ""
+    where = {1: "O in held slots", 2: "O in shared memory"}.get(PREFILL3)
+    kernel = f"; three consumers, {where} ({PREFILL3_ENV}={PREFILL3})" if PREFILL3 else ""
     return "on where supported (sm_90, bf16, head dim 128" + kernel + ")" + describe_checks(_CHECKED,
                                                                                        lambda k: f"G={k[1]}")
