@@ -218,13 +218,9 @@ def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90(variant):
     assert a_ops == ({"{"} if "qreg" in variant else {"%"}), a_ops
 
 
-def test_three_consumer_prefill_holds_its_o_slots_by_lock_for_sm90():
-    """The three-consumer prefill (`_prefill3_kernel` with O in global slots: a measurement until a GPU times it,
-    H200_NOTES) compiled for sm_90: the Triton kernel's arithmetic as above, and each of its three consumers takes an
-    O slot by one acquire compare-and-swap and gives it back by one release exchange. %smid is read once a consumer,
-    as the claim's hint: PTX lets %smid change under a running thread (after a preemption), so a slot indexed by it —
-    session 36's first version, which read %smid at every fold — could be shared by two CTAs. Its twin with O in
-    registers (`three`) takes no slot."""
+def _gluon_attn_and_triton_ttgir():
+    """(scripts/gpu_gluon_attn.py as a module, the Triton prefill kernel's TTGIR at the Gluon kernels' shape: G 4,
+    64 x 64 tiles, D 128, 8-chunk segments, lse stored) for the three-consumer tests."""
     pytest.importorskip("triton.experimental.gluon")
     import sys
     from pathlib import Path
@@ -236,8 +232,18 @@ def test_three_consumer_prefill_holds_its_o_slots_by_lock_for_sm90():
 
     const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=8, PAGED=False, SPLIT=False, PAGE=16, IEEE=False,
                  STORE_LSE=True, NESTED=False, TMA=True)
-    triton_ir = _compile(A._attn_fwd, {a: _ATTN_TYPES.get(a, "i32") for a in _ATTN_ARGS}, const, asm="ttgir",
-                         enable_fp_fusion=False)
+    return GA, _compile(A._attn_fwd, {a: _ATTN_TYPES.get(a, "i32") for a in _ATTN_ARGS}, const, asm="ttgir",
+                        enable_fp_fusion=False)
+
+
+def test_three_consumer_prefill_holds_its_o_slots_by_lock_for_sm90():
+    """The three-consumer prefill (`_prefill3_kernel` with O in global slots: a measurement until a GPU times it,
+    H200_NOTES) compiled for sm_90: the Triton kernel's arithmetic as above, and each of its three consumers takes an
+    O slot by one acquire compare-and-swap and gives it back by one release exchange. %smid is read once a consumer,
+    as the claim's hint: PTX lets %smid change under a running thread (after a preemption), so a slot indexed by it —
+    session 36's first version, which read %smid at every fold — could be shared by two CTAs. Its twin with O in
+    registers (`three`) takes no slot."""
+    GA, triton_ir = _gluon_attn_and_triton_ttgir()
     ows, regs = compile_sm90_or_skip(lambda: (GA.compile_sm90("three_ows"), GA.compile_sm90("three")))
     assert _reduce_layouts(ows.asm["ttgir"]) == _reduce_layouts(triton_ir)
     assert _float_ops(ows.asm["ttgir"]) == _float_ops(triton_ir), _float_ops(ows.asm["ttgir"]) ^ _float_ops(triton_ir)
@@ -255,19 +261,7 @@ def test_three_consumer_prefill_with_o_in_shared_memory_for_sm90():
     compiled for sm_90: the Triton kernel's arithmetic (the same float ops, the same reduction layouts), no serialized
     wgmma, no slot and no lock (no atomics, no %smid), within sm_90's 227 KB of shared memory a block — 3 K stages +
     2 V stages + the query and O tiles of three consumers fill it to 224 KB plus barriers."""
-    pytest.importorskip("triton.experimental.gluon")
-    import sys
-    from pathlib import Path
-
-    from rlkernel.backends.triton import attention as A
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import gpu_gluon_attn as GA
-
-    const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=8, PAGED=False, SPLIT=False, PAGE=16, IEEE=False,
-                 STORE_LSE=True, NESTED=False, TMA=True)
-    triton_ir = _compile(A._attn_fwd, {a: _ATTN_TYPES.get(a, "i32") for a in _ATTN_ARGS}, const, asm="ttgir",
-                         enable_fp_fusion=False)
+    GA, triton_ir = _gluon_attn_and_triton_ttgir()
     for variant in ("three_osm_k3", "three_osm_k2"):
         k = compile_sm90_or_skip(lambda: GA.compile_sm90(variant))
         assert _reduce_layouts(k.asm["ttgir"]) == _reduce_layouts(triton_ir), variant

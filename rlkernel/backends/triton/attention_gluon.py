@@ -199,6 +199,56 @@ if _IMPORT_ERROR is None:
         return nc
 
     @gluon.jit
+    def _tile_rows(ql_ptr, qs_ptr, kl_ptr, req, tok0, BLOCK_N: gl.constexpr):
+        """A consumer's request: (q_len, q_start, the first query's key position, the chunks every row of the tile
+        starting at token tok0 sees in full)."""
+        q_len = gl.load(ql_ptr + req)
+        q_start = gl.load(qs_ptr + req)
+        kv_len = gl.load(kl_ptr + req)
+        first = kv_len - q_len
+        return q_len, q_start, first, (first + tok0 + 1) // BLOCK_N
+
+    @gluon.jit
+    def _load_q(q_ptr, q_smem, q_start, q_len, kvh, tok0, sqt, sqh, G: gl.constexpr, BLOCK_M: gl.constexpr,
+                D: gl.constexpr, ld_layout: gl.constexpr):
+        """The query tile (G heads of 64 // G tokens) into its shared memory, fenced for the wgmmas; returns the rows'
+        (qrow, head, row_ok, d) for a store from the same layout."""
+        TOK: gl.constexpr = BLOCK_M // G
+        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+        tok = tok0 + r // G
+        row_ok = (tok < q_len) & (r < TOK * G)
+        qrow = (q_start + gl.minimum(tok, q_len - 1)).to(gl.int64)
+        head = kvh * G + r % G
+        q = gl.load(q_ptr + qrow[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=row_ok[:, None], other=0.0)
+        q_smem.store(q)
+        fence_async_shared()
+        return qrow, head, row_ok, d
+
+    @gluon.jit
+    def _store_out(o_ptr, out_ld, tok0, q_start, q_len, kvh, sot, soh, G: gl.constexpr, BLOCK_M: gl.constexpr,
+                   D: gl.constexpr, ld_layout: gl.constexpr):
+        """The output tile (in the query load's blocked layout: 16-byte stores) to its rows, the addresses made afresh
+        (an opaque zero: not the query load's, which would then live across the chunk loop)."""
+        TOK: gl.constexpr = BLOCK_M // G
+        z = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        r2 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout)) + z
+        d2 = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+        tok2 = tok0 + r2 // G
+        qrow2 = (q_start + gl.minimum(tok2, q_len - 1)).to(gl.int64)
+        gl.store(o_ptr + qrow2[:, None] * sot + (kvh * G + r2 % G)[:, None] * soh + d2[None, :],
+                 out_ld.to(o_ptr.dtype.element_ty), mask=((tok2 < q_len) & (r2 < TOK * G))[:, None])
+
+    @gluon.jit
+    def _store_lse(lse_ptr, M, L, rs, tok0, q_start, q_len, kvh, hq, G: gl.constexpr, BLOCK_M: gl.constexpr):
+        """attention._store_lse, from the final (M, L), in the score layout's rows."""
+        TOK: gl.constexpr = BLOCK_M // G
+        tok_s = tok0 + rs // G
+        ok_s = (tok_s < q_len) & (rs < TOK * G)
+        qrow_s = (q_start + gl.minimum(tok_s, q_len - 1)).to(gl.int64)
+        gl.store(lse_ptr + qrow_s * hq + (kvh * G + rs % G), (M + gl.log2(L)) * 0.6931471805599453, mask=ok_s)
+
+    @gluon.jit
     def _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt, sqh,
                   sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, WHICH: gl.constexpr, G: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
@@ -231,21 +281,9 @@ if _IMPORT_ERROR is None:
         tok0 = (pair * NCONS + WHICH) * TOK
         FIRST: gl.constexpr = 1 if WHICH == 0 else 0  # consumer 0 opens: a fresh barrier passes parity 1
         NEXT: gl.constexpr = (WHICH + 1) % NCONS
-        q_len = gl.load(ql_ptr + req)
-        q_start = gl.load(qs_ptr + req)
-        kv_len = gl.load(kl_ptr + req)
-        first = kv_len - q_len
-        n_full = (first + tok0 + 1) // BLOCK_N  # chunks every row of the tile sees in full
+        q_len, q_start, first, n_full = _tile_rows(ql_ptr, qs_ptr, kl_ptr, req, tok0, BLOCK_N)
         if nc_cta > 0:
-            r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
-            d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-            tok = tok0 + r // G
-            row_ok = (tok < q_len) & (r < TOK * G)
-            qrow = (q_start + gl.minimum(tok, q_len - 1)).to(gl.int64)
-            head = kvh * G + r % G
-            q = gl.load(q_ptr + qrow[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=row_ok[:, None], other=0.0)
-            q_smem.store(q)
-            fence_async_shared()
+            qrow, head, row_ok, d = _load_q(q_ptr, q_smem, q_start, q_len, kvh, tok0, sqt, sqh, G, BLOCK_M, D, ld_layout)
             if QREG:
                 qa = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
             else:
@@ -353,25 +391,14 @@ if _IMPORT_ERROR is None:
                 if nc_cta > SEG_CHUNKS:
                     _release(lk_ptr, slot)
                 out = gl.div_rn(O_ld, gl.convert_layout(L, gl.SliceLayout(1, ld_layout))[:, None])
-                # the output's addresses made afresh (an opaque zero: not the ones of the query load, which would then
-                # live across the chunk loop)
-                z = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-                r2 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout)) + z
-                d2 = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-                tok2 = tok0 + r2 // G
-                qrow2 = (q_start + gl.minimum(tok2, q_len - 1)).to(gl.int64)
-                gl.store(o_ptr + qrow2[:, None] * sot + (kvh * G + r2 % G)[:, None] * soh + d2[None, :],
-                         out.to(o_ptr.dtype.element_ty), mask=((tok2 < q_len) & (r2 < TOK * G))[:, None])
+                _store_out(o_ptr, out, tok0, q_start, q_len, kvh, sot, soh, G, BLOCK_M, D, ld_layout)
             else:
                 M, L, O = _merge(M, L, O, m, l, acc, row_o)
                 out = gl.div_rn(O, gl.convert_layout(L, row_o)[:, None])
                 gl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :],
                          gl.convert_layout(out.to(o_ptr.dtype.element_ty), ld_layout), mask=row_ok[:, None])
-            if STORE_LSE:  # attention._store_lse, from the final (M, L), in the score layout's rows
-                tok_s = tok0 + rs // G
-                ok_s = (tok_s < q_len) & (rs < TOK * G)
-                qrow_s = (q_start + gl.minimum(tok_s, q_len - 1)).to(gl.int64)
-                gl.store(lse_ptr + qrow_s * hq + (kvh * G + rs % G), (M + gl.log2(L)) * 0.6931471805599453, mask=ok_s)
+            if STORE_LSE:
+                _store_lse(lse_ptr, M, L, rs, tok0, q_start, q_len, kvh, hq, G, BLOCK_M)
 
     @gluon.jit
     def _producer(k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N: gl.constexpr,
@@ -506,21 +533,9 @@ if _IMPORT_ERROR is None:
         tok0 = (grp * NCONS + WHICH) * TOK
         FIRST: gl.constexpr = 1 if WHICH == 0 else 0  # consumer 0 opens: a fresh barrier passes parity 1
         NEXT: gl.constexpr = (WHICH + 1) % NCONS
-        q_len = gl.load(ql_ptr + req)
-        q_start = gl.load(qs_ptr + req)
-        kv_len = gl.load(kl_ptr + req)
-        first = kv_len - q_len
-        n_full = (first + tok0 + 1) // BLOCK_N  # chunks every row of the tile sees in full
+        q_len, q_start, first, n_full = _tile_rows(ql_ptr, qs_ptr, kl_ptr, req, tok0, BLOCK_N)
         if nc_cta > 0:
-            r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
-            d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-            tok = tok0 + r // G
-            row_ok = (tok < q_len) & (r < TOK * G)
-            qrow = (q_start + gl.minimum(tok, q_len - 1)).to(gl.int64)
-            head = kvh * G + r % G
-            q = gl.load(q_ptr + qrow[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=row_ok[:, None], other=0.0)
-            q_smem.store(q)
-            fence_async_shared()
+            qrow, head, row_ok, d = _load_q(q_ptr, q_smem, q_start, q_len, kvh, tok0, sqt, sqh, G, BLOCK_M, D, ld_layout)
             rs = gl.arange(0, BLOCK_M, layout=row_s)
             qpos = first + gl.minimum(tok0 + rs // G, q_len - 1)
             kcol = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -572,21 +587,9 @@ if _IMPORT_ERROR is None:
             out = gl.div_rn(O, gl.convert_layout(L, row_o)[:, None])
             q_smem.store(out.to(gl.bfloat16))  # the query tile's shared memory, no longer read, turns the layout
             gl.thread_barrier()
-            out_ld = q_smem.load(ld_layout)
-            # the output's addresses made afresh (an opaque zero: not the query load's, which would then live across
-            # the chunk loop)
-            z = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-            r2 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout)) + z
-            d2 = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-            tok2 = tok0 + r2 // G
-            qrow2 = (q_start + gl.minimum(tok2, q_len - 1)).to(gl.int64)
-            gl.store(o_ptr + qrow2[:, None] * sot + (kvh * G + r2 % G)[:, None] * soh + d2[None, :],
-                     out_ld.to(o_ptr.dtype.element_ty), mask=((tok2 < q_len) & (r2 < TOK * G))[:, None])
-            if STORE_LSE:  # attention._store_lse, from the final (M, L), in the score layout's rows
-                tok_s = tok0 + rs // G
-                ok_s = (tok_s < q_len) & (rs < TOK * G)
-                qrow_s = (q_start + gl.minimum(tok_s, q_len - 1)).to(gl.int64)
-                gl.store(lse_ptr + qrow_s * hq + (kvh * G + rs % G), (M + gl.log2(L)) * 0.6931471805599453, mask=ok_s)
+            _store_out(o_ptr, q_smem.load(ld_layout), tok0, q_start, q_len, kvh, sot, soh, G, BLOCK_M, D, ld_layout)
+            if STORE_LSE:
+                _store_lse(lse_ptr, M, L, rs, tok0, q_start, q_len, kvh, hq, G, BLOCK_M)
 
     @gluon.jit
     def _prefill_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, sqt, sqh, sot, soh, qk_scale,
