@@ -183,6 +183,35 @@ def test_installed_plugin_leaves_stock_vllm_stock(models, tmp_path, arch):
     assert r["model_class"].startswith("vllm.") and r["model_class"].endswith(want), r
 
 
+_STRICT_CACHE_DTYPE = r'''
+import os, sys
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", TORCHDYNAMO_DISABLE="1")
+from vllm import LLM, SamplingParams
+from rlkernel.integrations.vllm_compat import contract_logprobs_mode
+from rlkernel.integrations.vllm_plugin import strict_architecture
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256, block_size=32, max_num_seqs=2,
+          kv_cache_dtype=sys.argv[2], hf_overrides={"architectures": [strict_architecture(["Qwen3ForCausalLM"])]},
+          logprobs_mode=contract_logprobs_mode())
+print("BUILT", flush=True)
+print("TOKENS", llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids)
+'''
+
+
+def test_strict_engine_refuses_a_cache_of_another_dtype_when_built(models):
+    """A strict engine of an fp32 model asked for a bf16 KV cache is refused while vLLM builds the model, naming both
+    dtypes and the fix (until session 38 k / v were rounded into that cache, so the rollout's logprobs were not the
+    trainer's; then rlkernel's write_kv_cache refused it, but only at the first generate). Its control, the same
+    engine with kv_cache_dtype='auto', builds and generates."""
+    model = str(models["qwen3-tied"])
+    bad = subprocess.run([sys.executable, "-c", _STRICT_CACHE_DTYPE, model, "bfloat16"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode != 0 and "BUILT" not in bad.stdout, bad.stdout[-2000:]
+    assert "kv_cache_dtype='bfloat16' but the model runs torch.float32" in bad.stdout + bad.stderr, bad.stderr[-3000:]
+    good = subprocess.run([sys.executable, "-c", _STRICT_CACHE_DTYPE, model, "auto"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert good.returncode == 0 and "BUILT" in good.stdout and "TOKENS [" in good.stdout, good.stderr[-3000:]
+
+
 def test_seeded_prompt_longer_than_the_chunk_budget_is_refused_clearly(models):
     """vLLM-CPU crashes ("CPU Generator does not use offset") when a seeded request's prefill is
     split across steps; the rollout refuses such a request first, naming the field and the fix. Seeded prompts that

@@ -41,6 +41,18 @@ def plugin_settings(vllm_config) -> dict:
     return dict(extra.get("rlkernel", {})) if isinstance(extra, dict) else {}
 
 
+def _check_cache_dtype(vllm_config) -> None:
+    """The strict KV cache holds the model's dtype (`write_kv_cache` copies exactly): a `kv_cache_dtype` naming another
+    is refused here, when the engine is built, not at its first write (it once rounded k / v into the cache, so the
+    rollout's logprobs were not the trainer's)."""
+    cache = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto") or "auto")
+    dtype = vllm_config.model_config.dtype
+    if cache != "auto" and getattr(torch, cache, None) != dtype:
+        raise ValueError(f"rlkernel strict model: kv_cache_dtype={cache!r} but the model runs {dtype}: the strict "
+                         "attention's cache holds the model dtype (k / v are copied into it exactly); pass "
+                         "kv_cache_dtype='auto'")
+
+
 class StrictForCausalLM(StrictDecoder):
     """A StrictDecoder that vLLM can construct, feed and load."""
 
@@ -50,6 +62,7 @@ class StrictForCausalLM(StrictDecoder):
         config = DecoderConfig.from_hf(hf.to_dict())
         if "row_segments" in settings:  # the canonical K segments of the row-parallel layers: the trainer's (vime passes them)
             config = dataclasses.replace(config, row_segments=int(settings["row_segments"]))
+        _check_cache_dtype(vllm_config)
         super().__init__(config, dtype=vllm_config.model_config.dtype, device=vllm_config.device_config.device, tp=_vllm_tp())
         self.set_max_positions(vllm_config.model_config.max_model_len)  # RoPE without reading positions back
         self._kernel_recorder = self.compile_ahead_stats = None
