@@ -27,6 +27,11 @@ q.k^T 516 — the per-chunk softmax (two row reductions, 32 exp2 and 64 acc resc
 Session 34: the output tile stored 16 bytes a thread — 466 TFLOP/s on the H200 (1.08-1.11x the Triton
 kernel, 0.82-0.83x SDPA in interleaved rounds; benchmarks/h200_session34/call2), the same bits.
 
+Layout: this module holds the kernels (`_prefill_kernel`, the measurement `_prefill3_kernel`), their consumer,
+producer and shared memory, and the host side (launch, checks); `attention_gluon_parts.py` the device pieces below a
+consumer (merge, softmax, mask, loads and stores, OWS 1's slots); `attention_gluon_osm.py` OWS 2's pieces (O in
+shared memory, K / V in rings of their own).
+
 Used by `attention.attention_varlen` where `unsupported_reason` is None (sm_90, bf16, head dim 128, the contract's
 64 x 64 tiles, K / V through TMA, the unsplit flat walk, Triton 3.6, and a first-use check per device and head group
 that this kernel and the Triton kernel give equal bits and lse on a small mixed batch); `RLKERNEL_ATTENTION_GLUON=0`
@@ -79,8 +84,7 @@ try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API i
     import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401 (gluon_checks.descriptor's)
     _IMPORT_ERROR = None
 except Exception as e:  # noqa: BLE001
@@ -92,161 +96,9 @@ if _IMPORT_ERROR is None:
     _CONSUMER3_REGS = gl.constexpr(CONSUMER3_REGS)
     _OSM_VSTAGES = gl.constexpr(OSM_VSTAGES)
 
-    @gluon.jit
-    def _merge_stats(M, L, m, l):
-        """attention._merge's row part: the merged max and sum, and the scales a (of O) and b (of o)."""
-        M_new = gl.maximum(M, m)
-        Ms = gl.where(M_new == float("-inf"), 0.0, M_new)
-        a = gl.where(M_new == M, 1.0, gl.exp2(M - Ms))
-        b = gl.where(M_new == m, 1.0, gl.exp2(m - Ms))
-        return M_new, gl.fma(L, a, l * b), a, b
-
-    @gluon.jit
-    def _merge(M, L, O, m, l, o, row_o: gl.constexpr):
-        """attention._merge: (M, L, O) <- (M, L, O) (+) (m, l, o), the same ops in the same order."""
-        M_new, L, a, b = _merge_stats(M, L, m, l)
-        O = gl.fma(O, gl.convert_layout(a, row_o)[:, None], o * gl.convert_layout(b, row_o)[:, None])
-        return M_new, L, O
-
-    @gluon.jit
-    def _merge_ws(M, L, m, l, o, o_ws, have_o, row_o: gl.constexpr, ld_layout: gl.constexpr):
-        """`_merge` with O in memory (`_prefill3_kernel`'s OWS): the same ops, O's in the blocked layout of `o_ws`
-        (read only when `have_o`, else the zero it starts as). o * b is made in the accumulator's registers and
-        converted, so O is never beside acc. Returns (M, L, O in ld_layout)."""
-        M_new, L, a, b = _merge_stats(M, L, m, l)
-        t = gl.convert_layout(o * gl.convert_layout(b, row_o)[:, None], ld_layout)
-        a_ld = gl.convert_layout(a, gl.SliceLayout(1, ld_layout))
-        if have_o:
-            O = gl.load(o_ws)
-        else:
-            O = gl.zeros(t.shape, gl.float32, ld_layout)
-        return M_new, L, gl.fma(O, a_ld[:, None], t)
-
-    @gluon.jit
-    def _softmax(s, m, l, acc, qk_scale, row_o: gl.constexpr, p_layout: gl.constexpr, SKIP: gl.constexpr):
-        """attention._chunk between its two dots (s already masked): the new row max, alpha, p, l, acc * alpha, and p
-        as the bf16 A operand of the p.v wgmma. SKIP: leave acc alone when no row's max moved (every alpha is then
-        1.0 exactly, and acc * 1.0 == acc bit for bit), at the cost of a tile-wide test (a cross-warp reduction)."""
-        m_new, alpha, l, p = _stats(s, m, l, qk_scale, p_layout)
-        if SKIP:
-            if gl.max((m_new != m).to(gl.int32), 0) != 0:
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        else:
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        return m_new, l, acc, p
-
-    @gluon.jit
-    def _stats(s, m, l, qk_scale, p_layout: gl.constexpr):
-        """`_softmax` without the accumulator's rescale: the new row max, alpha, l and p (bf16, the p.v operand)."""
-        m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.where(m_new == m, 1.0, gl.exp2(m - m_safe))
-        p32 = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
-        l = l * alpha + gl.sum(p32, 1)
-        return m_new, alpha, l, gl.convert_layout(p32.to(gl.bfloat16), p_layout)
-
-    @gluon.jit
-    def _qk_turn(qa, k_tile, zero_s, next_turn, acc_tok):
-        """The turn's second half: issue chunk c's q.k^T behind the running p.v (acc_tok), hand the turn on, wait for
-        both: (acc, s)."""
-        s_tok = warpgroup_mma(qa, k_tile.permute((1, 0)), zero_s, is_async=True)
-        mbarrier.arrive(next_turn, count=1)
-        return warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
-
-    @gluon.jit
-    def _mask(s, c, n_full, kcol, qpos, BLOCK_N: gl.constexpr, NFULL: gl.constexpr):
-        """Chunk c's causal mask: on the chunks some row of the tile does not see in full (NFULL) or on every chunk."""
-        if NFULL:
-            if c >= n_full:
-                s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
-        else:
-            s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
-        return s
-
-    @gluon.jit
-    def _o_slot(ws_ptr, slot, ld_layout: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
-        """`_prefill3_kernel`'s O: slot `slot`'s [BLOCK_M, D] fp32 tile of ws_ptr, in the query load's blocked layout
-        (16-byte accesses). The indices are made here, so nothing of the addresses is live across the chunk loop."""
-        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-        return ws_ptr + slot.to(gl.int64) * (BLOCK_M * D) + (r[:, None] * D + d[None, :])
-
-    @gluon.jit
-    def _claim(lk_ptr, n_slots, WHICH: gl.constexpr, NCONS: gl.constexpr):
-        """An O slot for this consumer, held until `_release`: the first free one from this SM's (%smid is only the
-        hint: PTX lets it change under a running thread after a preemption, so it never names the slot itself). One
-        thread's compare-and-swap, its result shared with the warpgroup. A slot is always free: n_slots = NCONS x
-        %nsmid, one CTA per SM at this kernel's shared memory."""
-        hint = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        i = (hint * NCONS + WHICH) % n_slots
-        while gl.atomic_cas(lk_ptr + i, 0, 1, sem="acquire", scope="gpu") != 0:
-            i = (i + 1) % n_slots
-        return i
-
-    @gluon.jit
-    def _release(lk_ptr, slot):
-        """`_claim`'s slot free again, once every thread of the warpgroup has read it for the last time."""
-        gl.thread_barrier()
-        gl.atomic_xchg(lk_ptr + slot, 0, sem="release", scope="gpu")
-
-    @gluon.jit
-    def _chunks(pair, q_len, kv_len, TOK: gl.constexpr, BLOCK_N: gl.constexpr, NCONS: gl.constexpr = 2):
-        """The chunks a CTA's NCONS query tiles walk: its last live tile's (0 for a group past the request)."""
-        nc = 0
-        if pair * NCONS * TOK < q_len:  # the CTA's last live tile sees the most chunks
-            t_last = gl.minimum(pair * NCONS + (NCONS - 1), (q_len - 1) // TOK)
-            nc = (kv_len - q_len + gl.minimum(t_last * TOK + TOK, q_len) - 1) // BLOCK_N + 1
-        return nc
-
-    @gluon.jit
-    def _tile_rows(ql_ptr, qs_ptr, kl_ptr, req, tok0, BLOCK_N: gl.constexpr):
-        """A consumer's request: (q_len, q_start, the first query's key position, the chunks every row of the tile
-        starting at token tok0 sees in full)."""
-        q_len = gl.load(ql_ptr + req)
-        q_start = gl.load(qs_ptr + req)
-        kv_len = gl.load(kl_ptr + req)
-        first = kv_len - q_len
-        return q_len, q_start, first, (first + tok0 + 1) // BLOCK_N
-
-    @gluon.jit
-    def _load_q(q_ptr, q_smem, q_start, q_len, kvh, tok0, sqt, sqh, G: gl.constexpr, BLOCK_M: gl.constexpr,
-                D: gl.constexpr, ld_layout: gl.constexpr):
-        """The query tile (G heads of 64 // G tokens) into its shared memory, fenced for the wgmmas; returns the rows'
-        (qrow, head, row_ok, d) for a store from the same layout."""
-        TOK: gl.constexpr = BLOCK_M // G
-        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-        tok = tok0 + r // G
-        row_ok = (tok < q_len) & (r < TOK * G)
-        qrow = (q_start + gl.minimum(tok, q_len - 1)).to(gl.int64)
-        head = kvh * G + r % G
-        q = gl.load(q_ptr + qrow[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=row_ok[:, None], other=0.0)
-        q_smem.store(q)
-        fence_async_shared()
-        return qrow, head, row_ok, d
-
-    @gluon.jit
-    def _store_out(o_ptr, out_ld, tok0, q_start, q_len, kvh, sot, soh, G: gl.constexpr, BLOCK_M: gl.constexpr,
-                   D: gl.constexpr, ld_layout: gl.constexpr):
-        """The output tile (in the query load's blocked layout: 16-byte stores) to its rows, the addresses made afresh
-        (an opaque zero: not the query load's, which would then live across the chunk loop)."""
-        TOK: gl.constexpr = BLOCK_M // G
-        z = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        r2 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout)) + z
-        d2 = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-        tok2 = tok0 + r2 // G
-        qrow2 = (q_start + gl.minimum(tok2, q_len - 1)).to(gl.int64)
-        gl.store(o_ptr + qrow2[:, None] * sot + (kvh * G + r2 % G)[:, None] * soh + d2[None, :],
-                 out_ld.to(o_ptr.dtype.element_ty), mask=((tok2 < q_len) & (r2 < TOK * G))[:, None])
-
-    @gluon.jit
-    def _store_lse(lse_ptr, M, L, rs, tok0, q_start, q_len, kvh, hq, G: gl.constexpr, BLOCK_M: gl.constexpr):
-        """attention._store_lse, from the final (M, L), in the score layout's rows."""
-        TOK: gl.constexpr = BLOCK_M // G
-        tok_s = tok0 + rs // G
-        ok_s = (tok_s < q_len) & (rs < TOK * G)
-        qrow_s = (q_start + gl.minimum(tok_s, q_len - 1)).to(gl.int64)
-        gl.store(lse_ptr + qrow_s * hq + (kvh * G + rs % G), (M + gl.log2(L)) * 0.6931471805599453, mask=ok_s)
+    from .attention_gluon_osm import _consumer_osm, _producer_split, _shared_split
+    from .attention_gluon_parts import (_chunks, _claim, _load_q, _mask, _merge, _merge_ws, _o_slot, _qk_turn, _release,
+                                        _softmax, _stats, _store_lse, _store_out, _tile_rows)
 
     @gluon.jit
     def _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt, sqh,
@@ -457,139 +309,6 @@ if _IMPORT_ERROR is None:
             _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,
                       sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
                       STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)
-
-    @gluon.jit
-    def _shared_split(k_desc, v_desc, KSTAGES: gl.constexpr, VSTAGES: gl.constexpr, NCONS: gl.constexpr,
-                      BLOCK_M: gl.constexpr, D: gl.constexpr):
-        """`_shared` with K and V in rings of their own (KSTAGES, VSTAGES: a K stage is free once every consumer's
-        q.k^T read it, a turn before its V stage) and each consumer's finished segments' O (fp32) in shared memory."""
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
-        o_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.float32)
-        bufs_k = gl.allocate_shared_memory(k_desc.dtype, [KSTAGES] + k_desc.block_type.shape, k_desc.layout)
-        bufs_v = gl.allocate_shared_memory(v_desc.dtype, [VSTAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_all = gl.allocate_shared_memory(gl.bfloat16, [NCONS, BLOCK_M, D], q_layout)
-        o_all = gl.allocate_shared_memory(gl.float32, [NCONS, BLOCK_M, D], o_smem_layout)
-        bars = gl.allocate_shared_memory(gl.int64, [2 * KSTAGES + 2 * VSTAGES + NCONS, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(KSTAGES + VSTAGES):
-            mbarrier.init(bars.index(i), count=1)  # ready: K stages, then V stages
-            mbarrier.init(bars.index(KSTAGES + VSTAGES + i), count=NCONS)  # empty: likewise
-        for i in gl.static_range(NCONS):
-            mbarrier.init(bars.index(2 * (KSTAGES + VSTAGES) + i), count=1)  # the turns
-        return bufs_k, bufs_v, q_all, o_all, bars
-
-    @gluon.jit
-    def _producer_split(k_desc, v_desc, bufs_k, bufs_v, bars, kv_start, kvh, nc_cta, BLOCK_N: gl.constexpr,
-                        D: gl.constexpr):
-        """`_producer` over `_shared_split`'s two rings: chunk c's K once its K stage is free, then its V once its V
-        stage is (V is read a turn after K: its ring may be the shorter)."""
-        SK: gl.constexpr = bufs_k.type.shape[0]
-        SV: gl.constexpr = bufs_v.type.shape[0]
-        for c in range(0, nc_cta):
-            sk = c % SK
-            sv = c % SV
-            mbarrier.wait(bars.index(SK + SV + sk), ((c // SK) & 1) ^ 1)  # a fresh barrier counts as released once
-            mbarrier.expect(bars.index(sk), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_start + c * BLOCK_N, kvh * D], bars.index(sk), bufs_k.index(sk))
-            mbarrier.wait(bars.index(SK + SV + SK + sv), ((c // SV) & 1) ^ 1)
-            mbarrier.expect(bars.index(SK + sv), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [kv_start + c * BLOCK_N, kvh * D], bars.index(SK + sv), bufs_v.index(sv))
-
-    @gluon.jit
-    def _fold_smem(M, L, m, l, acc, o_smem, have_o, row_o: gl.constexpr, o_layout: gl.constexpr):
-        """`_merge` with O in shared memory (`_consumer_osm`), in the accumulator's own layout: the same ops."""
-        M_new, L, a, b = _merge_stats(M, L, m, l)
-        t = acc * gl.convert_layout(b, row_o)[:, None]
-        if have_o:
-            O = o_smem.load(o_layout)
-        else:
-            O = gl.zeros(acc.shape, gl.float32, o_layout)
-        return M_new, L, gl.fma(O, gl.convert_layout(a, row_o)[:, None], t)
-
-    @gluon.jit
-    def _consumer_osm(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, o_smem, bufs_k, bufs_v, bars, sqt, sqh,
-                      sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, WHICH: gl.constexpr, G: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
-                      STORE_LSE: gl.constexpr, NFULL: gl.constexpr):
-        """`_consumer`'s OWS turn for `_prefill3_kernel`'s OWS 2: the finished segments' O in this consumer's shared
-        tile `o_smem` (no slot, no lock), K and V from `_shared_split`'s rings — a K stage released as soon as this
-        consumer's q.k^T read it, a V stage once its p.v did. The output tile goes out through `q_smem` (no longer
-        read) in 16-byte stores, as production's. The same ops on the same values in the same order."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        NCONS: gl.constexpr = 3
-        TOK: gl.constexpr = BLOCK_M // G
-        SK: gl.constexpr = bufs_k.type.shape[0]
-        SV: gl.constexpr = bufs_v.type.shape[0]
-        RK: gl.constexpr = 0  # bars: ready K, ready V, empty K, empty V, turns
-        RV: gl.constexpr = SK
-        EK: gl.constexpr = SK + SV
-        EV: gl.constexpr = 2 * SK + SV
-        TURN: gl.constexpr = 2 * (SK + SV)
-        tok0 = (grp * NCONS + WHICH) * TOK
-        FIRST: gl.constexpr = 1 if WHICH == 0 else 0  # consumer 0 opens: a fresh barrier passes parity 1
-        NEXT: gl.constexpr = (WHICH + 1) % NCONS
-        q_len, q_start, first, n_full = _tile_rows(ql_ptr, qs_ptr, kl_ptr, req, tok0, BLOCK_N)
-        if nc_cta > 0:
-            qrow, head, row_ok, d = _load_q(q_ptr, q_smem, q_start, q_len, kvh, tok0, sqt, sqh, G, BLOCK_M, D, ld_layout)
-            rs = gl.arange(0, BLOCK_M, layout=row_s)
-            qpos = first + gl.minimum(tok0 + rs // G, q_len - 1)
-            kcol = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-            M = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-            L = gl.zeros([BLOCK_M], gl.float32, row_s)
-            m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-            l = gl.zeros([BLOCK_M], gl.float32, row_s)
-            acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-            # chunk 0: q.k^T in the first turn (consumer 0 first: a fresh barrier passes parity 1)
-            mbarrier.wait(bars.index(RK), 0)
-            mbarrier.wait(bars.index(TURN + WHICH), FIRST)
-            s_tok = warpgroup_mma(q_smem, bufs_k.index(0).permute((1, 0)), zero_s, is_async=True)
-            mbarrier.arrive(bars.index(TURN + NEXT), count=1)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-            mbarrier.arrive(bars.index(EK), count=1)
-            s = gl.where(kcol[None, :] <= qpos[:, None], s, float("-inf"))
-            m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, 0)
-            for c in range(1, nc_cta):
-                sk = c % SK
-                sv = (c - 1) % SV
-                mbarrier.wait(bars.index(RK + sk), (c // SK) & 1)
-                mbarrier.wait(bars.index(RV + sv), ((c - 1) // SV) & 1)
-                mbarrier.wait(bars.index(TURN + WHICH), (c & 1) ^ FIRST)
-                acc_tok = warpgroup_mma(p, bufs_v.index(sv), acc, is_async=True)  # chunk c - 1's p.v
-                if (c % SEG_CHUNKS) == 0:  # a segment's first chunk folds before its q.k^T (S not live beside O)
-                    mbarrier.arrive(bars.index(TURN + NEXT), count=1)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-                    mbarrier.arrive(bars.index(EV + sv), count=1)
-                    # the first fold (c == SEG_CHUNKS) finds O = 0, as the registers' version does
-                    M, L, O = _fold_smem(M, L, m, l, acc, o_smem, c > SEG_CHUNKS, row_o, o_layout)
-                    o_smem.store(O)
-                    m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-                    l = gl.zeros([BLOCK_M], gl.float32, row_s)
-                    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-                    s_tok = warpgroup_mma(q_smem, bufs_k.index(sk).permute((1, 0)), zero_s, is_async=True)
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-                else:
-                    acc, s = _qk_turn(q_smem, bufs_k.index(sk), zero_s, bars.index(TURN + NEXT), acc_tok)
-                    mbarrier.arrive(bars.index(EV + sv), count=1)
-                mbarrier.arrive(bars.index(EK + sk), count=1)
-                s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
-                m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, 0)
-            sl = (nc_cta - 1) % SV
-            mbarrier.wait(bars.index(RV + sl), ((nc_cta - 1) // SV) & 1)
-            acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
-            mbarrier.arrive(bars.index(EV + sl), count=1)
-            M, L, O = _fold_smem(M, L, m, l, acc, o_smem, nc_cta > SEG_CHUNKS, row_o, o_layout)
-            out = gl.div_rn(O, gl.convert_layout(L, row_o)[:, None])
-            q_smem.store(out.to(gl.bfloat16))  # the query tile's shared memory, no longer read, turns the layout
-            gl.thread_barrier()
-            _store_out(o_ptr, q_smem.load(ld_layout), tok0, q_start, q_len, kvh, sot, soh, G, BLOCK_M, D, ld_layout)
-            if STORE_LSE:
-                _store_lse(lse_ptr, M, L, rs, tok0, q_start, q_len, kvh, hq, G, BLOCK_M)
 
     @gluon.jit
     def _prefill_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, sqt, sqh, sot, soh, qk_scale,

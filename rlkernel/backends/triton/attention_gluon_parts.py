@@ -1,0 +1,171 @@
+"""The Gluon prefill kernels' device pieces below a consumer (attention_gluon's module docstring): `attention._merge`'s
+row stats and fold, a chunk's softmax, the turn's q.k^T, the causal mask, a consumer's request rows, query load and
+output / lse stores, and `_prefill3_kernel`'s O slots held by a lock (OWS 1). Inlined into the kernels that call them:
+the same ops, wherever they live."""
+from __future__ import annotations
+
+try:  # as attention_gluon's: where Gluon does not import, nothing here is defined and that module says why
+    from triton.experimental import gluon
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon import language as gl
+    _IMPORT_ERROR = None
+except Exception as e:  # noqa: BLE001
+    _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+if _IMPORT_ERROR is None:
+    @gluon.jit
+    def _merge_stats(M, L, m, l):
+        """attention._merge's row part: the merged max and sum, and the scales a (of O) and b (of o)."""
+        M_new = gl.maximum(M, m)
+        Ms = gl.where(M_new == float("-inf"), 0.0, M_new)
+        a = gl.where(M_new == M, 1.0, gl.exp2(M - Ms))
+        b = gl.where(M_new == m, 1.0, gl.exp2(m - Ms))
+        return M_new, gl.fma(L, a, l * b), a, b
+
+    @gluon.jit
+    def _merge(M, L, O, m, l, o, row_o: gl.constexpr):
+        """attention._merge: (M, L, O) <- (M, L, O) (+) (m, l, o), the same ops in the same order."""
+        M_new, L, a, b = _merge_stats(M, L, m, l)
+        O = gl.fma(O, gl.convert_layout(a, row_o)[:, None], o * gl.convert_layout(b, row_o)[:, None])
+        return M_new, L, O
+
+    @gluon.jit
+    def _merge_ws(M, L, m, l, o, o_ws, have_o, row_o: gl.constexpr, ld_layout: gl.constexpr):
+        """`_merge` with O in memory (`_prefill3_kernel`'s OWS): the same ops, O's in the blocked layout of `o_ws`
+        (read only when `have_o`, else the zero it starts as). o * b is made in the accumulator's registers and
+        converted, so O is never beside acc. Returns (M, L, O in ld_layout)."""
+        M_new, L, a, b = _merge_stats(M, L, m, l)
+        t = gl.convert_layout(o * gl.convert_layout(b, row_o)[:, None], ld_layout)
+        a_ld = gl.convert_layout(a, gl.SliceLayout(1, ld_layout))
+        if have_o:
+            O = gl.load(o_ws)
+        else:
+            O = gl.zeros(t.shape, gl.float32, ld_layout)
+        return M_new, L, gl.fma(O, a_ld[:, None], t)
+
+    @gluon.jit
+    def _softmax(s, m, l, acc, qk_scale, row_o: gl.constexpr, p_layout: gl.constexpr, SKIP: gl.constexpr):
+        """attention._chunk between its two dots (s already masked): the new row max, alpha, p, l, acc * alpha, and p
+        as the bf16 A operand of the p.v wgmma. SKIP: leave acc alone when no row's max moved (every alpha is then
+        1.0 exactly, and acc * 1.0 == acc bit for bit), at the cost of a tile-wide test (a cross-warp reduction)."""
+        m_new, alpha, l, p = _stats(s, m, l, qk_scale, p_layout)
+        if SKIP:
+            if gl.max((m_new != m).to(gl.int32), 0) != 0:
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        else:
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        return m_new, l, acc, p
+
+    @gluon.jit
+    def _stats(s, m, l, qk_scale, p_layout: gl.constexpr):
+        """`_softmax` without the accumulator's rescale: the new row max, alpha, l and p (bf16, the p.v operand)."""
+        m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.where(m_new == m, 1.0, gl.exp2(m - m_safe))
+        p32 = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
+        l = l * alpha + gl.sum(p32, 1)
+        return m_new, alpha, l, gl.convert_layout(p32.to(gl.bfloat16), p_layout)
+
+    @gluon.jit
+    def _qk_turn(qa, k_tile, zero_s, next_turn, acc_tok):
+        """The turn's second half: issue chunk c's q.k^T behind the running p.v (acc_tok), hand the turn on, wait for
+        both: (acc, s)."""
+        s_tok = warpgroup_mma(qa, k_tile.permute((1, 0)), zero_s, is_async=True)
+        mbarrier.arrive(next_turn, count=1)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
+
+    @gluon.jit
+    def _mask(s, c, n_full, kcol, qpos, BLOCK_N: gl.constexpr, NFULL: gl.constexpr):
+        """Chunk c's causal mask: on the chunks some row of the tile does not see in full (NFULL) or on every chunk."""
+        if NFULL:
+            if c >= n_full:
+                s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
+        else:
+            s = gl.where((c * BLOCK_N + kcol)[None, :] <= qpos[:, None], s, float("-inf"))
+        return s
+
+    @gluon.jit
+    def _o_slot(ws_ptr, slot, ld_layout: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
+        """`_prefill3_kernel`'s O: slot `slot`'s [BLOCK_M, D] fp32 tile of ws_ptr, in the query load's blocked layout
+        (16-byte accesses). The indices are made here, so nothing of the addresses is live across the chunk loop."""
+        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+        return ws_ptr + slot.to(gl.int64) * (BLOCK_M * D) + (r[:, None] * D + d[None, :])
+
+    @gluon.jit
+    def _claim(lk_ptr, n_slots, WHICH: gl.constexpr, NCONS: gl.constexpr):
+        """An O slot for this consumer, held until `_release`: the first free one from this SM's (%smid is only the
+        hint: PTX lets it change under a running thread after a preemption, so it never names the slot itself). One
+        thread's compare-and-swap, its result shared with the warpgroup. A slot is always free: n_slots = NCONS x
+        %nsmid, one CTA per SM at this kernel's shared memory."""
+        hint = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        i = (hint * NCONS + WHICH) % n_slots
+        while gl.atomic_cas(lk_ptr + i, 0, 1, sem="acquire", scope="gpu") != 0:
+            i = (i + 1) % n_slots
+        return i
+
+    @gluon.jit
+    def _release(lk_ptr, slot):
+        """`_claim`'s slot free again, once every thread of the warpgroup has read it for the last time."""
+        gl.thread_barrier()
+        gl.atomic_xchg(lk_ptr + slot, 0, sem="release", scope="gpu")
+
+    @gluon.jit
+    def _chunks(pair, q_len, kv_len, TOK: gl.constexpr, BLOCK_N: gl.constexpr, NCONS: gl.constexpr = 2):
+        """The chunks a CTA's NCONS query tiles walk: its last live tile's (0 for a group past the request)."""
+        nc = 0
+        if pair * NCONS * TOK < q_len:  # the CTA's last live tile sees the most chunks
+            t_last = gl.minimum(pair * NCONS + (NCONS - 1), (q_len - 1) // TOK)
+            nc = (kv_len - q_len + gl.minimum(t_last * TOK + TOK, q_len) - 1) // BLOCK_N + 1
+        return nc
+
+    @gluon.jit
+    def _tile_rows(ql_ptr, qs_ptr, kl_ptr, req, tok0, BLOCK_N: gl.constexpr):
+        """A consumer's request: (q_len, q_start, the first query's key position, the chunks every row of the tile
+        starting at token tok0 sees in full)."""
+        q_len = gl.load(ql_ptr + req)
+        q_start = gl.load(qs_ptr + req)
+        kv_len = gl.load(kl_ptr + req)
+        first = kv_len - q_len
+        return q_len, q_start, first, (first + tok0 + 1) // BLOCK_N
+
+    @gluon.jit
+    def _load_q(q_ptr, q_smem, q_start, q_len, kvh, tok0, sqt, sqh, G: gl.constexpr, BLOCK_M: gl.constexpr,
+                D: gl.constexpr, ld_layout: gl.constexpr):
+        """The query tile (G heads of 64 // G tokens) into its shared memory, fenced for the wgmmas; returns the rows'
+        (qrow, head, row_ok, d) for a store from the same layout."""
+        TOK: gl.constexpr = BLOCK_M // G
+        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+        tok = tok0 + r // G
+        row_ok = (tok < q_len) & (r < TOK * G)
+        qrow = (q_start + gl.minimum(tok, q_len - 1)).to(gl.int64)
+        head = kvh * G + r % G
+        q = gl.load(q_ptr + qrow[:, None] * sqt + head[:, None] * sqh + d[None, :], mask=row_ok[:, None], other=0.0)
+        q_smem.store(q)
+        fence_async_shared()
+        return qrow, head, row_ok, d
+
+    @gluon.jit
+    def _store_out(o_ptr, out_ld, tok0, q_start, q_len, kvh, sot, soh, G: gl.constexpr, BLOCK_M: gl.constexpr,
+                   D: gl.constexpr, ld_layout: gl.constexpr):
+        """The output tile (in the query load's blocked layout: 16-byte stores) to its rows, the addresses made afresh
+        (an opaque zero: not the query load's, which would then live across the chunk loop)."""
+        TOK: gl.constexpr = BLOCK_M // G
+        z = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        r2 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout)) + z
+        d2 = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+        tok2 = tok0 + r2 // G
+        qrow2 = (q_start + gl.minimum(tok2, q_len - 1)).to(gl.int64)
+        gl.store(o_ptr + qrow2[:, None] * sot + (kvh * G + r2 % G)[:, None] * soh + d2[None, :],
+                 out_ld.to(o_ptr.dtype.element_ty), mask=((tok2 < q_len) & (r2 < TOK * G))[:, None])
+
+    @gluon.jit
+    def _store_lse(lse_ptr, M, L, rs, tok0, q_start, q_len, kvh, hq, G: gl.constexpr, BLOCK_M: gl.constexpr):
+        """attention._store_lse, from the final (M, L), in the score layout's rows."""
+        TOK: gl.constexpr = BLOCK_M // G
+        tok_s = tok0 + rs // G
+        ok_s = (tok_s < q_len) & (rs < TOK * G)
+        qrow_s = (q_start + gl.minimum(tok_s, q_len - 1)).to(gl.int64)
+        gl.store(lse_ptr + qrow_s * hq + (kvh * G + rs % G), (M + gl.log2(L)) * 0.6931471805599453, mask=ok_s)
