@@ -261,9 +261,6 @@ class AlgorithmSection:
     def __post_init__(self):
         from .grpo import KL_ESTIMATORS
 
-        _require(isinstance(self.mask_truncated, bool), "algorithm.mask_truncated",
-                 f"must be true or false, got {self.mask_truncated!r}", "set algorithm.mask_truncated=true")
-
         _choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _require(0 <= self.clip_eps_low < 1, "algorithm.clip_eps_low", f"must be in [0, 1), got {self.clip_eps_low}",
                  "set algorithm.clip_eps_low=0.2")
