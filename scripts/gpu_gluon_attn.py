@@ -107,7 +107,10 @@ def compile_sm90(variant, G=4, d=128):
     if kw["cons"] == 3:  # `_prefill3_kernel` (three consumers)
         const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
                      NFULL=kw["nfull"], DIAG=kw["diag"], OWS=kw["ows"], PDEF=kw.get("pdef", 0), num_warps=4)
-        sig = {**ptrs, "ws_ptr": "*fp32", "lk_ptr": "*i32", "n_slots": "i32", **ints, "n_groups": "i32", **{k: "constexpr" for k in const}}
+        # ws_ptr / lk_ptr as the library passes them: OWS 1 its fp32 slots and i32 locks, else (out, q_len)
+        ws = "*fp32" if kw["ows"] == 1 else "*bf16"
+        sig = {**ptrs, "ws_ptr": ws, "lk_ptr": "*i32", "n_slots": "i32", **ints, "n_groups": "i32",
+               **{k: "constexpr" for k in const}}
         src = GluonASTSource(AG._prefill3_kernel, sig, constexprs=const)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
     const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,

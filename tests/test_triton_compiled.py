@@ -260,7 +260,9 @@ def test_three_consumer_prefill_with_o_in_shared_memory_for_sm90():
     """`_prefill3_kernel`'s OWS 2 (session 38: O in each consumer's shared tile, K and V in rings of their own)
     compiled for sm_90: the Triton kernel's arithmetic (the same float ops, the same reduction layouts), no serialized
     wgmma, no slot and no lock (no atomics, no %smid), within sm_90's 227 KB of shared memory a block — 3 K stages +
-    2 V stages + the query and O tiles of three consumers fill it to 224 KB plus barriers."""
+    2 V stages + the query and O tiles of three consumers fill it to 224 KB plus barriers. Compiled with the argument
+    types the library passes (ws_ptr is `out`, bf16): session 39's first GPU call found OWS 1's code after OWS 2's
+    `return` compiled too, refused there for O's dtype, while a compile with an fp32 ws_ptr passed."""
     GA, triton_ir = _gluon_attn_and_triton_ttgir()
     for variant in ("three_osm_k3", "three_osm_k2"):
         k = compile_sm90_or_skip(lambda: GA.compile_sm90(variant))

@@ -354,28 +354,28 @@ if _IMPORT_ERROR is None:
                                  bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 2, G, BLOCK_M,
                                  BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL)),
             ], [1, 4, 4], [_PRODUCER_REGS, _CONSUMER3_REGS, _CONSUMER3_REGS])
-            return
-        bufs_k, bufs_v, q_all, ready, empty, turn = _shared(k_desc, v_desc, STAGES, 3, BLOCK_M, D)
-        # partitions: `_role` 0 / 1 is the producer / consumer 0 (PDEF: the producer the default partition, 4 warps,
-        # each consumer a worker of PDEF registers; else consumer 0 the default, the producer a 1-warp worker)
-        R0: gl.constexpr = 0 if PDEF else 1
-        W1: gl.constexpr = 4 if PDEF else 1
-        REG1: gl.constexpr = PDEF if PDEF else _PRODUCER_REGS
-        REGS: gl.constexpr = PDEF if PDEF else _CONSUMER3_REGS
-        gl.warp_specialize([
-            (_role, (R0, q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all, bufs_k, bufs_v, ready, empty, turn, sqt,
-                     sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS, STORE_LSE,
-                     NFULL, DIAG, ws_ptr, lk_ptr, n_slots, OWS, k_desc, v_desc, kv_start)),
-            (_role, (1 - R0, q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all, bufs_k, bufs_v, ready, empty, turn,
-                     sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
-                     STORE_LSE, NFULL, DIAG, ws_ptr, lk_ptr, n_slots, OWS, k_desc, v_desc, kv_start)),
-            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty,
-                         turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
-                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
-            (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), bufs_k, bufs_v, ready, empty,
-                         turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 2, G, BLOCK_M, BLOCK_N, D,
-                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
-        ], [W1, 4, 4], [REG1, REGS, REGS])
+        else:  # an `else`, not a `return`: Gluon compiles what follows a return inside a constexpr `if`
+            bufs_k, bufs_v, q_all, ready, empty, turn = _shared(k_desc, v_desc, STAGES, 3, BLOCK_M, D)
+            # partitions: `_role` 0 / 1 is the producer / consumer 0 (PDEF: the producer the default partition, 4 warps,
+            # each consumer a worker of PDEF registers; else consumer 0 the default, the producer a 1-warp worker)
+            R0: gl.constexpr = 0 if PDEF else 1
+            W1: gl.constexpr = 4 if PDEF else 1
+            REG1: gl.constexpr = PDEF if PDEF else _PRODUCER_REGS
+            REGS: gl.constexpr = PDEF if PDEF else _CONSUMER3_REGS
+            gl.warp_specialize([
+                (_role, (R0, q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all, bufs_k, bufs_v, ready, empty,
+                         turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, G, BLOCK_M, BLOCK_N, D,
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, ws_ptr, lk_ptr, n_slots, OWS, k_desc, v_desc, kv_start)),
+                (_role, (1 - R0, q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all, bufs_k, bufs_v, ready, empty,
+                         turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, G, BLOCK_M, BLOCK_N, D,
+                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, ws_ptr, lk_ptr, n_slots, OWS, k_desc, v_desc, kv_start)),
+                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready,
+                             empty, turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 1, G, BLOCK_M,
+                             BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
+                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), bufs_k, bufs_v, ready,
+                             empty, turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 2, G, BLOCK_M,
+                             BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
+            ], [W1, 4, 4], [REG1, REGS, REGS])
 
     _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
     _prefill3_fast = fast(_prefill3_kernel)
