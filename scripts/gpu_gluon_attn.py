@@ -71,6 +71,8 @@ VARIANTS = {
     # shared memory instead (OWS 2), K and V in rings of their own so that it fits: K stages (`stages`) + 2 V stages
     "three_osm_k3": dict(cons=3, ows=2, stages=3),
     "three_osm_k2": dict(cons=3, ows=2, stages=2),
+    # the same with 3 V stages (213 KB + 16 KB): where 2 V stages run the consumers dry
+    "three_osm_k2v3": dict(cons=3, ows=2, stages=2, vstages=3),
     "diag_three_nofold": dict(cons=3, diag=3, ows=0),
     "diag_nofold": dict(diag=3),
     "qreg": dict(qreg=1),
@@ -106,7 +108,8 @@ def compile_sm90(variant, G=4, d=128):
     ints = {"sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32", "qk_scale": "fp32"}
     if kw["cons"] == 3:  # `_prefill3_kernel` (three consumers)
         const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
-                     NFULL=kw["nfull"], DIAG=kw["diag"], OWS=kw["ows"], PDEF=kw.get("pdef", 0), num_warps=4)
+                     NFULL=kw["nfull"], DIAG=kw["diag"], OWS=kw["ows"], PDEF=kw.get("pdef", 0), num_warps=4,
+                     VSTAGES=kw.get("vstages", AG.OSM_VSTAGES))
         # ws_ptr / lk_ptr as the library passes them: OWS 1 its fp32 slots and i32 locks, else (out, q_len)
         ws = "*fp32" if kw["ows"] == 1 else "*bf16"
         sig = {**ptrs, "ws_ptr": ws, "lk_ptr": "*i32", "n_slots": "i32", **ints, "n_groups": "i32",

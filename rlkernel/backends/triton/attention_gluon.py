@@ -94,7 +94,6 @@ if _IMPORT_ERROR is None:
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
     _CONSUMER3_REGS = gl.constexpr(CONSUMER3_REGS)
-    _OSM_VSTAGES = gl.constexpr(OSM_VSTAGES)
 
     from .attention_gluon_osm import _consumer_osm, _producer_split, _shared_split
     from .attention_gluon_parts import (_chunks, _claim, _load_q, _mask, _merge, _merge_ws, _o_slot, _qk_turn, _release,
@@ -334,14 +333,14 @@ if _IMPORT_ERROR is None:
                          sqt, sqh, sot, soh, qk_scale, n_groups, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
                          NFULL: gl.constexpr, DIAG: gl.constexpr, OWS: gl.constexpr, PDEF: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         num_warps: gl.constexpr, VSTAGES: gl.constexpr = OSM_VSTAGES):
         """`_prefill_kernel` with three consumers in a turn ring, three adjacent query tiles a CTA (session 36; the
         library's where RLKERNEL_ATTENTION_PREFILL3=1, off until a GPU times it; `gpu_gluon_attn.py` measures it). OWS: each consumer keeps its finished segments' O (fp32, touched once per
         SEG_CHUNKS chunks) in global memory instead of 64 registers a thread: a slot of ws_ptr that it holds while it
         runs (`_claim`: a lock per slot in lk_ptr, n_slots of them); the same values, so the same bits."""
         grp, req, kvh, kv_start, nc_cta, hq = _cta(n_groups, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N, 3)
-        if OWS == 2:  # O in shared memory, K / V in rings of their own (STAGES K stages, OSM_VSTAGES V stages)
-            bufs_k, bufs_v, q_all, o_all, bars = _shared_split(k_desc, v_desc, STAGES, _OSM_VSTAGES, 3, BLOCK_M, D)
+        if OWS == 2:  # O in shared memory, K / V in rings of their own (STAGES K stages, VSTAGES V stages)
+            bufs_k, bufs_v, q_all, o_all, bars = _shared_split(k_desc, v_desc, STAGES, VSTAGES, 3, BLOCK_M, D)
             gl.warp_specialize([
                 (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), o_all.index(0), bufs_k,
                                  bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 0, G, BLOCK_M,
@@ -489,17 +488,17 @@ def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale,
 
 
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, cons=None, ows=1, pdef=0):
+           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, cons=None, ows=1, pdef=0, vstages=OSM_VSTAGES):
     """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None), through
     launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time).
     cons: 2 (`_prefill_kernel`) or 3 (`_prefill3_kernel`: three consumers, O in held global slots with `ows` 1, in
-    shared memory with 2); None (the library's call): 3 with ows = `PREFILL3` where RLKERNEL_ATTENTION_PREFILL3 is 1
-    or 2 (2: K in OSM_KSTAGES stages), else 2."""
+    shared memory with 2: V in `vstages` stages); None (the library's call): 3 with ows = `PREFILL3` where
+    RLKERNEL_ATTENTION_PREFILL3 is 1 or 2 (2: K in OSM_KSTAGES stages), else 2."""
     if cons is None:
         cons, ows, stages = _library_kernel(stages)
     if cons == 3:
         grid, args, kwargs = _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt,
-                                           lse, stages, nfull, diag, ows, pdef)
+                                           lse, stages, nfull, diag, ows, pdef, vstages)
         _LAUNCHES[0] += 1
         _prefill3_fast[grid](*args, **kwargs)
         return out
@@ -518,7 +517,7 @@ def _library_kernel(stages: int) -> tuple:
 
 
 def _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag,
-                  ows, pdef):
+                  ows, pdef, vstages=OSM_VSTAGES):
     """(grid, positional args, keyword args) of one `_prefill3_kernel` launch (`launch` with cons=3, `verify`)."""
     hkv, d = k.shape[1:]
     n_groups = -(-n_tiles // 3)
@@ -528,7 +527,7 @@ def _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale
             n_groups)
     kwargs = dict(G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
                   SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull,
-                  DIAG=diag, OWS=ows, PDEF=pdef, num_warps=4, enable_fp_fusion=False)
+                  DIAG=diag, OWS=ows, PDEF=pdef, num_warps=4, enable_fp_fusion=False, VSTAGES=vstages)
     return (n_groups, q_len.shape[0], hkv), args, kwargs
 
 
