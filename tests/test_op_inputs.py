@@ -114,3 +114,37 @@ def test_the_valid_neighbours_run():
     rk.write_kv_cache(torch.randn(3, 2, 8).bfloat16(), torch.randn(3, 2, 8).bfloat16(), KC.bfloat16(), VC.bfloat16(), torch.tensor([0, 1, 2]))
     with rk.mode("strict", impl="reference", ops={"attention": "native"}):
         assert rk.linear(torch.randn(2, 8), torch.randn(3, 8)).shape == (2, 3)
+
+
+CPP_BAD = [  # (call on the C++ library itself, phrase): rows a kernel would read or write past, caught there too
+    (lambda o: o.attention_varlen(Q, K, V, torch.tensor([0, 3, 12]), 1.0), "cu_seqlens must rise from >= 0 to <= k's 8 rows"),
+    (lambda o: o.attention_varlen(Q, K, V, torch.tensor([-2, 3, 8]), 1.0), "cu_seqlens must rise"),
+    (lambda o: o.attention_varlen(Q, K, V, torch.tensor([0, 5, 3, 8]), 1.0), "cu_seqlens must rise"),
+    (lambda o: o.attention_varlen(Q[:4], K, V, torch.tensor([0, 3, 8]), 1.0), "query rows [3, 8) are outside q's 4 rows"),
+    (lambda o: o.attention_varlen(Q[..., :4], K, V, torch.tensor([0, 3, 8]), 1.0), "q's head_dim 4 but k's 8"),
+    (lambda o: o.attention_paged(QD, KC, VC, torch.tensor([[5], [0]]), torch.tensor([5, 6]), torch.tensor([0, 1, 3]), 1.0),
+     "request 0's block 0 is 5, outside the cache's 4 blocks"),
+    (lambda o: o.attention_paged(QD, KC, VC, torch.tensor([[1], [0]]), torch.tensor([5, 6]), torch.tensor([0, 1]), 1.0),
+     "query_start_loc must be [3]"),
+    (lambda o: o.attention_paged(QD, KC, VC, torch.tensor([[1]]), torch.tensor([5, 6]), torch.tensor([0, 1, 3]), 1.0),
+     "block_tables must be [>= 2"),
+    (lambda o: o.attention_paged(QD, KC, VC, torch.tensor([[1], [0]]), torch.tensor([5, 6]), torch.tensor([0, 1, 6]), 1.0),
+     "request 1's query rows [1, 6) are outside q's 3 rows"),
+]
+
+
+@pytest.mark.parametrize("call,phrase", CPP_BAD, ids=[str(i) for i in range(len(CPP_BAD))])
+def test_the_cpu_library_refuses_rows_outside_its_tensors(call, phrase):
+    """The C++ kernels check the rows they index by themselves (session 39), for a caller of `torch.ops.rlkernel`
+    past the public ops' checks: before, these calls read or wrote outside q, k / v or the cache. The valid call
+    beside them runs and equals the public op's."""
+    from rlkernel.backends import cpu
+
+    if not cpu.available():
+        pytest.skip(f"the CPU library is not built here: {cpu.status()}")
+    ops = torch.ops.rlkernel
+    with pytest.raises(ValueError) as e:
+        call(ops)
+    assert phrase in str(e.value), str(e.value)
+    cu = torch.tensor([0, 3, 8])
+    assert torch.equal(ops.attention_varlen(Q, K, V, cu, 8 ** -0.5), rk.attention_varlen(Q, K, V, cu, backend="reference"))

@@ -169,9 +169,16 @@ static at::Tensor run_attention(const at::Tensor& q_in, const at::Tensor& k, con
   TORCH_CHECK_VALUE(k.scalar_type() == v.scalar_type(), "rlkernel::attention: k and v dtypes differ");
   TORCH_CHECK_VALUE(k.stride(-1) == 1 && v.stride(-1) == 1, "rlkernel::attention: k/v last dim must be contiguous");
   TORCH_CHECK_VALUE(k.strides() == v.strides(), "rlkernel::attention: k and v strides differ");
+  TORCH_CHECK_VALUE(q_in.dim() == 3, "rlkernel::attention: q must be [tokens, heads, head_dim], got ", q_in.sizes());
+  TORCH_CHECK_VALUE(k.size(-1) == q_in.size(2), "rlkernel::attention: q's head_dim ", q_in.size(2), " but k's ", k.size(-1));
   auto q = q_in.to(at::kFloat).contiguous();
   const int64_t Hq = q.size(1), D = q.size(2), Hkv = k.size(-2);
-  TORCH_CHECK_VALUE(Hq % Hkv == 0, "rlkernel::attention: query heads are not a multiple of kv heads");
+  TORCH_CHECK_VALUE(Hkv > 0 && Hq % Hkv == 0, "rlkernel::attention: query heads are not a multiple of kv heads");
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* ql = q_len.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q_start.size(0); ++b)  // the kernel reads and writes rows qs..qs+ql of q / out unchecked
+    TORCH_CHECK_VALUE(qs[b] >= 0 && ql[b] >= 0 && qs[b] + ql[b] <= q.size(0), "rlkernel::attention: request ", b,
+                      "'s query rows [", qs[b], ", ", qs[b] + ql[b], ") are outside q's ", q.size(0), " rows");
   auto out = at::zeros(q.sizes(), q.options());
   float* lse = nullptr;
   if (lse_out) {
@@ -193,8 +200,15 @@ static at::Tensor run_attention(const at::Tensor& q_in, const at::Tensor& k, con
 static at::Tensor varlen_impl(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& cu_in, double scale,
                               at::Tensor* lse) {
   auto k = k_in.contiguous(), v = v_in.contiguous();
+  TORCH_CHECK_VALUE(k.dim() == 3 && v.sizes() == k.sizes(), "rlkernel::attention_varlen: k and v must be [tokens, kv_heads, "
+                    "head_dim] alike, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK_VALUE(cu_in.dim() == 1 && cu_in.size(0) >= 1, "rlkernel::attention_varlen: cu_seqlens must be 1-D [B + 1]");
   auto cu = cu_in.to(at::kLong).contiguous();
   const int64_t B = cu.size(0) - 1;
+  const int64_t* c = cu.data_ptr<int64_t>();
+  for (int64_t b = 0; b <= B; ++b)  // the keys of request b are rows c[b]..c[b+1] of k / v
+    TORCH_CHECK_VALUE(c[b] >= 0 && (b == 0 || c[b] >= c[b - 1]) && c[b] <= k.size(0), "rlkernel::attention_varlen: "
+                      "cu_seqlens must rise from >= 0 to <= k's ", k.size(0), " rows, got ", cu_in);
   auto starts = cu.slice(0, 0, B).contiguous();
   auto lens = (cu.slice(0, 1, B + 1) - cu.slice(0, 0, B)).contiguous();
   auto zeros = at::zeros({B}, cu.options());
@@ -218,10 +232,15 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_lse(const at::Tensor& q, con
 // seq_lens[b]. Returns fp32.
 at::Tensor attention_paged(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables_in,
                            const at::Tensor& seq_lens_in, const at::Tensor& qsl_in, double scale) {
-  TORCH_CHECK_VALUE(k_cache.dim() == 4, "rlkernel::attention_paged wants caches [blocks, block_size, Hkv, D]");
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+                    "rlkernel::attention_paged wants caches [blocks, block_size, Hkv, D] alike");
   auto lens = seq_lens_in.to(at::kLong).contiguous();
   const int64_t B = lens.size(0);
   auto qsl = qsl_in.to(at::kLong).contiguous();
+  TORCH_CHECK_VALUE(qsl.dim() == 1 && qsl.size(0) == B + 1, "attention_paged: query_start_loc must be [", B + 1,
+                    "] for ", B, " seq_lens, got ", qsl_in.sizes());
+  TORCH_CHECK_VALUE(block_tables_in.dim() == 2 && block_tables_in.size(0) >= B, "attention_paged: block_tables must be "
+                    "[>= ", B, ", blocks a request], got ", block_tables_in.sizes());
   auto table = block_tables_in.slice(0, 0, B).to(at::kLong).contiguous();
   auto starts = qsl.slice(0, 0, B).contiguous();
   auto qlens = (qsl.slice(0, 1, B + 1) - qsl.slice(0, 0, B)).contiguous();
@@ -231,6 +250,10 @@ at::Tensor attention_paged(const at::Tensor& q, const at::Tensor& k_cache, const
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK_VALUE(ql[b] <= sl[b], "attention_paged: request ", b, " has ", ql[b], " queries but only ", sl[b], " tokens");
     TORCH_CHECK_VALUE(sl[b] == 0 || (sl[b] - 1) / bs < table.size(1), "attention_paged: request ", b, " needs more blocks than its table has");
+    const int64_t* row = table.data_ptr<int64_t>() + b * table.size(1);
+    for (int64_t j = 0; sl[b] > 0 && j <= (sl[b] - 1) / bs; ++j)  // the blocks its keys are read from
+      TORCH_CHECK_VALUE(row[j] >= 0 && row[j] < k_cache.size(0), "attention_paged: request ", b, "'s block ", j, " is ",
+                        row[j], ", outside the cache's ", k_cache.size(0), " blocks");
   }
   auto first = (lens - qlens).contiguous();
   KeySource src{nullptr, nullptr, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bs, table.data_ptr<int64_t>(), table.size(1), nullptr};
