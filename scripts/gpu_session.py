@@ -64,11 +64,17 @@ STEPS: dict[str, tuple[int, str]] = {
                         "production,three_ows,three_ows_pdef160,diag_three_nofold && python3 scripts/gpu_gluon_attn.py "
                         "--out {out} --ab 5 --ab-variants three_ows,three_ows_pdef160,diag_three_nofold,diag_nofold"),
     # session 38: O in shared memory (OWS 2: no slot, no lock), K and V in rings of their own so that it fits (K 3 or 2
-    # stages, V 2; sm_90 here: 229,732 / 213,332 B of shared memory, 0 / 4 B of spills; session 39: K 2 with V 3): the
-    # bits, then the A/B
+    # stages, V 2; sm_90 here: 229,732 / 213,332 B of shared memory, 0 / 4 B of spills; session 39: K 2 with V 3, and
+    # K 3 left out: it faults and poisons the process's CUDA context): the bits, then the A/B
     "attn_osm": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096 --variants "
-                      "production,three_osm_k3,three_osm_k2,three_osm_k2v3 && python3 scripts/gpu_gluon_attn.py "
-                      "--out {out} --ab 5 --ab-variants three_osm_k3,three_osm_k2,three_osm_k2v3,diag_three_nofold"),
+                      "production,three_osm_k2,three_osm_k2v3 && python3 scripts/gpu_gluon_attn.py "
+                      "--out {out} --ab 5 --ab-variants three_osm_k2,three_osm_k2v3,diag_three_nofold"),
+    # session 39: three_osm_k3's fault (out-of-range shared or local address at a turn's arrive, H100), in a process of
+    # its own under compute-sanitizer
+    "osm_k3_fault": (200, "python3 scripts/gpu_osm_probe.py --out {out} three_osm_k2v3 --B 1 --L 600 && "
+                          "compute-sanitizer --tool memcheck --print-limit 8 python3 scripts/gpu_osm_probe.py "
+                          "--out {out} three_osm_k3 --B 1 --L 600 > {out}/memcheck_k3.txt 2>&1; "
+                          "tail -c 4000 {out}/memcheck_k3.txt"),
     # session 38: the library with O in shared memory (RLKERNEL_ATTENTION_PREFILL3=2), after attn_osm: the golden bits,
     # the launch tests (first-use check, fast path) and the parity harness (its hash must stay 8f3204762ef5c300)
     "prefill3_osm_check": (420, "export RLKERNEL_ATTENTION_PREFILL3=2 && python3 -m rlkernel.golden --check-gpu && "

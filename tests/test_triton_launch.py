@@ -226,6 +226,7 @@ _GLUON3_STUB = STUB_SM90_DRIVER + textwrap.dedent('''
     assert AG._library_kernel(AG.STAGES) == (3, mode, stages)
     grid, args, kwargs = AG._launch3_args(*call, stages, 1, 0, mode, 0)
     assert grid == (13, 3, 8) and (kwargs["OWS"], kwargs["STAGES"]) == (mode, stages)  # 38 tiles in groups of 3
+    assert mode == 1 or (stages, kwargs["VSTAGES"]) == (2, 3)  # session 39: K 3 + V 2 faults on the GPU; 2 + 3 runs
     if mode == 1:  # the O slots and their locks
         assert args[9] is ws and args[10] is locks and args[11] == 6
     else:  # O in shared memory: no slot is made or passed

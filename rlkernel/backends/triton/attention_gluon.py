@@ -70,12 +70,15 @@ STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's sp
 PRODUCER_REGS = 24
 CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
 CONSUMER3_REGS = 168  # three consumers (cons=3): 13 warps share the register file
-OSM_VSTAGES = 2  # `_prefill3_kernel` with O in shared memory (OWS 2): its V ring (K: `stages`)
-OSM_KSTAGES = 3  # ... and its K ring where the library runs it (4 would not fit sm_90's shared memory)
+# `_prefill3_kernel` with O in shared memory (OWS 2) where the library runs it: its K and V rings. Session 39 (H100):
+# K 2 + V 3 and K 2 + V 2 bit-equal to the Triton kernel (0.98-0.99x / 0.93-0.96x production's speed); K 3 + V 2 faults
+# (compute-sanitizer: an out-of-range shared or local address at a turn's arrive, cause not found; H200_NOTES)
+OSM_VSTAGES = 3
+OSM_KSTAGES = 2
 PREFILL3_ENV = "RLKERNEL_ATTENTION_PREFILL3"
 # the library's prefill on `_prefill3_kernel` (three consumers; the same bits, checked at first use as the two-consumer
 # kernel is): 1 its O in held global slots (OWS 1), 2 in shared memory (OWS 2, session 38: K in OSM_KSTAGES stages);
-# 0 (the default) `_prefill_kernel`, until a GPU times them against it (H200_NOTES)
+# 0 (the default) `_prefill_kernel`: timed against it on an H100, neither is faster (sessions 38-39, H200_NOTES)
 PREFILL3 = {"0": 0, "1": 1, "2": 2}.get(os.environ.get(PREFILL3_ENV, "0"), 0)
 _LOG2E = 1.4426950408889634
 
