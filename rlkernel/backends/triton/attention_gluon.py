@@ -336,7 +336,7 @@ if _IMPORT_ERROR is None:
                          sqt, sqh, sot, soh, qk_scale, n_groups, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
                          NFULL: gl.constexpr, DIAG: gl.constexpr, OWS: gl.constexpr, PDEF: gl.constexpr,
-                         num_warps: gl.constexpr, VSTAGES: gl.constexpr = OSM_VSTAGES):
+                         num_warps: gl.constexpr, VSTAGES: gl.constexpr):
         """`_prefill_kernel` with three consumers in a turn ring, three adjacent query tiles a CTA (session 36; the
         library's where RLKERNEL_ATTENTION_PREFILL3=1, off until a GPU times it; `gpu_gluon_attn.py` measures it). OWS: each consumer keeps its finished segments' O (fp32, touched once per
         SEG_CHUNKS chunks) in global memory instead of 64 registers a thread: a slot of ws_ptr that it holds while it
