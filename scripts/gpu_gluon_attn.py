@@ -75,6 +75,9 @@ VARIANTS = {
     "three_osm_k2": dict(cons=3, ows=2, stages=2, vstages=2),
     # the same with 3 V stages (213 KB + 16 KB): where 2 V stages run the consumers dry
     "three_osm_k2v3": dict(cons=3, ows=2, stages=2, vstages=3),
+    # session 40: k2v3 with the fold after the turn's q.k^T, beside the other consumers' MMAs (OWS 3: O in column
+    # halves so that the fold fits beside S), where k2v3 folds alone between its p.v's wait and its own q.k^T
+    "three_osm_fold": dict(cons=3, ows=3, stages=2, vstages=3),
     "diag_three_nofold": dict(cons=3, diag=3, ows=0),
     "diag_nofold": dict(diag=3),
     "qreg": dict(qreg=1),

@@ -69,6 +69,14 @@ STEPS: dict[str, tuple[int, str]] = {
     "attn_osm": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096 --variants "
                       "production,three_osm_k2,three_osm_k2v3 && python3 scripts/gpu_gluon_attn.py "
                       "--out {out} --ab 5 --ab-variants three_osm_k2,three_osm_k2v3,diag_three_nofold"),
+    # session 40: OWS 3, the fold after the turn's q.k^T beside the other consumers' MMAs (O in column halves so that
+    # it fits beside S; sm_90 here: 0 B of spills, 229,716 B of shared memory): first in processes of their own (a
+    # fault is reported there), then the bits on the mixed batch, then the A/B against k2v3 and the no-fold ceiling
+    "attn_fold": (420, "python3 scripts/gpu_osm_probe.py --out {out} three_osm_fold --B 2 --L 1100 && "
+                       "python3 scripts/gpu_osm_probe.py --out {out} three_osm_fold --B 1 --L 4100 && "
+                       "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096 --variants "
+                       "production,three_osm_fold && python3 scripts/gpu_gluon_attn.py --out {out} --ab 3 "
+                       "--ab-variants three_osm_fold,three_osm_k2v3,diag_three_nofold"),
     # session 39: three_osm_k3's fault (out-of-range shared or local address at a turn's arrive, H100), in a process of
     # its own under compute-sanitizer
     "osm_k3_fault": (200, "python3 scripts/gpu_osm_probe.py --out {out} three_osm_k2v3 --B 1 --L 600 && "

@@ -342,19 +342,22 @@ if _IMPORT_ERROR is None:
         SEG_CHUNKS chunks) in global memory instead of 64 registers a thread: a slot of ws_ptr that it holds while it
         runs (`_claim`: a lock per slot in lk_ptr, n_slots of them); the same values, so the same bits."""
         grp, req, kvh, kv_start, nc_cta, hq = _cta(n_groups, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N, 3)
-        if OWS == 2:  # O in shared memory, K / V in rings of their own (STAGES K stages, VSTAGES V stages)
-            bufs_k, bufs_v, q_all, o_all, bars = _shared_split(k_desc, v_desc, STAGES, VSTAGES, 3, BLOCK_M, D)
+        if OWS >= 2:  # O in shared memory, K / V in rings of their own (STAGES K stages, VSTAGES V stages); OWS 3:
+            # the fold after the turn's q.k^T (`_consumer_osm`'s FOLD 1), O in column halves
+            FOLD: gl.constexpr = OWS - 2
+            bufs_k, bufs_v, q_all, o_all, bars = _shared_split(k_desc, v_desc, STAGES, VSTAGES, 3, BLOCK_M, D,
+                                                               1 + FOLD)
             gl.warp_specialize([
-                (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), o_all.index(0), bufs_k,
+                (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), o_all, bufs_k,
                                  bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 0, G, BLOCK_M,
-                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL)),
+                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, FOLD)),
                 (_producer_split, (k_desc, v_desc, bufs_k, bufs_v, bars, kv_start, kvh, nc_cta, BLOCK_N, D)),
-                (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), o_all.index(1), bufs_k,
+                (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), o_all, bufs_k,
                                  bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 1, G, BLOCK_M,
-                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL)),
-                (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), o_all.index(2), bufs_k,
+                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, FOLD)),
+                (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), o_all, bufs_k,
                                  bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 2, G, BLOCK_M,
-                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL)),
+                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, FOLD)),
             ], [1, 4, 4], [_PRODUCER_REGS, _CONSUMER3_REGS, _CONSUMER3_REGS])
         else:  # an `else`, not a `return`: Gluon compiles what follows a return inside a constexpr `if`
             bufs_k, bufs_v, q_all, ready, empty, turn = _shared(k_desc, v_desc, STAGES, 3, BLOCK_M, D)
