@@ -78,6 +78,9 @@ VARIANTS = {
     # session 40: k2v3 with the fold after the turn's q.k^T, beside the other consumers' MMAs (OWS 3: O in column
     # halves so that the fold fits beside S), where k2v3 folds alone between its p.v's wait and its own q.k^T
     "three_osm_fold": dict(cons=3, ows=3, stages=2, vstages=3),
+    # session 40 call 2 (H100): three_osm_fold bit-equal, 0.99x production; diag_three_nofold (4 K / V stages) 1.16-1.18x.
+    # The same rings and shared memory as three_osm_fold without the folds (other bits): is it the rings or the folds?
+    "diag_osm_nofold": dict(cons=3, ows=3, stages=2, vstages=3, diag=3),
     "diag_three_nofold": dict(cons=3, diag=3, ows=0),
     "diag_nofold": dict(diag=3),
     "qreg": dict(qreg=1),

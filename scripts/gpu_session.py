@@ -77,6 +77,9 @@ STEPS: dict[str, tuple[int, str]] = {
                        "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096 --variants "
                        "production,three_osm_fold && python3 scripts/gpu_gluon_attn.py --out {out} --ab 3 "
                        "--ab-variants three_osm_fold,three_osm_k2v3,diag_three_nofold"),
+    # session 40 call 2: three_osm_fold bit-equal, no faster (0.99x); diag_three_nofold 1.16-1.18x: the rings or the folds?
+    "attn_osm_diag": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --ab 3 --ab-variants "
+                           "three_osm_fold,diag_osm_nofold,diag_three_nofold"),
     # session 39: three_osm_k3's fault (out-of-range shared or local address at a turn's arrive, H100), in a process of
     # its own under compute-sanitizer
     "osm_k3_fault": (200, "python3 scripts/gpu_osm_probe.py --out {out} three_osm_k2v3 --B 1 --L 600 && "

@@ -350,14 +350,14 @@ if _IMPORT_ERROR is None:
             gl.warp_specialize([
                 (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), o_all, bufs_k,
                                  bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 0, G, BLOCK_M,
-                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, FOLD)),
+                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, FOLD, DIAG)),
                 (_producer_split, (k_desc, v_desc, bufs_k, bufs_v, bars, kv_start, kvh, nc_cta, BLOCK_N, D)),
                 (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), o_all, bufs_k,
                                  bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 1, G, BLOCK_M,
-                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, FOLD)),
+                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, FOLD, DIAG)),
                 (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), o_all, bufs_k,
                                  bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 2, G, BLOCK_M,
-                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, FOLD)),
+                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, FOLD, DIAG)),
             ], [1, 4, 4], [_PRODUCER_REGS, _CONSUMER3_REGS, _CONSUMER3_REGS])
         else:  # an `else`, not a `return`: Gluon compiles what follows a return inside a constexpr `if`
             bufs_k, bufs_v, q_all, ready, empty, turn = _shared(k_desc, v_desc, STAGES, 3, BLOCK_M, D)

@@ -99,7 +99,7 @@ if _IMPORT_ERROR is None:
     def _consumer_osm(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, o_smem, bufs_k, bufs_v, bars, sqt, sqh,
                       sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, WHICH: gl.constexpr, G: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
-                      STORE_LSE: gl.constexpr, NFULL: gl.constexpr, FOLD: gl.constexpr = 0):
+                      STORE_LSE: gl.constexpr, NFULL: gl.constexpr, FOLD: gl.constexpr = 0, DIAG: gl.constexpr = 0):
         """`_consumer`'s OWS turn for `_prefill3_kernel`'s OWS 2 / 3: the finished segments' O in this consumer's
         shared tile (`o_smem` is `_shared_split`'s o_all: no slot, no lock), K and V from `_shared_split`'s rings — a
         K stage released as soon as this consumer's q.k^T read it, a V stage once its p.v did. The output tile goes
@@ -108,7 +108,9 @@ if _IMPORT_ERROR is None:
         FOLD 0 (OWS 2): a segment's first chunk folds between its p.v's wait and its q.k^T, which it then waits on
         alone (S is never live beside acc and O). FOLD 1 (OWS 3): that turn is any turn's — q.k^T issued behind the
         p.v and the turn handed on — and the fold runs after both waits, beside the other consumers' tensor-core work,
-        as the two-consumer kernel's does; O in column halves (`_fold_halves`) keeps it under the registers."""
+        as the two-consumer kernel's does; O in column halves (`_fold_halves`) keeps it under the registers.
+        DIAG 3 (measurement only, other bits; never set by the library): no segment folds — these rings and this
+        shared memory without the folds' work, beside `_consumer`'s DIAG 3."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -161,7 +163,7 @@ if _IMPORT_ERROR is None:
                 if FOLD:
                     acc, s = _qk_turn(q_smem, bufs_k.index(sk), zero_s, bars.index(TURN + NEXT), acc_tok)
                     mbarrier.arrive(bars.index(EV + sv), count=1)
-                    if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: fold the finished one (S live beside it)
+                    if (c % SEG_CHUNKS) == 0 and DIAG != 3:  # chunk c opens a segment: fold the finished one
                         # the first fold (c == SEG_CHUNKS) finds O = 0, as the registers' version does
                         M, L, O0, O1 = _fold_halves(M, L, m, l, acc, o_smem, 2 * WHICH, c > SEG_CHUNKS, row_o,
                                                     h_layout, True)
@@ -191,8 +193,8 @@ if _IMPORT_ERROR is None:
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(bars.index(EV + sl), count=1)
             if FOLD:  # O's halves joined again (the registers are free here: no S)
-                M, L, O0, O1 = _fold_halves(M, L, m, l, acc, o_smem, 2 * WHICH, nc_cta > SEG_CHUNKS, row_o, h_layout,
-                                            False)
+                M, L, O0, O1 = _fold_halves(M, L, m, l, acc, o_smem, 2 * WHICH, nc_cta > SEG_CHUNKS and DIAG != 3,
+                                            row_o, h_layout, False)
                 O = gl.convert_layout(gl.reshape(gl.permute(gl.join(O0, O1), (0, 2, 1)), [BLOCK_M, D]), o_layout)
             else:
                 M, L, O = _fold_smem(M, L, m, l, acc, o_smem.index(WHICH), nc_cta > SEG_CHUNKS, row_o, o_layout)
