@@ -81,6 +81,11 @@ VARIANTS = {
     # session 40 call 2 (H100): three_osm_fold bit-equal, 0.99x production; diag_three_nofold (4 K / V stages) 1.16-1.18x.
     # The same rings and shared memory as three_osm_fold without the folds (other bits): is it the rings or the folds?
     "diag_osm_nofold": dict(cons=3, ows=3, stages=2, vstages=3, diag=3),
+    # session 40 call 3 (H100): diag_osm_nofold 1.10-1.16x production, three_osm_fold 1.00-1.01x: the folds cost ~12 %
+    # though they run beside the other consumers' MMAs (all three consumers fold at the same chunk). A fold turn's
+    # extra work less the rescale of the zeroed accumulator it finds (OWS 4; SKIP 2 in the two-consumer kernel)
+    "three_osm_fold_z": dict(cons=3, ows=4, stages=2, vstages=3),
+    "zskip": dict(skip=2),
     "diag_three_nofold": dict(cons=3, diag=3, ows=0),
     "diag_nofold": dict(diag=3),
     "qreg": dict(qreg=1),

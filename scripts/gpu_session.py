@@ -80,6 +80,12 @@ STEPS: dict[str, tuple[int, str]] = {
     # session 40 call 2: three_osm_fold bit-equal, no faster (0.99x); diag_three_nofold 1.16-1.18x: the rings or the folds?
     "attn_osm_diag": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --ab 3 --ab-variants "
                            "three_osm_fold,diag_osm_nofold,diag_three_nofold"),
+    # session 40 call 3: the folds cost ~12 % (diag_osm_nofold 1.10-1.16x, three_osm_fold 1.00x): less work in the
+    # turn that folds, on both kernels; bits first (a process of its own for the new OWS 4), then the A/B
+    "attn_zskip": (360, "python3 scripts/gpu_osm_probe.py --out {out} three_osm_fold_z --B 2 --L 1100 && "
+                        "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits --variants "
+                        "production,zskip,three_osm_fold_z && python3 scripts/gpu_gluon_attn.py --out {out} --ab 3 "
+                        "--ab-variants zskip,three_osm_fold_z,three_osm_fold,diag_osm_nofold"),
     # session 39: three_osm_k3's fault (out-of-range shared or local address at a turn's arrive, H100), in a process of
     # its own under compute-sanitizer
     "osm_k3_fault": (200, "python3 scripts/gpu_osm_probe.py --out {out} three_osm_k2v3 --B 1 --L 600 && "
