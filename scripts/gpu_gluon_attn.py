@@ -85,6 +85,8 @@ VARIANTS = {
     # though they run beside the other consumers' MMAs (all three consumers fold at the same chunk). A fold turn's
     # extra work less the rescale of the zeroed accumulator it finds (OWS 4; SKIP 2 in the two-consumer kernel)
     "three_osm_fold_z": dict(cons=3, ows=4, stages=2, vstages=3),
+    # K 3 + V 2 with the overlapped fold: session 39's k3 faulted; the code since moved its barriers 16 bytes
+    "three_osm_fold_k3": dict(cons=3, ows=3, stages=3, vstages=2),
     "zskip": dict(skip=2),
     "diag_three_nofold": dict(cons=3, diag=3, ows=0),
     "diag_nofold": dict(diag=3),

@@ -86,6 +86,13 @@ STEPS: dict[str, tuple[int, str]] = {
                         "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits --variants "
                         "production,zskip,three_osm_fold_z && python3 scripts/gpu_gluon_attn.py --out {out} --ab 3 "
                         "--ab-variants zskip,three_osm_fold_z,three_osm_fold,diag_osm_nofold"),
+    # session 40 call 4: zskip 0.92-0.96x production (the branch costs more than the 64 multiplies), fold_z 1.01x fold.
+    # K 3 + V 2 again (session 39's k3 faulted; this code's shared layout moved its barriers by 16 bytes): each in a
+    # process of its own (a fault stops nothing else), then the A/B where the overlapped fold's k3 ran bit-equal
+    "osm_k3_again": (300, "python3 scripts/gpu_osm_probe.py --out {out} three_osm_k3 --B 2 --L 1100; "
+                          "python3 scripts/gpu_osm_probe.py --out {out} three_osm_fold_k3 --B 2 --L 1100 && "
+                          "python3 scripts/gpu_gluon_attn.py --out {out} --ab 3 --ab-variants "
+                          "three_osm_fold_k3,three_osm_fold"),
     # session 39: three_osm_k3's fault (out-of-range shared or local address at a turn's arrive, H100), in a process of
     # its own under compute-sanitizer
     "osm_k3_fault": (200, "python3 scripts/gpu_osm_probe.py --out {out} three_osm_k2v3 --B 1 --L 600 && "
