@@ -82,12 +82,12 @@ VARIANTS = {
     # The same rings and shared memory as three_osm_fold without the folds (other bits): is it the rings or the folds?
     "diag_osm_nofold": dict(cons=3, ows=3, stages=2, vstages=3, diag=3),
     # session 40 call 3 (H100): diag_osm_nofold 1.10-1.16x production, three_osm_fold 1.00-1.01x: the folds cost ~12 %
-    # though they run beside the other consumers' MMAs (all three consumers fold at the same chunk). A fold turn's
-    # extra work less the rescale of the zeroed accumulator it finds (OWS 4; SKIP 2 in the two-consumer kernel)
-    "three_osm_fold_z": dict(cons=3, ows=4, stages=2, vstages=3),
-    # K 3 + V 2 with the overlapped fold: session 39's k3 faulted; the code since moved its barriers 16 bytes
+    # though they run beside the other consumers' MMAs (all three consumers fold at the same chunk).
+    # (call 4 ran "three_osm_fold_z" and "zskip": a segment's first chunk's rescale of the accumulator the fold just
+    # zeroed, skipped — bit-equal; 1.01x three_osm_fold, and 0.92-0.96x production in the two-consumer kernel, whose
+    # runtime branch costs more than the 64 multiplies; the knobs, OWS 4 and SKIP 2, are at commit b893719)
+    # K 3 + V 2 with the overlapped fold (call 5: bit-equal, 0.99x production, where three_osm_k3 faults again)
     "three_osm_fold_k3": dict(cons=3, ows=3, stages=3, vstages=2),
-    "zskip": dict(skip=2),
     "diag_three_nofold": dict(cons=3, diag=3, ows=0),
     "diag_nofold": dict(diag=3),
     "qreg": dict(qreg=1),

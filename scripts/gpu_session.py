@@ -80,13 +80,7 @@ STEPS: dict[str, tuple[int, str]] = {
     # session 40 call 2: three_osm_fold bit-equal, no faster (0.99x); diag_three_nofold 1.16-1.18x: the rings or the folds?
     "attn_osm_diag": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --ab 3 --ab-variants "
                            "three_osm_fold,diag_osm_nofold,diag_three_nofold"),
-    # session 40 call 3: the folds cost ~12 % (diag_osm_nofold 1.10-1.16x, three_osm_fold 1.00x): less work in the
-    # turn that folds, on both kernels; bits first (a process of its own for the new OWS 4), then the A/B
-    "attn_zskip": (360, "python3 scripts/gpu_osm_probe.py --out {out} three_osm_fold_z --B 2 --L 1100 && "
-                        "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits --variants "
-                        "production,zskip,three_osm_fold_z && python3 scripts/gpu_gluon_attn.py --out {out} --ab 3 "
-                        "--ab-variants zskip,three_osm_fold_z,three_osm_fold,diag_osm_nofold"),
-    # session 40 call 4: zskip 0.92-0.96x production (the branch costs more than the 64 multiplies), fold_z 1.01x fold.
+    # session 40 call 4 (its step and knobs at b893719): zskip 0.92-0.96x production, three_osm_fold_z 1.01x the fold.
     # K 3 + V 2 again (session 39's k3 faulted; this code's shared layout moved its barriers by 16 bytes): each in a
     # process of its own (a fault stops nothing else), then the A/B where the overlapped fold's k3 ran bit-equal
     "osm_k3_again": (300, "python3 scripts/gpu_osm_probe.py --out {out} three_osm_k3 --B 2 --L 1100; "

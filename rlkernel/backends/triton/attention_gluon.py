@@ -112,9 +112,7 @@ if _IMPORT_ERROR is None:
         """One query tile (consumer WHICH of the CTA's NCONS), ping-ponged with the other (module docstring).
         NCONS 3 (measurement): three consumers take turns in a ring (WHICH waits on turn WHICH, hands it to the next).
         NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
-        SKIP: `_softmax`'s rescale skip where no row's max moved (0 in production until timed; the same bits); 2
-        (session 40): only a segment's first chunk's rescale skipped, of the accumulator the fold just zeroed
-        (0 * alpha is +0: alpha is 0 or 1 there; the same bits, 64 multiplies fewer in the turn that folds).
+        SKIP: `_softmax`'s rescale skip where no row's max moved (0 in production until timed; the same bits).
         DIAG (measurement only, other bits; never set by the library): 1 skips the softmax, 2 skips q.k^T, 3 the
         segment folds (no (M, L, O) held: what the registers would allow with O kept elsewhere).
         QREG: q.k^T takes the query tile from registers (loaded once from shared memory) instead of shared memory: the
@@ -134,7 +132,6 @@ if _IMPORT_ERROR is None:
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         TOK: gl.constexpr = BLOCK_M // G
         S: gl.constexpr = bufs_k.type.shape[0]
-        SKIP1: gl.constexpr = 1 if SKIP == 1 else 0  # `_softmax`'s skip (SKIP 2 is the loop's own)
         tok0 = (pair * NCONS + WHICH) * TOK
         FIRST: gl.constexpr = 1 if WHICH == 0 else 0  # consumer 0 opens: a fresh barrier passes parity 1
         NEXT: gl.constexpr = (WHICH + 1) % NCONS
@@ -166,7 +163,7 @@ if _IMPORT_ERROR is None:
             mbarrier.arrive(turn.index(NEXT), count=1)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             s = gl.where(kcol[None, :] <= qpos[:, None], s, float("-inf"))
-            m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP1)
+            m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
             for c in range(1, nc_cta):
                 st = c % S
                 sp = (c - 1) % S
@@ -218,7 +215,7 @@ if _IMPORT_ERROR is None:
                         acc, s = _qk_turn(qa, bufs_k.index(st), zero_s, turn.index(NEXT), acc_tok)
                         mbarrier.arrive(empty.index(sp), count=1)
                     s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
-                    m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP1)
+                    m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
                 else:
                     acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
                     if DIAG == 2:
@@ -236,15 +233,9 @@ if _IMPORT_ERROR is None:
                             acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
                     if DIAG == 1:
                         p = gl.convert_layout(s.to(gl.bfloat16), p_layout)
-                    elif SKIP == 2:
-                        s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
-                        m_new, alpha, l, p = _stats(s, m, l, qk_scale, p_layout)
-                        if (c % SEG_CHUNKS) != 0:  # (a segment's first chunk: acc was just zeroed)
-                            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                        m = m_new
                     else:
                         s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
-                        m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP1)
+                        m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
             sl = (nc_cta - 1) % S
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(empty.index(sl), count=1)
@@ -349,13 +340,15 @@ if _IMPORT_ERROR is None:
         """`_prefill_kernel` with three consumers in a turn ring, three adjacent query tiles a CTA (session 36; the
         library's where RLKERNEL_ATTENTION_PREFILL3=1, off until a GPU times it; `gpu_gluon_attn.py` measures it). OWS: each consumer keeps its finished segments' O (fp32, touched once per
         SEG_CHUNKS chunks) in global memory instead of 64 registers a thread: a slot of ws_ptr that it holds while it
-        runs (`_claim`: a lock per slot in lk_ptr, n_slots of them); the same values, so the same bits."""
+        runs (`_claim`: a lock per slot in lk_ptr, n_slots of them); the same values, so the same bits. OWS 2: O in
+        shared memory (`attention_gluon_osm`); OWS 3 (session 40, a measurement: bit-equal, 0.99-1.01x production on an
+        H100): its fold after the turn's q.k^T, beside the other consumers' MMAs."""
         grp, req, kvh, kv_start, nc_cta, hq = _cta(n_groups, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N, 3)
         if OWS >= 2:  # O in shared memory, K / V in rings of their own (STAGES K stages, VSTAGES V stages); OWS 3:
-            # the fold after the turn's q.k^T (`_consumer_osm`'s FOLD 1), O in column halves; OWS 4: FOLD 2
+            # the fold after the turn's q.k^T (`_consumer_osm`'s FOLD 1), O in column halves
             FOLD: gl.constexpr = OWS - 2
             bufs_k, bufs_v, q_all, o_all, bars = _shared_split(k_desc, v_desc, STAGES, VSTAGES, 3, BLOCK_M, D,
-                                                               2 if FOLD else 1)
+                                                               1 + FOLD)
             gl.warp_specialize([
                 (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), o_all, bufs_k,
                                  bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 0, G, BLOCK_M,

@@ -1,6 +1,7 @@
 """`_prefill3_kernel`'s OWS 2 (session 38; attention_gluon): each consumer's finished segments' O in its own shared
-tile, K and V in rings of their own so that three consumers' query and O tiles fit beside them. Its device pieces:
-the shared memory and barriers, the producer over the two rings, the fold and the consumer."""
+tile, K and V in rings of their own so that three consumers' query and O tiles fit beside them; OWS 3 (session 40):
+the same with the fold after the turn's q.k^T, O in column halves. Its device pieces: the shared memory and barriers,
+the producer over the two rings, the folds and the consumer."""
 from __future__ import annotations
 
 try:  # as attention_gluon's: where Gluon does not import, nothing here is defined and that module says why
@@ -12,8 +13,8 @@ except Exception as e:  # noqa: BLE001
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 if _IMPORT_ERROR is None:
-    from .attention_gluon_parts import (_load_q, _mask, _merge_stats, _qk_turn, _softmax, _stats, _store_lse,
-                                        _store_out, _tile_rows)
+    from .attention_gluon_parts import (_load_q, _mask, _merge_stats, _qk_turn, _softmax, _store_lse, _store_out,
+                                        _tile_rows)
 
     @gluon.jit
     def _shared_split(k_desc, v_desc, KSTAGES: gl.constexpr, VSTAGES: gl.constexpr, NCONS: gl.constexpr,
@@ -109,8 +110,6 @@ if _IMPORT_ERROR is None:
         alone (S is never live beside acc and O). FOLD 1 (OWS 3): that turn is any turn's — q.k^T issued behind the
         p.v and the turn handed on — and the fold runs after both waits, beside the other consumers' tensor-core work,
         as the two-consumer kernel's does; O in column halves (`_fold_halves`) keeps it under the registers.
-        FOLD 2 (OWS 4): FOLD 1 without the rescale of the zero accumulator a segment's first chunk finds (0 * alpha
-        is +0 for alpha, 0 or 1 there: the same bits, 64 multiplies fewer in the turn that folds).
         DIAG 3 (measurement only, other bits; never set by the library): no segment folds — these rings and this
         shared memory without the folds' work, beside `_consumer`'s DIAG 3."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -189,13 +188,7 @@ if _IMPORT_ERROR is None:
                     mbarrier.arrive(bars.index(EV + sv), count=1)
                 mbarrier.arrive(bars.index(EK + sk), count=1)
                 s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
-                if FOLD == 2:  # a segment's first chunk finds acc zero (the fold reset it): acc * alpha == acc
-                    m_new, alpha, l, p = _stats(s, m, l, qk_scale, p_layout)
-                    if (c % SEG_CHUNKS) != 0:
-                        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                    m = m_new
-                else:
-                    m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, 0)
+                m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, 0)
             sl = (nc_cta - 1) % SV
             mbarrier.wait(bars.index(RV + sl), ((nc_cta - 1) // SV) & 1)
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
