@@ -64,8 +64,8 @@ def off():
     — the reference side of the benchmarks and tests that compare the two."""
     return switched_off(sys.modules[__name__])
 
-QREG = 0  # q.k^T's query tile from registers (`_consumer`; 0 until timed on the GPU)
-QK_FIRST = 0  # chunk c's q.k^T issued before chunk c - 1's p.v (`_consumer`; 0 until timed on the GPU)
+QREG = 0  # q.k^T's query tile from registers (`_consumer`; session 33: bit-equal, within a timing's spread: off)
+QK_FIRST = 0  # chunk c's q.k^T issued before chunk c - 1's p.v (`_consumer`; session 33: bit-equal, no faster: off)
 STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's spread of each other; 2 stages 0.6x)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
@@ -112,7 +112,7 @@ if _IMPORT_ERROR is None:
         """One query tile (consumer WHICH of the CTA's NCONS), ping-ponged with the other (module docstring).
         NCONS 3 (measurement): three consumers take turns in a ring (WHICH waits on turn WHICH, hands it to the next).
         NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
-        SKIP: `_softmax`'s rescale skip where no row's max moved (0 in production until timed; the same bits).
+        SKIP: `_softmax`'s rescale skip where no row's max moved (the same bits; session 28: 0.99-1.0x, off).
         DIAG (measurement only, other bits; never set by the library): 1 skips the softmax, 2 skips q.k^T, 3 the
         segment folds (no (M, L, O) held: what the registers would allow with O kept elsewhere).
         QREG: q.k^T takes the query tile from registers (loaded once from shared memory) instead of shared memory: the
@@ -338,11 +338,13 @@ if _IMPORT_ERROR is None:
                          NFULL: gl.constexpr, DIAG: gl.constexpr, OWS: gl.constexpr, PDEF: gl.constexpr,
                          num_warps: gl.constexpr, VSTAGES: gl.constexpr):
         """`_prefill_kernel` with three consumers in a turn ring, three adjacent query tiles a CTA (session 36; the
-        library's where RLKERNEL_ATTENTION_PREFILL3=1, off until a GPU times it; `gpu_gluon_attn.py` measures it). OWS: each consumer keeps its finished segments' O (fp32, touched once per
-        SEG_CHUNKS chunks) in global memory instead of 64 registers a thread: a slot of ws_ptr that it holds while it
-        runs (`_claim`: a lock per slot in lk_ptr, n_slots of them); the same values, so the same bits. OWS 2: O in
-        shared memory (`attention_gluon_osm`); OWS 3 (session 40, a measurement: bit-equal, 0.99-1.01x production on an
-        H100): its fold after the turn's q.k^T, beside the other consumers' MMAs."""
+        library's where RLKERNEL_ATTENTION_PREFILL3 is 1 or 2, off: sessions 38-40 timed every version bit-equal and
+        none faster than `_prefill_kernel`; `gpu_gluon_attn.py` measures it). OWS 1: each consumer keeps its finished
+        segments' O (fp32, touched once per SEG_CHUNKS chunks) in global memory instead of 64 registers a thread: a
+        slot of ws_ptr that it holds while it runs (`_claim`: a lock per slot in lk_ptr, n_slots of them); the same
+        values, so the same bits. OWS 2: O in shared memory (`attention_gluon_osm`); OWS 3 (session 40, a
+        measurement: bit-equal, 0.99-1.01x production on an H100): its fold after the turn's q.k^T, beside the other
+        consumers' MMAs."""
         grp, req, kvh, kv_start, nc_cta, hq = _cta(n_groups, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N, 3)
         if OWS >= 2:  # O in shared memory, K / V in rings of their own (STAGES K stages, VSTAGES V stages); OWS 3:
             # the fold after the turn's q.k^T (`_consumer_osm`'s FOLD 1), O in column halves
