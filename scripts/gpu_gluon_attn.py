@@ -59,36 +59,14 @@ VARIANTS = {
     "stages3": dict(stages=3),
     "mask_every_chunk": dict(nfull=0),
     "skip_rescale": dict(skip=1),
-    # session 36: three consumer warpgroups (`_prefill3_kernel`): with O in registers (spills), with O in global slots
-    # held by a lock (OWS; session 37: not indexed by %smid, which PTX lets change under a running thread), and
-    # without the segment folds (other bits; beside diag_nofold, the same two-consumer measurement)
-    "three": dict(cons=3, ows=0),
-    "three_ows": dict(cons=3, ows=1),
-    # session 37: the producer as the default partition (4 warps), each consumer a worker of 160 registers (three_ows:
-    # 152 / 168 / 168); sm_90 here: 144 B of spill stores, all on the fold's path (152: 228 B; 168: C7512, 1,464 B)
-    "three_ows_pdef160": dict(cons=3, ows=1, pdef=160),
-    # session 38: three_ows lost (0.65x SDPA, pdef160 0.71x: the fold's global round trip stalls the turn ring). O in
-    # shared memory instead (OWS 2), K and V in rings of their own so that it fits: K stages (`stages`) + 2 V stages
-    # session 39 (H100): k3 faults (an out-of-range shared or local address at a turn's arrive; gpu_osm_probe.py runs
-    # it in a process of its own); k2 and k2v3 bit-equal, 0.93-0.96x and 0.98-0.99x production's speed
-    "three_osm_k3": dict(cons=3, ows=2, stages=3, vstages=2),
-    "three_osm_k2": dict(cons=3, ows=2, stages=2, vstages=2),
-    # the same with 3 V stages (213 KB + 16 KB): where 2 V stages run the consumers dry
-    "three_osm_k2v3": dict(cons=3, ows=2, stages=2, vstages=3),
-    # session 40: k2v3 with the fold after the turn's q.k^T, beside the other consumers' MMAs (OWS 3: O in column
-    # halves so that the fold fits beside S), where k2v3 folds alone between its p.v's wait and its own q.k^T
-    "three_osm_fold": dict(cons=3, ows=3, stages=2, vstages=3),
-    # session 40 call 2 (H100): three_osm_fold bit-equal, 0.99x production; diag_three_nofold (4 K / V stages) 1.16-1.18x.
-    # The same rings and shared memory as three_osm_fold without the folds (other bits): is it the rings or the folds?
-    "diag_osm_nofold": dict(cons=3, ows=3, stages=2, vstages=3, diag=3),
-    # session 40 call 3 (H100): diag_osm_nofold 1.10-1.16x production, three_osm_fold 1.00-1.01x: the folds cost ~12 %
-    # though they run beside the other consumers' MMAs (all three consumers fold at the same chunk).
-    # (call 4 ran "three_osm_fold_z" and "zskip": a segment's first chunk's rescale of the accumulator the fold just
-    # zeroed, skipped — bit-equal; 1.01x three_osm_fold, and 0.92-0.96x production in the two-consumer kernel, whose
-    # runtime branch costs more than the 64 multiplies; the knobs, OWS 4 and SKIP 2, are at commit b893719)
-    # K 3 + V 2 with the overlapped fold (call 5: bit-equal, 0.99x production, where three_osm_k3 faults again)
-    "three_osm_fold_k3": dict(cons=3, ows=3, stages=3, vstages=2),
-    "diag_three_nofold": dict(cons=3, diag=3, ows=0),
+    # (sessions 36-40 ran three consumer warpgroups a CTA, `_prefill3_kernel`: "three" (O in registers, spills),
+    # "three_ows" / "three_ows_pdef160" (O in global slots held by a lock: 0.65 / 0.71x SDPA), "three_osm_k2" /
+    # "three_osm_k2v3" (O in shared memory, K and V in rings of their own: 0.93-0.99x production; "three_osm_k3", K 3 +
+    # V 2, faults), "three_osm_fold" / "three_osm_fold_k3" (the fold after the turn's q.k^T, O in column halves:
+    # 0.99-1.01x), and "diag_three_nofold" / "diag_osm_nofold" (no folds, other bits: 1.10-1.18x) — every version
+    # bit-equal on an H100, none faster once the folds run (all three consumers fold at the same chunk). The kernel and
+    # these variants are at commit 6fcfcb8; "three_osm_fold_z" (1.01x the fold) and "zskip" (SKIP 2 here, 0.92-0.96x)
+    # at b893719)
     "diag_nofold": dict(diag=3),
     "qreg": dict(qreg=1),
     "qk_first": dict(qk_first=1),
@@ -115,22 +93,11 @@ def compile_sm90(variant, G=4, d=128):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST, cons=2, ows=1),
-          **VARIANTS[variant]}
+    kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST), **VARIANTS[variant]}
     desc = f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>"  # the descriptors' layout, as the library makes it
     ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
             "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32"}
     ints = {"sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32", "qk_scale": "fp32"}
-    if kw["cons"] == 3:  # `_prefill3_kernel` (three consumers)
-        const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
-                     NFULL=kw["nfull"], DIAG=kw["diag"], OWS=kw["ows"], PDEF=kw.get("pdef", 0), num_warps=4,
-                     VSTAGES=kw.get("vstages", AG.OSM_VSTAGES))
-        # ws_ptr / lk_ptr as the library passes them: OWS 1 its fp32 slots and i32 locks, else (out, q_len)
-        ws = "*fp32" if kw["ows"] == 1 else "*bf16"
-        sig = {**ptrs, "ws_ptr": ws, "lk_ptr": "*i32", "n_slots": "i32", **ints, "n_groups": "i32",
-               **{k: "constexpr" for k in const}}
-        src = GluonASTSource(AG._prefill3_kernel, sig, constexprs=const)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
     const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
                  NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], QREG=kw["qreg"], QK_FIRST=kw["qk_first"],
                  num_warps=4)
@@ -182,9 +149,8 @@ def direct_args(q, k, v, cu, max_seqlen, lse=None) -> tuple:
 
 
 def gluon_varlen(q, k, v, cu, max_seqlen, variant, lse=None):
-    """attention_varlen's Gluon launch with a variant's knobs (two consumers unless the variant says otherwise, whatever
-    RLKERNEL_ATTENTION_PREFILL3 says)."""
-    return AG.launch(*direct_args(q, k, v, cu, max_seqlen, lse), **{"cons": 2, **VARIANTS[variant]})
+    """attention_varlen's Gluon launch with a variant's knobs."""
+    return AG.launch(*direct_args(q, k, v, cu, max_seqlen, lse), **VARIANTS[variant])
 
 
 def host_us(fns: dict, n: int = 50, rounds: int = 15) -> dict:
@@ -452,8 +418,6 @@ def main(argv=None) -> int:
                     rec["max_abs_diff"] = float(diff.max())
                 rec["run_to_run_equal"] = bool(torch.equal(y, gluon_varlen(q, k, v, cu, L, name)))
                 rec["out_sha"] = _sha(y)  # measurement variants of other bits compared with each other
-                if VARIANTS[name].get("cons") == 3 and VARIANTS[name].get("ows", 1) == 1:  # every O slot released again
-                    rec["slots_held_after"] = int(AG._slots(q.device, 64, d)[1].count_nonzero())
                 if timed:
                     t = bench(lambda: gluon_varlen(q, k, v, cu, L, name))
                     rec["ms"], rec["tflops"] = round(t, 4), round(flops / t / 1e9, 1)

@@ -54,50 +54,9 @@ STEPS: dict[str, tuple[int, str]] = {
                            "python3 scripts/gpu_gluon_attn.py --out {out} --ab 5 --ab-variants qreg,qk_first"),
     # o / down: the segmented 128 x 128 tile beside its unsegmented twin (sessions 34-35 also timed 5-7 stages and a
     # 128 x 64 tile here; they lost and left gpu_gluon_gemm's PLAN)
-    # session 36: three consumer warpgroups (`attention_gluon._prefill3_kernel`). Call 18 ran `three` (O in registers:
-    # bit-equal, spills, 0.96-1.00x) and `diag_three_nofold` (no segment folds, other bits: 1.15-1.16x production).
-    # three_ows keeps O in global slots (built after the call; session 37: a slot is held by a lock, %smid only the
-    # claim's hint; compiles for sm_90 with 120 B of spill stores, none in the steady chunk; slots_held_after must be
-    # 0); three_ows_pdef160: the producer as the default partition, 160 registers a consumer. Their bits against the
-    # Triton kernel first, then the A/B
-    "attn_three": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096 --variants "
-                        "production,three_ows,three_ows_pdef160,diag_three_nofold && python3 scripts/gpu_gluon_attn.py "
-                        "--out {out} --ab 5 --ab-variants three_ows,three_ows_pdef160,diag_three_nofold,diag_nofold"),
-    # session 38: O in shared memory (OWS 2: no slot, no lock), K and V in rings of their own so that it fits (K 3 or 2
-    # stages, V 2; sm_90 here: 229,732 / 213,332 B of shared memory, 0 / 4 B of spills; session 39: K 2 with V 3, and
-    # K 3 left out: it faults and poisons the process's CUDA context): the bits, then the A/B
-    "attn_osm": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096 --variants "
-                      "production,three_osm_k2,three_osm_k2v3 && python3 scripts/gpu_gluon_attn.py "
-                      "--out {out} --ab 5 --ab-variants three_osm_k2,three_osm_k2v3,diag_three_nofold"),
-    # session 40: OWS 3, the fold after the turn's q.k^T beside the other consumers' MMAs (O in column halves so that
-    # it fits beside S; sm_90 here: 0 B of spills, 229,716 B of shared memory): first in processes of their own (a
-    # fault is reported there), then the bits on the mixed batch, then the A/B against k2v3 and the no-fold ceiling
-    "attn_fold": (420, "python3 scripts/gpu_osm_probe.py --out {out} three_osm_fold --B 2 --L 1100 && "
-                       "python3 scripts/gpu_osm_probe.py --out {out} three_osm_fold --B 1 --L 4100 && "
-                       "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096 --variants "
-                       "production,three_osm_fold && python3 scripts/gpu_gluon_attn.py --out {out} --ab 3 "
-                       "--ab-variants three_osm_fold,three_osm_k2v3,diag_three_nofold"),
-    # session 40 call 2: three_osm_fold bit-equal, no faster (0.99x); diag_three_nofold 1.16-1.18x: the rings or the folds?
-    "attn_osm_diag": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --ab 3 --ab-variants "
-                           "three_osm_fold,diag_osm_nofold,diag_three_nofold"),
-    # session 40 call 4 (its step and knobs at b893719): zskip 0.92-0.96x production, three_osm_fold_z 1.01x the fold.
-    # K 3 + V 2 again (session 39's k3 faulted; this code's shared layout moved its barriers by 16 bytes): each in a
-    # process of its own (a fault stops nothing else), then the A/B where the overlapped fold's k3 ran bit-equal
-    "osm_k3_again": (300, "python3 scripts/gpu_osm_probe.py --out {out} three_osm_k3 --B 2 --L 1100; "
-                          "python3 scripts/gpu_osm_probe.py --out {out} three_osm_fold_k3 --B 2 --L 1100 && "
-                          "python3 scripts/gpu_gluon_attn.py --out {out} --ab 3 --ab-variants "
-                          "three_osm_fold_k3,three_osm_fold"),
-    # session 39: three_osm_k3's fault (out-of-range shared or local address at a turn's arrive, H100), in a process of
-    # its own under compute-sanitizer
-    "osm_k3_fault": (200, "python3 scripts/gpu_osm_probe.py --out {out} three_osm_k2v3 --B 1 --L 600 && "
-                          "compute-sanitizer --tool memcheck --print-limit 8 python3 scripts/gpu_osm_probe.py "
-                          "--out {out} three_osm_k3 --B 1 --L 600 > {out}/memcheck_k3.txt 2>&1; "
-                          "tail -c 4000 {out}/memcheck_k3.txt"),
-    # session 38: the library with O in shared memory (RLKERNEL_ATTENTION_PREFILL3=2), after attn_osm: the golden bits,
-    # the launch tests (first-use check, fast path) and the parity harness (its hash must stay 8f3204762ef5c300)
-    "prefill3_osm_check": (420, "export RLKERNEL_ATTENTION_PREFILL3=2 && python3 -m rlkernel.golden --check-gpu && "
-                                "python3 -m pytest -q -p no:cacheprovider tests/test_triton_launch.py -k gluon && "
-                                "python3 scripts/gpu_strict_parity.py --only parity --out {out}"),
+    # (sessions 36-40's three-consumer prefill steps — attn_three, attn_osm, attn_fold, attn_osm_diag, osm_k3_again,
+    # osm_k3_fault, prefill3_osm_check — and the kernel they measured are at commit 6fcfcb8: every version bit-equal,
+    # none faster than production; benchmarks/H200_NOTES.md)
     "gemm_stages": (240, "python3 scripts/gpu_gluon_gemm.py --out {out} --gemms o,down --seg-ms 1024,4096,16384"),
     "ncu_probe": (240, "ncu --clock-control none --profile-from-start off --set full -f -o /tmp/probe "
                        "python3 scripts/gpu_ncu_probe.py && ncu -i /tmp/probe.ncu-rep --page details > {out}/ncu_details.txt "
@@ -339,13 +298,6 @@ STEPS: dict[str, tuple[int, str]] = {
     # merged into the harness JSON
     "strict_recheck": (590, "python3 -m rlkernel.golden --check-gpu && python3 scripts/gpu_strict_parity.py --only "
                             "timing,train,parity --merge benchmarks/h200_strict_parity.json --out {out}"),
-    # session 37: the library with the three-consumer prefill switched on (attention_gluon.PREFILL3), for after
-    # attn_three: the golden bits, the harness (parity hash must stay 8f3204762ef5c300; the attention prefill ratio is
-    # the library's with it) — its JSON not merged into the committed one — and the launch tests (its first-use check,
-    # its fast path against Triton's own launch)
-    "strict_recheck_prefill3": (590, "export RLKERNEL_ATTENTION_PREFILL3=1 && python3 -m rlkernel.golden --check-gpu && "
-                                     "python3 -m pytest -q -p no:cacheprovider tests/test_triton_launch.py -k gluon && "
-                                     "python3 scripts/gpu_strict_parity.py --only timing,train,parity --out {out}"),
     # the GEMM + SwiGLU epilogue (gemm.matmul_swiglu; off in the engine since session 12, contracts.gpu.SWIGLU_EPILOGUE) vs
     # the strict two launches and stock cuBLAS + silu_and_mul
     "gemm_swiglu": (300, "python3 scripts/gpu_gemm_sweep.py --swiglu --ms 1,16,64,256,512,1024,4096 --out {out}"),

@@ -204,61 +204,6 @@ def test_gluon_prefill_launches_through_the_fast_path():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.stdout[-1000:], proc.stderr[-3000:])
 
 
-_GLUON3_STUB = STUB_SM90_DRIVER + textwrap.dedent('''
-    import os
-
-    from rlkernel.backends.triton import attention_gluon as AG, contracts as C, launch
-
-    if AG._IMPORT_ERROR is not None:
-        print("skip: Gluon unavailable")
-        raise SystemExit(0)
-    mode = int(os.environ["RLKERNEL_ATTENTION_PREFILL3"])
-    assert AG.PREFILL3 == mode and "three consumers" in AG.describe()
-    assert ("O in held slots" if mode == 1 else "O in shared memory") in AG.describe()
-    ws, locks = torch.empty(6 * 64 * 128), torch.zeros(6, dtype=torch.int32)  # two SMs' O slots (no device here)
-    AG._SLOTS[(None, 64, 128)] = (ws, locks)
-    q = torch.zeros(700, 32, 128, dtype=torch.bfloat16)
-    k, v = torch.zeros(700, 8, 128, dtype=torch.bfloat16), torch.ones(700, 8, 128, dtype=torch.bfloat16)
-    out, lse = torch.empty_like(q), torch.empty(700, 32)
-    qs, ql = torch.tensor([0, 600, 699], dtype=torch.int32), torch.tensor([600, 99, 1], dtype=torch.int32)
-    call = (q, k, v, out, qs, ql, ql, qs, 38, 128 ** -0.5, C.ATTENTION, k.stride(0), lse)
-    stages = AG.STAGES if mode == 1 else AG.OSM_KSTAGES
-    assert AG._library_kernel(AG.STAGES) == (3, mode, stages)
-    grid, args, kwargs = AG._launch3_args(*call, stages, 1, 0, mode, 0)
-    assert grid == (13, 3, 8) and (kwargs["OWS"], kwargs["STAGES"]) == (mode, stages)  # 38 tiles in groups of 3
-    assert mode == 1 or (stages, kwargs["VSTAGES"]) == (2, 3)  # session 39: K 3 + V 2 faults on the GPU; 2 + 3 runs
-    if mode == 1:  # the O slots and their locks
-        assert args[9] is ws and args[10] is locks and args[11] == 6
-    else:  # O in shared memory: no slot is made or passed
-        assert args[9] is out and args[10] is ql
-    cache, keys, _, _, binder = AG._prefill3_kernel.device_caches[0]
-    _, spec, options = binder(*args, **kwargs, debug=False, instrumentation_mode="")
-    cache[compute_cache_key(keys, spec, options)] = Kernel()
-    assert AG._prefill3_fast.fn is AG._prefill3_kernel
-    before = AG._LAUNCHES[0]
-    for _ in range(3):
-        AG.launch(*call)  # the library's call (cons None): PREFILL3 routes it here
-    assert [c[6] for c in calls] == ["triton's own run", None, None] and AG._LAUNCHES[0] == before + 3
-    assert all(c[:3] == (13, 3, 8) for c in calls)
-    assert len(AG._prefill3_fast._kernels) == 1 and not AG._prefill_fast._kernels  # never the two-consumer kernel
-    print("ok")
-''')
-
-
-@pytest.mark.parametrize("mode", ["1", "2"])
-def test_gluon_prefill3_is_the_librarys_launch_where_switched_on(mode):
-    """RLKERNEL_ATTENTION_PREFILL3=1 or 2 (off by default until a GPU times it): the library's prefill launch (`launch`
-    with cons None) takes `_prefill3_kernel` — 13 CTAs of three query tiles for 38 tiles; with 1 the O slots and their
-    locks as its arguments, with 2 O in shared memory at OSM_KSTAGES K stages and no slot — through the fast path, and
-    provenance says which. Checked without a GPU as above (a launch with other constexprs than these would miss the
-    stand-in in the kernel cache)."""
-    pytest.importorskip("triton.experimental.gluon")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RLKERNEL_TRITON_FAST_LAUNCH")}
-    proc = subprocess.run([sys.executable, "-c", _GLUON3_STUB], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**env, "PYTHONPATH": str(ROOT), "RLKERNEL_ATTENTION_PREFILL3": mode})
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.stdout[-1000:], proc.stderr[-3000:])
-
-
 @cuda
 def test_gluon_prefill_fast_path_runs_tritons_kernel():
     """On an H200, where the library takes the Gluon prefill: its fast-path launch runs the compiled kernel Triton's own

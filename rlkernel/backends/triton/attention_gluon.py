@@ -27,10 +27,11 @@ q.k^T 516 — the per-chunk softmax (two row reductions, 32 exp2 and 64 acc resc
 Session 34: the output tile stored 16 bytes a thread — 466 TFLOP/s on the H200 (1.08-1.11x the Triton
 kernel, 0.82-0.83x SDPA in interleaved rounds; benchmarks/h200_session34/call2), the same bits.
 
-Layout: this module holds the kernels (`_prefill_kernel`, the measurement `_prefill3_kernel`), their consumer,
-producer and shared memory, and the host side (launch, checks); `attention_gluon_parts.py` the device pieces below a
-consumer (merge, softmax, mask, loads and stores, OWS 1's slots); `attention_gluon_osm.py` OWS 2's pieces (O in
-shared memory, K / V in rings of their own).
+Layout: this module holds the kernel (`_prefill_kernel`), its consumer, producer and shared memory, and the host side
+(launch, checks); `attention_gluon_parts.py` the device pieces below a consumer (merge, softmax, mask, the turn, the
+query load and the lse store). Sessions 36-40's three-consumer measurement kernel (`_prefill3_kernel`: O in held
+global slots, in shared memory, the fold beside the other consumers' MMAs; every version bit-equal, none faster than
+this one on an H100) was removed after session 40; its code is at commit 6fcfcb8 (benchmarks/H200_NOTES.md).
 
 Used by `attention.attention_varlen` where `unsupported_reason` is None (sm_90, bf16, head dim 128, the contract's
 64 x 64 tiles, K / V through TMA, the unsplit flat walk, Triton 3.6, and a first-use check per device and head group
@@ -69,22 +70,10 @@ QK_FIRST = 0  # chunk c's q.k^T issued before chunk c - 1's p.v (`_consumer`; se
 STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's spread of each other; 2 stages 0.6x)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
-CONSUMER3_REGS = 168  # three consumers (cons=3): 13 warps share the register file
-# `_prefill3_kernel` with O in shared memory (OWS 2) where the library runs it: its K and V rings. Session 39 (H100):
-# K 2 + V 3 and K 2 + V 2 bit-equal to the Triton kernel (0.98-0.99x / 0.93-0.96x production's speed); K 3 + V 2 faults
-# (compute-sanitizer: an out-of-range shared or local address at a turn's arrive, cause not found; H200_NOTES)
-OSM_VSTAGES = 3
-OSM_KSTAGES = 2
-PREFILL3_ENV = "RLKERNEL_ATTENTION_PREFILL3"
-# the library's prefill on `_prefill3_kernel` (three consumers; the same bits, checked at first use as the two-consumer
-# kernel is): 1 its O in held global slots (OWS 1), 2 in shared memory (OWS 2, session 38: K in OSM_KSTAGES stages);
-# 0 (the default) `_prefill_kernel`: timed against it on an H100, neither is faster (sessions 38-39, H200_NOTES)
-PREFILL3 = {"0": 0, "1": 1, "2": 2}.get(os.environ.get(PREFILL3_ENV, "0"), 0)
 _LOG2E = 1.4426950408889634
 
 try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API is young, so any failure is a reason
     import triton
-    import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -96,21 +85,16 @@ except Exception as e:  # noqa: BLE001
 if _IMPORT_ERROR is None:
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
-    _CONSUMER3_REGS = gl.constexpr(CONSUMER3_REGS)
 
-    from .attention_gluon_osm import _consumer_osm, _producer_split, _shared_split
-    from .attention_gluon_parts import (_chunks, _claim, _load_q, _mask, _merge, _merge_ws, _o_slot, _qk_turn, _release,
-                                        _softmax, _stats, _store_lse, _store_out, _tile_rows)
+    from .attention_gluon_parts import _chunks, _load_q, _mask, _merge, _qk_turn, _softmax, _stats, _store_lse, _tile_rows
 
     @gluon.jit
     def _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt, sqh,
                   sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, WHICH: gl.constexpr, G: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
                   STORE_LSE: gl.constexpr, NFULL: gl.constexpr, DIAG: gl.constexpr, SKIP: gl.constexpr,
-                  QREG: gl.constexpr, QK_FIRST: gl.constexpr, NCONS: gl.constexpr = 2, ws_ptr=None,
-                  lk_ptr=None, n_slots=0, OWS: gl.constexpr = 0):
-        """One query tile (consumer WHICH of the CTA's NCONS), ping-ponged with the other (module docstring).
-        NCONS 3 (measurement): three consumers take turns in a ring (WHICH waits on turn WHICH, hands it to the next).
+                  QREG: gl.constexpr, QK_FIRST: gl.constexpr):
+        """One query tile (consumer WHICH of the CTA's two), ping-ponged with the other (module docstring).
         NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
         SKIP: `_softmax`'s rescale skip where no row's max moved (the same bits; session 28: 0.99-1.0x, off).
         DIAG (measurement only, other bits; never set by the library): 1 skips the softmax, 2 skips q.k^T, 3 the
@@ -132,9 +116,9 @@ if _IMPORT_ERROR is None:
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         TOK: gl.constexpr = BLOCK_M // G
         S: gl.constexpr = bufs_k.type.shape[0]
-        tok0 = (pair * NCONS + WHICH) * TOK
+        tok0 = (pair * 2 + WHICH) * TOK
         FIRST: gl.constexpr = 1 if WHICH == 0 else 0  # consumer 0 opens: a fresh barrier passes parity 1
-        NEXT: gl.constexpr = (WHICH + 1) % NCONS
+        NEXT: gl.constexpr = 1 - WHICH
         q_len, q_start, first, n_full = _tile_rows(ql_ptr, qs_ptr, kl_ptr, req, tok0, BLOCK_N)
         if nc_cta > 0:
             qrow, head, row_ok, d = _load_q(q_ptr, q_smem, q_start, q_len, kvh, tok0, sqt, sqh, G, BLOCK_M, D, ld_layout)
@@ -152,10 +136,6 @@ if _IMPORT_ERROR is None:
             m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
             l = gl.zeros([BLOCK_M], gl.float32, row_s)
             acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-            slot = 0
-            if OWS:  # a tile that folds a segment (more than SEG_CHUNKS chunks) holds an O slot while it runs
-                if nc_cta > SEG_CHUNKS:
-                    slot = _claim(lk_ptr, n_slots, WHICH, NCONS)
             # chunk 0: q.k^T in the first turn (consumer 0 first: a fresh barrier passes parity 1)
             mbarrier.wait(ready.index(0), 0)
             mbarrier.wait(turn.index(WHICH), FIRST)
@@ -195,27 +175,6 @@ if _IMPORT_ERROR is None:
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     m = m_c
                     l = l_c
-                elif OWS:  # `_prefill3_kernel`'s O in memory: a segment's first chunk folds before its q.k^T is issued,
-                    # so that S is not live beside acc and O (the same ops in the same order)
-                    acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
-                    if (c % SEG_CHUNKS) == 0:
-                        mbarrier.arrive(turn.index(NEXT), count=1)
-                        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-                        mbarrier.arrive(empty.index(sp), count=1)
-                        o_ws = _o_slot(ws_ptr, slot, ld_layout, BLOCK_M, D)
-                        # the first fold (c == SEG_CHUNKS) finds O = 0, as the registers' version does
-                        M, L, O_ld = _merge_ws(M, L, m, l, acc, o_ws, c > SEG_CHUNKS, row_o, ld_layout)
-                        gl.store(o_ws, O_ld)
-                        m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-                        l = gl.zeros([BLOCK_M], gl.float32, row_s)
-                        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-                        s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
-                        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-                    else:
-                        acc, s = _qk_turn(qa, bufs_k.index(st), zero_s, turn.index(NEXT), acc_tok)
-                        mbarrier.arrive(empty.index(sp), count=1)
-                    s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
-                    m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
                 else:
                     acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
                     if DIAG == 2:
@@ -239,18 +198,10 @@ if _IMPORT_ERROR is None:
             sl = (nc_cta - 1) % S
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(empty.index(sl), count=1)
-            if OWS:  # a fold ran (at chunk SEG_CHUNKS) iff nc_cta > SEG_CHUNKS: then O is in the slot
-                M, L, O_ld = _merge_ws(M, L, m, l, acc, _o_slot(ws_ptr, slot, ld_layout, BLOCK_M, D),
-                                       nc_cta > SEG_CHUNKS, row_o, ld_layout)
-                if nc_cta > SEG_CHUNKS:
-                    _release(lk_ptr, slot)
-                out = gl.div_rn(O_ld, gl.convert_layout(L, gl.SliceLayout(1, ld_layout))[:, None])
-                _store_out(o_ptr, out, tok0, q_start, q_len, kvh, sot, soh, G, BLOCK_M, D, ld_layout)
-            else:
-                M, L, O = _merge(M, L, O, m, l, acc, row_o)
-                out = gl.div_rn(O, gl.convert_layout(L, row_o)[:, None])
-                gl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :],
-                         gl.convert_layout(out.to(o_ptr.dtype.element_ty), ld_layout), mask=row_ok[:, None])
+            M, L, O = _merge(M, L, O, m, l, acc, row_o)
+            out = gl.div_rn(O, gl.convert_layout(L, row_o)[:, None])
+            gl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :],
+                     gl.convert_layout(out.to(o_ptr.dtype.element_ty), ld_layout), mask=row_ok[:, None])
             if STORE_LSE:
                 _store_lse(lse_ptr, M, L, rs, tok0, q_start, q_len, kvh, hq, G, BLOCK_M)
 
@@ -299,20 +250,6 @@ if _IMPORT_ERROR is None:
         return bufs_k, bufs_v, q_all, ready, empty, turn
 
     @gluon.jit
-    def _role(ROLE: gl.constexpr, q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all, bufs_k, bufs_v, ready, empty,
-              turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, G: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STORE_LSE: gl.constexpr,
-              NFULL: gl.constexpr, DIAG: gl.constexpr, ws_ptr, lk_ptr, n_slots, OWS: gl.constexpr, k_desc, v_desc,
-              kv_start):
-        """`_prefill3_kernel`'s first two partitions, in either order (its PDEF): ROLE 0 the producer, 1 consumer 0."""
-        if ROLE == 0:
-            _producer(k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N, D)
-        else:
-            _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,
-                      sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D, SEG_CHUNKS,
-                      STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)
-
-    @gluon.jit
     def _prefill_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, sqt, sqh, sot, soh, qk_scale,
                         n_pairs, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, NFULL: gl.constexpr,
@@ -331,69 +268,7 @@ if _IMPORT_ERROR is None:
                          SEG_CHUNKS, STORE_LSE, NFULL, DIAG, SKIP, QREG, QK_FIRST)),
         ], [1, 4], [_PRODUCER_REGS, _CONSUMER_REGS])
 
-    @gluon.jit
-    def _prefill3_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, ws_ptr, lk_ptr, n_slots,
-                         sqt, sqh, sot, soh, qk_scale, n_groups, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
-                         NFULL: gl.constexpr, DIAG: gl.constexpr, OWS: gl.constexpr, PDEF: gl.constexpr,
-                         num_warps: gl.constexpr, VSTAGES: gl.constexpr):
-        """`_prefill_kernel` with three consumers in a turn ring, three adjacent query tiles a CTA (session 36; the
-        library's where RLKERNEL_ATTENTION_PREFILL3 is 1 or 2, off: sessions 38-40 timed every version bit-equal and
-        none faster than `_prefill_kernel`; `gpu_gluon_attn.py` measures it). OWS 1: each consumer keeps its finished
-        segments' O (fp32, touched once per SEG_CHUNKS chunks) in global memory instead of 64 registers a thread: a
-        slot of ws_ptr that it holds while it runs (`_claim`: a lock per slot in lk_ptr, n_slots of them); the same
-        values, so the same bits. OWS 2: O in shared memory (`attention_gluon_osm`); OWS 3 (session 40, a
-        measurement: bit-equal, 0.99-1.01x production on an H100): its fold after the turn's q.k^T, beside the other
-        consumers' MMAs."""
-        grp, req, kvh, kv_start, nc_cta, hq = _cta(n_groups, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N, 3)
-        if OWS >= 2:  # O in shared memory, K / V in rings of their own (STAGES K stages, VSTAGES V stages); OWS 3:
-            # the fold after the turn's q.k^T (`_consumer_osm`'s FOLD 1), O in column halves
-            FOLD: gl.constexpr = OWS - 2
-            bufs_k, bufs_v, q_all, o_all, bars = _shared_split(k_desc, v_desc, STAGES, VSTAGES, 3, BLOCK_M, D,
-                                                               1 + FOLD)
-            gl.warp_specialize([
-                (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), o_all, bufs_k,
-                                 bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 0, G, BLOCK_M,
-                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, FOLD, DIAG)),
-                (_producer_split, (k_desc, v_desc, bufs_k, bufs_v, bars, kv_start, kvh, nc_cta, BLOCK_N, D)),
-                (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), o_all, bufs_k,
-                                 bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 1, G, BLOCK_M,
-                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, FOLD, DIAG)),
-                (_consumer_osm, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), o_all, bufs_k,
-                                 bufs_v, bars, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 2, G, BLOCK_M,
-                                 BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, FOLD, DIAG)),
-            ], [1, 4, 4], [_PRODUCER_REGS, _CONSUMER3_REGS, _CONSUMER3_REGS])
-        else:  # an `else`, not a `return`: Gluon compiles what follows a return inside a constexpr `if`
-            bufs_k, bufs_v, q_all, ready, empty, turn = _shared(k_desc, v_desc, STAGES, 3, BLOCK_M, D)
-            # partitions: `_role` 0 / 1 is the producer / consumer 0 (PDEF: the producer the default partition, 4 warps,
-            # each consumer a worker of PDEF registers; else consumer 0 the default, the producer a 1-warp worker)
-            R0: gl.constexpr = 0 if PDEF else 1
-            W1: gl.constexpr = 4 if PDEF else 1
-            REG1: gl.constexpr = PDEF if PDEF else _PRODUCER_REGS
-            REGS: gl.constexpr = PDEF if PDEF else _CONSUMER3_REGS
-            gl.warp_specialize([
-                (_role, (R0, q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all, bufs_k, bufs_v, ready, empty,
-                         turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, G, BLOCK_M, BLOCK_N, D,
-                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, ws_ptr, lk_ptr, n_slots, OWS, k_desc, v_desc, kv_start)),
-                (_role, (1 - R0, q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all, bufs_k, bufs_v, ready, empty,
-                         turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, G, BLOCK_M, BLOCK_N, D,
-                         SEG_CHUNKS, STORE_LSE, NFULL, DIAG, ws_ptr, lk_ptr, n_slots, OWS, k_desc, v_desc, kv_start)),
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready,
-                             empty, turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 1, G, BLOCK_M,
-                             BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
-                (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(2), bufs_k, bufs_v, ready,
-                             empty, turn, sqt, sqh, sot, soh, hq, qk_scale, grp, req, kvh, nc_cta, 2, G, BLOCK_M,
-                             BLOCK_N, D, SEG_CHUNKS, STORE_LSE, NFULL, DIAG, 0, 0, 0, 3, ws_ptr, lk_ptr, n_slots, OWS)),
-            ], [W1, 4, 4], [REG1, REGS, REGS])
-
     _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
-    _prefill3_fast = fast(_prefill3_kernel)
-
-    @triton.jit
-    def _nsmid_kernel(out_ptr):
-        """%nsmid, the SM identifiers' bound (`_slots`)."""
-        n = tl.inline_asm_elementwise("mov.u32 $0, %nsmid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
-        tl.store(out_ptr, n)
 
 
 _ARCH: dict = {}  # device index -> its architecture (golden.gpu_arch), asked once
@@ -457,9 +332,7 @@ def self_check(device, G: int, cfg) -> str | None:
     else:
         n = int((y.view(torch.int16) != ref.view(torch.int16)).any(dim=-1).sum()) + \
             int((lse.view(torch.int32) != ref_lse.view(torch.int32)).sum())  # bit patterns (a NaN equals itself)
-        held = int(_slots(device, cfg.block_m, 128)[1].count_nonzero()) if PREFILL3 == 1 else 0
-        why = (None if n == held == 0 else f"first-use check: {n} values differ from the Triton kernel's"
-               + (f"; {held} O slots still held after the launch" if held else ""))
+        why = None if n == 0 else f"first-use check: {n} values differ from the Triton kernel's"
     if why is not None:
         logging.getLogger(__name__).warning("rlkernel: the Gluon attention prefill is off on %s (G=%d): %s", device, G,
                                             why)
@@ -498,20 +371,9 @@ def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale,
 
 
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, cons=None, ows=1, pdef=0, vstages=OSM_VSTAGES):
+           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST):
     """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None), through
-    launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time).
-    cons: 2 (`_prefill_kernel`) or 3 (`_prefill3_kernel`: three consumers, O in held global slots with `ows` 1, in
-    shared memory with 2: V in `vstages` stages); None (the library's call): 3 with ows = `PREFILL3` where
-    RLKERNEL_ATTENTION_PREFILL3 is 1 or 2 (2: K in OSM_KSTAGES stages), else 2."""
-    if cons is None:
-        cons, ows, stages = _library_kernel(stages)
-    if cons == 3:
-        grid, args, kwargs = _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt,
-                                           lse, stages, nfull, diag, ows, pdef, vstages)
-        _LAUNCHES[0] += 1
-        _prefill3_fast[grid](*args, **kwargs)
-        return out
+    launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time)."""
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
                                       stages, nfull, diag, skip, qreg, qk_first)
     _LAUNCHES[0] += 1
@@ -519,57 +381,10 @@ def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, 
     return out
 
 
-def _library_kernel(stages: int) -> tuple:
-    """(cons, ows, stages) of the library's prefill launch (`PREFILL3`)."""
-    if not PREFILL3:
-        return 2, 1, stages
-    return 3, PREFILL3, OSM_KSTAGES if PREFILL3 == 2 else stages
-
-
-def _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag,
-                  ows, pdef, vstages=OSM_VSTAGES):
-    """(grid, positional args, keyword args) of one `_prefill3_kernel` launch (`launch` with cons=3, `verify`)."""
-    hkv, d = k.shape[1:]
-    n_groups = -(-n_tiles // 3)
-    ws, locks = _slots(q.device, cfg.block_m, d) if ows == 1 else (out, q_len)  # (OWS 2: O in shared memory)
-    args = (q, out, lse if lse is not None else out, *_kv_descriptors(k, v, cfg, skt), q_start, q_len, kv_len, kv_start,
-            ws, locks, locks.numel(), q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * _LOG2E,
-            n_groups)
-    kwargs = dict(G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
-                  SEG_CHUNKS=cfg.seg_keys // cfg.block_n, STAGES=stages, STORE_LSE=lse is not None, NFULL=nfull,
-                  DIAG=diag, OWS=ows, PDEF=pdef, num_warps=4, enable_fp_fusion=False, VSTAGES=vstages)
-    return (n_groups, q_len.shape[0], hkv), args, kwargs
-
-
-_SLOTS: dict = {}  # (device index, block_m, d) -> `_prefill3_kernel`'s O slots and their locks
-
-
-def _slots(device, block_m: int, d: int):
-    """The O slots of `_prefill3_kernel` on `device` and their locks (int32, 0 = free; a kernel's consumers leave
-    them all 0): three per SM identifier (%nsmid, read on the device once: SM identifiers need not be contiguous),
-    fp32 [3 x %nsmid, block_m, d]."""
-    import torch
-
-    key = (device.index, block_m, d)
-    if key not in _SLOTS:
-        n = torch.zeros(1, dtype=torch.int32, device=device)
-        _nsmid_kernel[(1,)](n)
-        slots = 3 * int(n.item())
-        _SLOTS[key] = (torch.empty(slots * block_m * d, dtype=torch.float32, device=device),
-                       torch.zeros(slots, dtype=torch.int32, device=device))
-    return _SLOTS[key]
-
-
 def verify(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
            nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST) -> dict:
-    """`launch`'s arguments (the library's kernel: `PREFILL3` picks it) through launch.py's `FastKernel.verify`: runs
-    the kernel three times (fast path, fast path again, Triton's own `run`) into `out` / `lse` and says whether all
-    three ran one compiled kernel (a GPU's check)."""
-    if PREFILL3:
-        _, ows, stages = _library_kernel(stages)
-        grid, args, kwargs = _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt,
-                                           lse, stages, nfull, diag, ows, 0)
-        return _prefill3_fast.verify(grid, *args, **kwargs)
+    """`launch`'s arguments through launch.py's `FastKernel.verify`: runs the kernel three times (fast path, fast path
+    again, Triton's own `run`) into `out` / `lse` and says whether all three ran one compiled kernel (a GPU's check)."""
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
                                       stages, nfull, diag, skip, qreg, qk_first)
     return _prefill_fast.verify(grid, *args, **kwargs)
@@ -581,7 +396,4 @@ def describe() -> str:
         return f"off ({ENV}=0)"
     if _IMPORT_ERROR is not None:
         return f"unavailable ({_IMPORT_ERROR})"
-    where = {1: "O in held slots", 2: "O in shared memory"}.get(PREFILL3)
-    kernel = f"; three consumers, {where} ({PREFILL3_ENV}={PREFILL3})" if PREFILL3 else ""
-    return "on where supported (sm_90, bf16, head dim 128" + kernel + ")" + describe_checks(_CHECKED,
-                                                                                       lambda k: f"G={k[1]}")
+    return "on where supported (sm_90, bf16, head dim 128)" + describe_checks(_CHECKED, lambda k: f"G={k[1]}")

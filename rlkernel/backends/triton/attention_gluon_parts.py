@@ -1,7 +1,6 @@
-"""The Gluon prefill kernels' device pieces below a consumer (attention_gluon's module docstring): `attention._merge`'s
+"""The Gluon prefill kernel's device pieces below a consumer (attention_gluon's module docstring): `attention._merge`'s
 row stats and fold, a chunk's softmax, the turn's q.k^T, the causal mask, a consumer's request rows, query load and
-output / lse stores, and `_prefill3_kernel`'s O slots held by a lock (OWS 1). Inlined into the kernels that call them:
-the same ops, wherever they live."""
+lse store. Inlined into the kernel that calls them: the same ops, wherever they live."""
 from __future__ import annotations
 
 try:  # as attention_gluon's: where Gluon does not import, nothing here is defined and that module says why
@@ -29,20 +28,6 @@ if _IMPORT_ERROR is None:
         M_new, L, a, b = _merge_stats(M, L, m, l)
         O = gl.fma(O, gl.convert_layout(a, row_o)[:, None], o * gl.convert_layout(b, row_o)[:, None])
         return M_new, L, O
-
-    @gluon.jit
-    def _merge_ws(M, L, m, l, o, o_ws, have_o, row_o: gl.constexpr, ld_layout: gl.constexpr):
-        """`_merge` with O in memory (`_prefill3_kernel`'s OWS): the same ops, O's in the blocked layout of `o_ws`
-        (read only when `have_o`, else the zero it starts as). o * b is made in the accumulator's registers and
-        converted, so O is never beside acc. Returns (M, L, O in ld_layout)."""
-        M_new, L, a, b = _merge_stats(M, L, m, l)
-        t = gl.convert_layout(o * gl.convert_layout(b, row_o)[:, None], ld_layout)
-        a_ld = gl.convert_layout(a, gl.SliceLayout(1, ld_layout))
-        if have_o:
-            O = gl.load(o_ws)
-        else:
-            O = gl.zeros(t.shape, gl.float32, ld_layout)
-        return M_new, L, gl.fma(O, a_ld[:, None], t)
 
     @gluon.jit
     def _softmax(s, m, l, acc, qk_scale, row_o: gl.constexpr, p_layout: gl.constexpr, SKIP: gl.constexpr):
@@ -86,32 +71,6 @@ if _IMPORT_ERROR is None:
         return s
 
     @gluon.jit
-    def _o_slot(ws_ptr, slot, ld_layout: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
-        """`_prefill3_kernel`'s O: slot `slot`'s [BLOCK_M, D] fp32 tile of ws_ptr, in the query load's blocked layout
-        (16-byte accesses). The indices are made here, so nothing of the addresses is live across the chunk loop."""
-        r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-        return ws_ptr + slot.to(gl.int64) * (BLOCK_M * D) + (r[:, None] * D + d[None, :])
-
-    @gluon.jit
-    def _claim(lk_ptr, n_slots, WHICH: gl.constexpr, NCONS: gl.constexpr):
-        """An O slot for this consumer, held until `_release`: the first free one from this SM's (%smid is only the
-        hint: PTX lets it change under a running thread after a preemption, so it never names the slot itself). One
-        thread's compare-and-swap, its result shared with the warpgroup. A slot is always free: n_slots = NCONS x
-        %nsmid, one CTA per SM at this kernel's shared memory."""
-        hint = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        i = (hint * NCONS + WHICH) % n_slots
-        while gl.atomic_cas(lk_ptr + i, 0, 1, sem="acquire", scope="gpu") != 0:
-            i = (i + 1) % n_slots
-        return i
-
-    @gluon.jit
-    def _release(lk_ptr, slot):
-        """`_claim`'s slot free again, once every thread of the warpgroup has read it for the last time."""
-        gl.thread_barrier()
-        gl.atomic_xchg(lk_ptr + slot, 0, sem="release", scope="gpu")
-
-    @gluon.jit
     def _chunks(pair, q_len, kv_len, TOK: gl.constexpr, BLOCK_N: gl.constexpr, NCONS: gl.constexpr = 2):
         """The chunks a CTA's NCONS query tiles walk: its last live tile's (0 for a group past the request)."""
         nc = 0
@@ -146,20 +105,6 @@ if _IMPORT_ERROR is None:
         q_smem.store(q)
         fence_async_shared()
         return qrow, head, row_ok, d
-
-    @gluon.jit
-    def _store_out(o_ptr, out_ld, tok0, q_start, q_len, kvh, sot, soh, G: gl.constexpr, BLOCK_M: gl.constexpr,
-                   D: gl.constexpr, ld_layout: gl.constexpr):
-        """The output tile (in the query load's blocked layout: 16-byte stores) to its rows, the addresses made afresh
-        (an opaque zero: not the query load's, which would then live across the chunk loop)."""
-        TOK: gl.constexpr = BLOCK_M // G
-        z = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        r2 = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout)) + z
-        d2 = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
-        tok2 = tok0 + r2 // G
-        qrow2 = (q_start + gl.minimum(tok2, q_len - 1)).to(gl.int64)
-        gl.store(o_ptr + qrow2[:, None] * sot + (kvh * G + r2 % G)[:, None] * soh + d2[None, :],
-                 out_ld.to(o_ptr.dtype.element_ty), mask=((tok2 < q_len) & (r2 < TOK * G))[:, None])
 
     @gluon.jit
     def _store_lse(lse_ptr, M, L, rs, tok0, q_start, q_len, kvh, hq, G: gl.constexpr, BLOCK_M: gl.constexpr):
