@@ -218,34 +218,33 @@ if _IMPORT_ERROR is None:
             tma.async_copy_global_to_shared(v_desc, [kv_start + c * BLOCK_N, kvh * D], ready.index(st), bufs_v.index(st))
 
     @gluon.jit
-    def _cta(n_groups, ql_ptr, kl_ptr, ks_ptr, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             NCONS: gl.constexpr):
-        """This CTA's work item: (its group of NCONS query tiles, the group holding the latest tokens first; request;
-        kv head; the request's first key row; the chunks the group walks; the query heads)."""
-        grp = n_groups - 1 - gl.program_id(0)
+    def _cta(n_pairs, ql_ptr, kl_ptr, ks_ptr, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """This CTA's work item: (its pair of query tiles, the pair holding the latest tokens first; request; kv head;
+        the request's first key row; the chunks the pair walks; the query heads)."""
+        pair = n_pairs - 1 - gl.program_id(0)
         req = gl.program_id(1)
         kvh = gl.program_id(2)
         q_len = gl.load(ql_ptr + req)
         kv_len = gl.load(kl_ptr + req)
         kv_start = gl.load(ks_ptr + req)
-        nc_cta = _chunks(grp, q_len, kv_len, BLOCK_M // G, BLOCK_N, NCONS)
-        return grp, req, kvh, kv_start, nc_cta, gl.num_programs(2) * G
+        nc_cta = _chunks(pair, q_len, kv_len, BLOCK_M // G, BLOCK_N)
+        return pair, req, kvh, kv_start, nc_cta, gl.num_programs(2) * G
 
     @gluon.jit
-    def _shared(k_desc, v_desc, STAGES: gl.constexpr, NCONS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
-        """A CTA's shared memory: the K / V ring, the consumers' query tiles, and the ring's and the turn's barriers
-        (a stage is free again when all NCONS consumers released it), initialised."""
+    def _shared(k_desc, v_desc, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
+        """A CTA's shared memory: the K / V ring, the two consumers' query tiles, and the ring's and the turn's
+        barriers (a stage is free again when both consumers released it), initialised."""
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
         bufs_k = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         bufs_v = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_all = gl.allocate_shared_memory(gl.bfloat16, [NCONS, BLOCK_M, D], q_layout)
+        q_all = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, D], q_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [NCONS, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=NCONS)
-        for i in gl.static_range(NCONS):
+            mbarrier.init(empty.index(i), count=2)
+        for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
         return bufs_k, bufs_v, q_all, ready, empty, turn
 
@@ -256,8 +255,8 @@ if _IMPORT_ERROR is None:
                         DIAG: gl.constexpr, SKIP: gl.constexpr, QREG: gl.constexpr, QK_FIRST: gl.constexpr,
                         num_warps: gl.constexpr):
         """Grid (pairs of query tiles, the pair holding the latest tokens first; requests; kv heads)."""
-        pair, req, kvh, kv_start, nc_cta, hq = _cta(n_pairs, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N, 2)
-        bufs_k, bufs_v, q_all, ready, empty, turn = _shared(k_desc, v_desc, STAGES, 2, BLOCK_M, D)
+        pair, req, kvh, kv_start, nc_cta, hq = _cta(n_pairs, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N)
+        bufs_k, bufs_v, q_all, ready, empty, turn = _shared(k_desc, v_desc, STAGES, BLOCK_M, D)
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,
                          sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,

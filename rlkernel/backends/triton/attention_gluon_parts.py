@@ -71,11 +71,11 @@ if _IMPORT_ERROR is None:
         return s
 
     @gluon.jit
-    def _chunks(pair, q_len, kv_len, TOK: gl.constexpr, BLOCK_N: gl.constexpr, NCONS: gl.constexpr = 2):
-        """The chunks a CTA's NCONS query tiles walk: its last live tile's (0 for a group past the request)."""
+    def _chunks(pair, q_len, kv_len, TOK: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The chunks a CTA's pair of query tiles walks: its last live tile's (0 for a pair past the request)."""
         nc = 0
-        if pair * NCONS * TOK < q_len:  # the CTA's last live tile sees the most chunks
-            t_last = gl.minimum(pair * NCONS + (NCONS - 1), (q_len - 1) // TOK)
+        if pair * 2 * TOK < q_len:  # the CTA's last live tile sees the most chunks
+            t_last = gl.minimum(pair * 2 + 1, (q_len - 1) // TOK)
             nc = (kv_len - q_len + gl.minimum(t_last * TOK + TOK, q_len) - 1) // BLOCK_N + 1
         return nc
 
