@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import triton  # noqa: E402
 
 from rlkernel.backends.triton import attention_gluon as AG  # noqa: E402
+from rlkernel.backends.triton import attention_gluon_pair as AP  # noqa: E402
 
 T0 = time.time()
 # "sink": every query's largest logit is its sequence's first key (q and k share a direction there), as trained
@@ -82,9 +83,14 @@ VARIANTS = {
     # (session 35 call 12 ran "dyn": one CTA per SM taking the grid's work items in the grid's order from an atomic
     # counter, the producer handing each to the consumers through shared memory — bit-equal, 0.98-0.99x in A/B rounds,
     # 0.92x at 4 x 1,024; its code is at commit 3a1ed3f)
+    # session 41: PAIR (attention_gluon_pair): 128-key K / V stages, two chunks' q.k^T as one m64n128 chain a turn,
+    # the pair's two p.v split by the second chunk's rescale; the same ops (bit-checked here)
+    "pair": dict(pair=1),
+    "pair_hand1": dict(pair=1, hand=1),
     "diag_no_softmax": dict(diag=1),
     "diag_no_softmax_qreg": dict(diag=1, qreg=1),
     "diag_no_qk": dict(diag=2),
+    "diag_trace": dict(diag=4),  # (session 41) production's bits, a %clock64 timeline instead of the lse (trace_run)
 }
 
 
@@ -94,15 +100,21 @@ def compile_sm90(variant, G=4, d=128):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST), **VARIANTS[variant]}
-    desc = f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>"  # the descriptors' layout, as the library makes it
+    pair = kw.get("pair", 0)
+    desc = (f"tensordesc<bf16[128, {d}],{AP.kv_layout(d)!r}>" if pair else
+            f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>")  # the descriptors' layout, as the library makes it
     ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
             "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32"}
     ints = {"sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32", "qk_scale": "fp32"}
-    const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
-                 NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], QREG=kw["qreg"], QK_FIRST=kw["qk_first"],
-                 num_warps=4)
+    if pair:
+        const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw.get("pstages", AP.STAGES),
+                     STORE_LSE=True, OVL=kw.get("ovl", AP.OVL), HAND=kw.get("hand", AP.HAND), num_warps=4)
+    else:
+        const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
+                     NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], QREG=kw["qreg"], QK_FIRST=kw["qk_first"],
+                     num_warps=4)
     sig = {**ptrs, **ints, "n_pairs": "i32", **{k: "constexpr" for k in const}}
-    src = GluonASTSource(AG._prefill_kernel, sig, constexprs=const)
+    src = GluonASTSource(AP._prefill_pair_kernel if pair else AG._prefill_kernel, sig, constexprs=const)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
 
 
@@ -149,8 +161,12 @@ def direct_args(q, k, v, cu, max_seqlen, lse=None) -> tuple:
 
 
 def gluon_varlen(q, k, v, cu, max_seqlen, variant, lse=None):
-    """attention_varlen's Gluon launch with a variant's knobs."""
-    return AG.launch(*direct_args(q, k, v, cu, max_seqlen, lse), **VARIANTS[variant])
+    """attention_varlen's Gluon launch with a variant's knobs (PAIR's on attention_gluon_pair's kernel)."""
+    kw = dict(VARIANTS[variant])
+    if kw.pop("pair", 0):
+        return AP.launch(*direct_args(q, k, v, cu, max_seqlen, lse), **{{"pstages": "stages"}.get(a, a): b
+                                                                        for a, b in kw.items()})
+    return AG.launch(*direct_args(q, k, v, cu, max_seqlen, lse), **kw)
 
 
 def host_us(fns: dict, n: int = 50, rounds: int = 15) -> dict:
@@ -293,6 +309,56 @@ def ab_run(n: int, out: Path, variants=()) -> int:
     return 0
 
 
+def trace_run(out: Path, variant: str = "diag_trace") -> int:
+    """Where a chunk's cycles go (session 41): production's kernel with DIAG 4 writes, for CTAs (0..3, 0, 0) — the
+    pairs holding the latest tokens of request 0, kv head 0, at 8 x 4,096 — each chunk's %clock64 at the loop's top
+    (t0), once the turn is held (t1), once its p.v and q.k^T are done (t2) and after its softmax (t3, approximate: the
+    stamp waits for no value). Per consumer, medians over the steady chunks (8 .. n - 8) of: the wait for the stage and
+    the turn (t1 - t0), the wgmmas from issue to done (t2 - t1), the rest (t3 - t2 and the next t0 - t2), and the
+    period (t0 of chunk c + 1 - t0 of chunk c). Its output is checked equal to the library kernel's (the same bits)."""
+    import statistics
+
+    import torch
+    from rlkernel.backends.triton import attention as A
+
+    L = 4096
+    q, k, v, cu, _ = packed_inputs(8, L)
+    ref = A.attention_varlen(q, k, v, cu, max_seqlen=L)
+    trace = torch.zeros(4 * 2 * 512, dtype=torch.int64, device="cuda")
+    for _ in range(3):  # compile, warm, then the run read below
+        trace.zero_()
+        y = gluon_varlen(q, k, v, cu, L, variant, trace.view(torch.float32))
+    torch.cuda.synchronize()
+    tr = trace.view(4, 2, 128, 4).cpu().tolist()
+    res = {"device": torch.cuda.get_device_name(), "variant": variant, "equal_library": bool(torch.equal(y, ref)),
+           "ctas": {}}
+    for cta in range(4):
+        row = res["ctas"][cta] = {}
+        for w in range(2):
+            t = tr[cta][w]
+            n = max(c for c in range(128) if t[c][0] != 0) + 1 if any(t[c][0] for c in range(128)) else 0
+            steady = range(8, max(9, n - 8))
+            pick = [c for c in steady if c + 1 < n and all(t[c]) and t[c + 1][0]]
+            if not pick:
+                row[w] = {"chunks": n}
+                continue
+            med = lambda xs: int(statistics.median(xs))  # noqa: E731
+            row[w] = {"chunks": n, "steady_chunks": len(pick),
+                      "wait_stage_turn": med([t[c][1] - t[c][0] for c in pick]),
+                      "wgmma_issue_to_done": med([t[c][2] - t[c][1] for c in pick]),
+                      "softmax_to_stamp": med([t[c][3] - t[c][2] for c in pick]),
+                      "done_to_next_top": med([t[c + 1][0] - t[c][2] for c in pick]),
+                      "period": med([t[c + 1][0] - t[c][0] for c in pick]),
+                      "raw_first_16": [[x - t[1][0] for x in t[c]] for c in range(1, min(n, 17))]}
+            if w == 1 and isinstance(row.get(0), dict) and "period" in row[0]:  # the turn's offset between consumers
+                row["offset_c1_minus_c0_t1"] = med([t[c][1] - tr[cta][0][c][1] for c in pick])
+        log("trace cta", cta, {w: {kk: vv for kk, vv in r.items() if kk != "raw_first_16"} if isinstance(r, dict) else r
+                               for w, r in row.items()})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "h200_gluon_attn_trace.json").write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compile-only", action="store_true")
@@ -303,7 +369,10 @@ def main(argv=None) -> int:
                                                        "SDPA timed in turn N times at 8 x 4,096, before and after a "
                                                        "heavy GEMM load, with the card's clocks read between")
     ap.add_argument("--ab-variants", default="", help="with --ab: VARIANTS also timed in each round")
+    ap.add_argument("--trace", action="store_true", help="only trace_run: production's %%clock64 timeline (DIAG 4)")
     args = ap.parse_args(argv)
+    if args.trace:
+        return trace_run(Path(args.out))
     if args.ab:
         return ab_run(args.ab, Path(args.out), [x for x in args.ab_variants.split(",") if x])
     names = [n for n in args.variants.split(",") if n]

@@ -86,7 +86,8 @@ if _IMPORT_ERROR is None:
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
 
-    from .attention_gluon_parts import _chunks, _load_q, _mask, _merge, _qk_turn, _softmax, _stats, _store_lse, _tile_rows
+    from .attention_gluon_parts import (_chunks, _load_q, _mask, _merge, _qk_turn, _softmax, _stamp, _stats, _store_lse,
+                                        _tile_rows)
 
     @gluon.jit
     def _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt, sqh,
@@ -98,7 +99,10 @@ if _IMPORT_ERROR is None:
         NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
         SKIP: `_softmax`'s rescale skip where no row's max moved (the same bits; session 28: 0.99-1.0x, off).
         DIAG (measurement only, other bits; never set by the library): 1 skips the softmax, 2 skips q.k^T, 3 the
-        segment folds (no (M, L, O) held: what the registers would allow with O kept elsewhere).
+        segment folds (no (M, L, O) held: what the registers would allow with O kept elsewhere); 4 keeps the bits of
+        the output but stores no lse: lse_ptr is an int64 buffer for the timeline of CTAs (0..3, 0, 0) — each chunk's
+        %clock64 at the loop's top, once the turn is held, once its wgmmas are done, after its softmax
+        (`_stamp`; [CTA, consumer, chunk < 128, point]).
         QREG: q.k^T takes the query tile from registers (loaded once from shared memory) instead of shared memory: the
         wgmma then reads only K from shared memory (q.k^T's 64-column chain reads 2 KB of Q and 2 KB of K a k-step).
         QK_FIRST: a turn issues chunk c's q.k^T before chunk c - 1's p.v and waits for q.k^T alone, so chunk c's row
@@ -120,6 +124,10 @@ if _IMPORT_ERROR is None:
         FIRST: gl.constexpr = 1 if WHICH == 0 else 0  # consumer 0 opens: a fresh barrier passes parity 1
         NEXT: gl.constexpr = 1 - WHICH
         q_len, q_start, first, n_full = _tile_rows(ql_ptr, qs_ptr, kl_ptr, req, tok0, BLOCK_N)
+        if DIAG == 4:
+            tr = lse_ptr.to(gl.pointer_type(gl.int64), bitcast=True)
+            tr_on = (gl.program_id(0) < 4) & (gl.program_id(1) == 0) & (gl.program_id(2) == 0)
+            tr_base = (gl.program_id(0) * 2 + WHICH) * 512
         if nc_cta > 0:
             qrow, head, row_ok, d = _load_q(q_ptr, q_smem, q_start, q_len, kvh, tok0, sqt, sqh, G, BLOCK_M, D, ld_layout)
             if QREG:
@@ -147,8 +155,12 @@ if _IMPORT_ERROR is None:
             for c in range(1, nc_cta):
                 st = c % S
                 sp = (c - 1) % S
+                if DIAG == 4:
+                    _stamp(tr, tr_base + c * 4, tr_on & (c < 128))
                 mbarrier.wait(ready.index(st), (c // S) & 1)
                 mbarrier.wait(turn.index(WHICH), (c & 1) ^ FIRST)
+                if DIAG == 4:
+                    _stamp(tr, tr_base + c * 4 + 1, tr_on & (c < 128))
                 if QK_FIRST:
                     s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
                     acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
@@ -183,6 +195,8 @@ if _IMPORT_ERROR is None:
                         s = zero_s + c
                     else:
                         acc, s = _qk_turn(qa, bufs_k.index(st), zero_s, turn.index(NEXT), acc_tok)
+                    if DIAG == 4:
+                        _stamp(tr, tr_base + c * 4 + 2, tr_on & (c < 128))
                     mbarrier.arrive(empty.index(sp), count=1)
                     if DIAG != 3:  # (DIAG 3, measurement only, other bits: one segment, no (M, L, O) held)
                         if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: fold the finished one (its last p.v is in acc)
@@ -195,6 +209,8 @@ if _IMPORT_ERROR is None:
                     else:
                         s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
                         m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
+                        if DIAG == 4:  # (p's conversion may sink below the stamp: the stamp waits for nothing)
+                            _stamp(tr, tr_base + c * 4 + 3, tr_on & (c < 128))
             sl = (nc_cta - 1) % S
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(empty.index(sl), count=1)
@@ -203,7 +219,8 @@ if _IMPORT_ERROR is None:
             gl.store(o_ptr + qrow[:, None] * sot + head[:, None] * soh + d[None, :],
                      gl.convert_layout(out.to(o_ptr.dtype.element_ty), ld_layout), mask=row_ok[:, None])
             if STORE_LSE:
-                _store_lse(lse_ptr, M, L, rs, tok0, q_start, q_len, kvh, hq, G, BLOCK_M)
+                if DIAG != 4:
+                    _store_lse(lse_ptr, M, L, rs, tok0, q_start, q_len, kvh, hq, G, BLOCK_M)
 
     @gluon.jit
     def _producer(k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, BLOCK_N: gl.constexpr,

@@ -61,6 +61,14 @@ if _IMPORT_ERROR is None:
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
 
     @gluon.jit
+    def _stamp(ptr, idx, on):
+        """DIAG 4 (measurement only): the SM's cycle counter (%clock64) into ptr[idx] (int64) from the 4-warp
+        partition's thread 0, where `on` (the asm runs once per element: one element a thread; not pure, so kept)."""
+        i = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [i], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(ptr + idx + i * 0, t, mask=(i == 0) & on)
+
+    @gluon.jit
     def _mask(s, c, n_full, kcol, qpos, BLOCK_N: gl.constexpr, NFULL: gl.constexpr):
         """Chunk c's causal mask: on the chunks some row of the tile does not see in full (NFULL) or on every chunk."""
         if NFULL:
