@@ -87,9 +87,11 @@ VARIANTS = {
     # the pair's two p.v split by the second chunk's rescale; the same ops (bit-checked here)
     "pair": dict(pair=1),
     "pair_hand1": dict(pair=1, hand=1),
+    "pair_tree": dict(pair=1, tree=1),
     "diag_no_softmax": dict(diag=1),
     "diag_no_softmax_qreg": dict(diag=1, qreg=1),
     "diag_no_qk": dict(diag=2),
+    "maxtree": dict(skip=2),  # (session 41) the chunk's row max as a tree (`_rowmax_tree`): the same values
     "diag_trace": dict(diag=4),  # (session 41) production's bits, a %clock64 timeline instead of the lse (trace_run)
 }
 
@@ -108,7 +110,8 @@ def compile_sm90(variant, G=4, d=128):
     ints = {"sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32", "qk_scale": "fp32"}
     if pair:
         const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw.get("pstages", AP.STAGES),
-                     STORE_LSE=True, OVL=kw.get("ovl", AP.OVL), HAND=kw.get("hand", AP.HAND), num_warps=4)
+                     STORE_LSE=True, OVL=kw.get("ovl", AP.OVL), HAND=kw.get("hand", AP.HAND), TREE=kw.get("tree", 0),
+                     num_warps=4)
     else:
         const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
                      NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], QREG=kw["qreg"], QK_FIRST=kw["qk_first"],

@@ -59,6 +59,10 @@ STEPS: dict[str, tuple[int, str]] = {
     # session 41: production's %clock64 timeline (DIAG 4: where a chunk's cycles go), then PAIR again in A/B rounds
     "attn_trace": (240, "timeout 100 python3 scripts/gpu_gluon_attn.py --out {out} --trace && "
                         "timeout 120 python3 scripts/gpu_gluon_attn.py --out {out} --ab 3 --ab-variants pair_hand1,pair"),
+    # session 41: the chunk's row max as a tree (maxtree; the same values), alone and in PAIR
+    "attn_maxtree": (300, "timeout 150 python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096,"
+                          "q06_8x4096,q8b_4x1024 --variants production,maxtree,pair_tree && "
+                          "timeout 130 python3 scripts/gpu_gluon_attn.py --out {out} --ab 5 --ab-variants maxtree,pair_tree,pair"),
     # o / down: the segmented 128 x 128 tile beside its unsegmented twin (sessions 34-35 also timed 5-7 stages and a
     # 128 x 64 tile here; they lost and left gpu_gluon_gemm's PLAN)
     # (sessions 36-40's three-consumer prefill steps — attn_three, attn_osm, attn_fold, attn_osm_diag, osm_k3_again,

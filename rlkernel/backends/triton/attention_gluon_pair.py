@@ -18,7 +18,7 @@ row reductions run in the Triton kernel's order.
 
 Knobs (compile-time; `launch`'s keywords): STAGES (pair stages in flight: 2 = 128 KB, 3 = 192 KB), OVL (1: the
 softmax's row stats run while the turn's second p.v still runs; 0: after it), HAND (0: the turn is handed on after
-the second p.v's issue; 1: right after the q.k^T's issue).
+the second p.v's issue; 1: right after the q.k^T's issue), TREE (the row max by `_rowmax_tree`: the same values).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ if AG._IMPORT_ERROR is None:
     def _pair_consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt,
                        sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, WHICH: gl.constexpr, G: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, SEG_CHUNKS: gl.constexpr,
-                       STORE_LSE: gl.constexpr, OVL: gl.constexpr, HAND: gl.constexpr):
+                       STORE_LSE: gl.constexpr, OVL: gl.constexpr, HAND: gl.constexpr, TREE: gl.constexpr):
         """One query tile, ping-ponged with the other a pair of chunks a turn (module docstring)."""
         gl.static_assert(SEG_CHUNKS % 2 == 0, "a segment opens at an even chunk: the first of a pair")
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -90,9 +90,9 @@ if AG._IMPORT_ERROR is None:
             s2 = warpgroup_mma_wait(num_outstanding=0, deps=(s2_tok,))
             s_a, s_b = _halves(s2, s_layout)
             s_a = gl.where(kcol[None, :] <= qpos[:, None], s_a, float("-inf"))
-            m, l, acc, p_a = _softmax(s_a, m, l, acc, qk_scale, row_o, p_layout, 0)
+            m, l, acc, p_a = _softmax(s_a, m, l, acc, qk_scale, row_o, p_layout, 2 * TREE)
             s_b = _mask(s_b, 1, n_full, kcol, qpos, BLOCK_N, 1)
-            m, alpha_b, l, p_b = _stats(s_b, m, l, qk_scale, p_layout)
+            m, alpha_b, l, p_b = _stats(s_b, m, l, qk_scale, p_layout, TREE)
             for j in range(1, n_pairs):
                 st = j % S
                 sp = (j - 1) % S
@@ -120,8 +120,8 @@ if AG._IMPORT_ERROR is None:
                     else:
                         m_in = m
                         l_in = l
-                    m_a, alpha_a, l_a, pn_a = _stats(s_a, m_in, l_in, qk_scale, p_layout)
-                    m_b, alpha_nb, l_b, pn_b = _stats(s_b, m_a, l_a, qk_scale, p_layout)
+                    m_a, alpha_a, l_a, pn_a = _stats(s_a, m_in, l_in, qk_scale, p_layout, TREE)
+                    m_b, alpha_nb, l_b, pn_b = _stats(s_b, m_a, l_a, qk_scale, p_layout, TREE)
                     acc, p_b, pn_a, pn_b, alpha_a, alpha_nb, m_b, l_b = warpgroup_mma_wait(
                         num_outstanding=0, deps=(b_tok, p_b, pn_a, pn_b, alpha_a, alpha_nb, m_b, l_b))
                     mbarrier.arrive(empty.index(sp), count=1)
@@ -145,9 +145,9 @@ if AG._IMPORT_ERROR is None:
                         acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
                     s_a, s_b = _halves(s2, s_layout)
                     s_a = _mask(s_a, c, n_full, kcol, qpos, BLOCK_N, 1)
-                    m, l, acc, p_a = _softmax(s_a, m, l, acc, qk_scale, row_o, p_layout, 0)
+                    m, l, acc, p_a = _softmax(s_a, m, l, acc, qk_scale, row_o, p_layout, 2 * TREE)
                     s_b = _mask(s_b, c + 1, n_full, kcol, qpos, BLOCK_N, 1)
-                    m, alpha_b, l, p_b = _stats(s_b, m, l, qk_scale, p_layout)
+                    m, alpha_b, l, p_b = _stats(s_b, m, l, qk_scale, p_layout, TREE)
             sl = (n_pairs - 1) % S
             acc = warpgroup_mma(p_a, bufs_v.index(sl).slice(0, BLOCK_N), acc)  # the last pair's p.v
             acc = acc * gl.convert_layout(alpha_b, row_o)[:, None]
@@ -177,18 +177,18 @@ if AG._IMPORT_ERROR is None:
     def _prefill_pair_kernel(q_ptr, o_ptr, lse_ptr, k_desc, v_desc, qs_ptr, ql_ptr, kl_ptr, ks_ptr, sqt, sqh, sot, soh,
                              qk_scale, n_pairs, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                              D: gl.constexpr, SEG_CHUNKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr,
-                             OVL: gl.constexpr, HAND: gl.constexpr, num_warps: gl.constexpr):
+                             OVL: gl.constexpr, HAND: gl.constexpr, TREE: gl.constexpr, num_warps: gl.constexpr):
         """Grid as `_prefill_kernel`'s (pairs of query tiles, latest first; requests; kv heads)."""
         pair, req, kvh, kv_start, nc_cta, hq = AG._cta(n_pairs, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N)
         bufs_k, bufs_v, q_all, ready, empty, turn = AG._shared(k_desc, v_desc, STAGES, BLOCK_M, D)
         gl.warp_specialize([
             (_pair_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty,
                               turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 0, G, BLOCK_M, BLOCK_N, D,
-                              SEG_CHUNKS, STORE_LSE, OVL, HAND)),
+                              SEG_CHUNKS, STORE_LSE, OVL, HAND, TREE)),
             (_pair_producer, (k_desc, v_desc, bufs_k, bufs_v, ready, empty, kv_start, kvh, nc_cta, D)),
             (_pair_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(1), bufs_k, bufs_v, ready, empty,
                               turn, sqt, sqh, sot, soh, hq, qk_scale, pair, req, kvh, nc_cta, 1, G, BLOCK_M, BLOCK_N, D,
-                              SEG_CHUNKS, STORE_LSE, OVL, HAND)),
+                              SEG_CHUNKS, STORE_LSE, OVL, HAND, TREE)),
         ], [1, 4], [AG._PRODUCER_REGS, AG._CONSUMER_REGS])
 
     _pair_fast = fast(_prefill_pair_kernel)
@@ -203,7 +203,7 @@ def kv_layout(d: int):
 
 
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           ovl=OVL, hand=HAND):
+           ovl=OVL, hand=HAND, tree=0):
     """`attention_gluon.launch`'s arguments on the pair kernel (sm_90, bf16, head dim 128, the contract's 64 x 64
     tiles and 512-key segments: the caller checks `attention_gluon.unsupported_reason`)."""
     rows, hkv, d = k.shape
@@ -216,5 +216,5 @@ def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, 
         q, out, lse if lse is not None else out, k_desc, v_desc, q_start, q_len, kv_len, kv_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * AG._LOG2E, n_pairs,
         G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d, SEG_CHUNKS=cfg.seg_keys // cfg.block_n,
-        STAGES=stages, STORE_LSE=lse is not None, OVL=ovl, HAND=hand, num_warps=4, enable_fp_fusion=False)
+        STAGES=stages, STORE_LSE=lse is not None, OVL=ovl, HAND=hand, TREE=tree, num_warps=4, enable_fp_fusion=False)
     return out
