@@ -40,7 +40,6 @@ sys.path.insert(0, str(ROOT))
 import triton  # noqa: E402
 
 from rlkernel.backends.triton import attention_gluon as AG  # noqa: E402
-from rlkernel.backends.triton import attention_gluon_pair as AP  # noqa: E402
 
 T0 = time.time()
 # "sink": every query's largest logit is its sequence's first key (q and k share a direction there), as trained
@@ -83,15 +82,12 @@ VARIANTS = {
     # (session 35 call 12 ran "dyn": one CTA per SM taking the grid's work items in the grid's order from an atomic
     # counter, the producer handing each to the consumers through shared memory — bit-equal, 0.98-0.99x in A/B rounds,
     # 0.92x at 4 x 1,024; its code is at commit 3a1ed3f)
-    # session 41: PAIR (attention_gluon_pair): 128-key K / V stages, two chunks' q.k^T as one m64n128 chain a turn,
-    # the pair's two p.v split by the second chunk's rescale; the same ops (bit-checked here)
-    "pair": dict(pair=1),
-    "pair_hand1": dict(pair=1, hand=1),
-    "pair_tree": dict(pair=1, tree=1),
+    # (session 41 ran "pair" / "pair_hand1" / "pair_tree" — attention_gluon_pair: 128-key K / V stages, two chunks'
+    # q.k^T as one m64n128 chain a turn, the pair's two p.v split by the second chunk's rescale — and "maxtree", the
+    # chunk's row max as a register tree: every one bit-equal, 0.95-1.03x production; the code is at commit 97b00f4)
     "diag_no_softmax": dict(diag=1),
     "diag_no_softmax_qreg": dict(diag=1, qreg=1),
     "diag_no_qk": dict(diag=2),
-    "maxtree": dict(skip=2),  # (session 41) the chunk's row max as a tree (`_rowmax_tree`): the same values
     "diag_trace": dict(diag=4),  # (session 41) production's bits, a %clock64 timeline instead of the lse (trace_run)
 }
 
@@ -102,22 +98,15 @@ def compile_sm90(variant, G=4, d=128):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST), **VARIANTS[variant]}
-    pair = kw.get("pair", 0)
-    desc = (f"tensordesc<bf16[128, {d}],{AP.kv_layout(d)!r}>" if pair else
-            f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>")  # the descriptors' layout, as the library makes it
+    desc = f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>"  # the descriptors' layout, as the library makes it
     ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
             "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32"}
     ints = {"sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32", "qk_scale": "fp32"}
-    if pair:
-        const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw.get("pstages", AP.STAGES),
-                     STORE_LSE=True, OVL=kw.get("ovl", AP.OVL), HAND=kw.get("hand", AP.HAND), TREE=kw.get("tree", 0),
-                     num_warps=4)
-    else:
-        const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
-                     NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], QREG=kw["qreg"], QK_FIRST=kw["qk_first"],
-                     num_warps=4)
+    const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
+                 NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], QREG=kw["qreg"], QK_FIRST=kw["qk_first"],
+                 num_warps=4)
     sig = {**ptrs, **ints, "n_pairs": "i32", **{k: "constexpr" for k in const}}
-    src = GluonASTSource(AP._prefill_pair_kernel if pair else AG._prefill_kernel, sig, constexprs=const)
+    src = GluonASTSource(AG._prefill_kernel, sig, constexprs=const)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
 
 
@@ -164,12 +153,8 @@ def direct_args(q, k, v, cu, max_seqlen, lse=None) -> tuple:
 
 
 def gluon_varlen(q, k, v, cu, max_seqlen, variant, lse=None):
-    """attention_varlen's Gluon launch with a variant's knobs (PAIR's on attention_gluon_pair's kernel)."""
-    kw = dict(VARIANTS[variant])
-    if kw.pop("pair", 0):
-        return AP.launch(*direct_args(q, k, v, cu, max_seqlen, lse), **{{"pstages": "stages"}.get(a, a): b
-                                                                        for a, b in kw.items()})
-    return AG.launch(*direct_args(q, k, v, cu, max_seqlen, lse), **kw)
+    """attention_varlen's Gluon launch with a variant's knobs."""
+    return AG.launch(*direct_args(q, k, v, cu, max_seqlen, lse), **VARIANTS[variant])
 
 
 def host_us(fns: dict, n: int = 50, rounds: int = 15) -> dict:

@@ -52,17 +52,10 @@ STEPS: dict[str, tuple[int, str]] = {
     "attn_variants": (300, "python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096,q06_8x4096,"
                            "q8b_4x1024 --variants production,qreg,qk_first,diag_no_softmax && "
                            "python3 scripts/gpu_gluon_attn.py --out {out} --ab 5 --ab-variants qreg,qk_first"),
-    # session 41: PAIR (attention_gluon_pair: two chunks a turn, 128-key stages) bit-checked and timed beside production
-    "attn_pair": (330, "timeout 200 python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096,"
-                       "q06_8x4096,q8b_4x1024 --variants production,pair,pair_hand1 && "
-                       "timeout 120 python3 scripts/gpu_gluon_attn.py --out {out} --ab 5 --ab-variants pair,pair_hand1"),
-    # session 41: production's %clock64 timeline (DIAG 4: where a chunk's cycles go), then PAIR again in A/B rounds
-    "attn_trace": (240, "timeout 100 python3 scripts/gpu_gluon_attn.py --out {out} --trace && "
-                        "timeout 120 python3 scripts/gpu_gluon_attn.py --out {out} --ab 3 --ab-variants pair_hand1,pair"),
-    # session 41: the chunk's row max as a tree (maxtree; the same values), alone and in PAIR
-    "attn_maxtree": (300, "timeout 150 python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096,"
-                          "q06_8x4096,q8b_4x1024 --variants production,maxtree,pair_tree && "
-                          "timeout 130 python3 scripts/gpu_gluon_attn.py --out {out} --ab 5 --ab-variants maxtree,pair_tree,pair"),
+    # session 41: production's %clock64 timeline (DIAG 4: where a chunk's cycles go; call 2 also ran PAIR's A/B rounds).
+    # (session 41's attn_pair / attn_maxtree — PAIR, two chunks a turn, and the row max as a tree: bit-equal, none
+    # faster — are at commit 97b00f4)
+    "attn_trace": (120, "timeout 100 python3 scripts/gpu_gluon_attn.py --out {out} --trace"),
     # o / down: the segmented 128 x 128 tile beside its unsegmented twin (sessions 34-35 also timed 5-7 stages and a
     # 128 x 64 tile here; they lost and left gpu_gluon_gemm's PLAN)
     # (sessions 36-40's three-consumer prefill steps — attn_three, attn_osm, attn_fold, attn_osm_diag, osm_k3_again,

@@ -32,11 +32,10 @@ if _IMPORT_ERROR is None:
     @gluon.jit
     def _softmax(s, m, l, acc, qk_scale, row_o: gl.constexpr, p_layout: gl.constexpr, SKIP: gl.constexpr):
         """attention._chunk between its two dots (s already masked): the new row max, alpha, p, l, acc * alpha, and p
-        as the bf16 A operand of the p.v wgmma. SKIP bit 0: leave acc alone when no row's max moved (every alpha is
-        then 1.0 exactly, and acc * 1.0 == acc bit for bit), at the cost of a tile-wide test (a cross-warp reduction).
-        SKIP bit 1: the row max by `_rowmax_tree` (the same values)."""
-        m_new, alpha, l, p = _stats(s, m, l, qk_scale, p_layout, SKIP // 2)
-        if SKIP % 2 == 1:
+        as the bf16 A operand of the p.v wgmma. SKIP: leave acc alone when no row's max moved (every alpha is then
+        1.0 exactly, and acc * 1.0 == acc bit for bit), at the cost of a tile-wide test (a cross-warp reduction)."""
+        m_new, alpha, l, p = _stats(s, m, l, qk_scale, p_layout)
+        if SKIP:
             if gl.max((m_new != m).to(gl.int32), 0) != 0:
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         else:
@@ -44,37 +43,9 @@ if _IMPORT_ERROR is None:
         return m_new, l, acc, p
 
     @gluon.jit
-    def _halve_max(x, AXIS_BIT: gl.constexpr):
-        """max of the two halves of x's columns split at column bit AXIS_BIT (a bit each thread holds in registers):
-        [BM, N] -> [BM, N // 2], one max.f32 a pair, no data moved."""
-        BM: gl.constexpr = x.type.shape[0]
-        N: gl.constexpr = x.type.shape[1]
-        LO: gl.constexpr = 1 << AXIS_BIT
-        a, b = gl.split(gl.permute(gl.reshape(x, [BM, N // (2 * LO), 2, LO]), (0, 1, 3, 2)))
-        return gl.reshape(gl.maximum(a, b), [BM, N // 2])
-
-    @gluon.jit
-    def _rowmax_tree(s, row_layout: gl.constexpr):
-        """The row max of a [BM, 64] chunk in the wgmma score layout (a thread holds columns 8 g + 2 t + j of its rows:
-        g = column bits 3-5 and j = bit 0 in registers, t = bits 1-2 in lanes) as a tree: three register halvings
-        (bits 5, 4, 3), one more (bit 0), then the lanes' two shuffles — depth 4 + 2 where the reduce's in-thread fold
-        is a chain of 15. The max is exact and its order free (max.f32 drops a NaN whichever side it is on), so the
-        values are the reduce's."""
-        x = _halve_max(s, 5)
-        x = _halve_max(x, 4)
-        x = _halve_max(x, 3)
-        x = _halve_max(x, 0)
-        return gl.convert_layout(gl.max(x, 1), row_layout, assert_trivial=True)
-
-    @gluon.jit
-    def _stats(s, m, l, qk_scale, p_layout: gl.constexpr, TREE: gl.constexpr = 0):
-        """`_softmax` without the accumulator's rescale: the new row max, alpha, l and p (bf16, the p.v operand).
-        TREE: the chunk's row max by `_rowmax_tree` (the same values)."""
-        if TREE:
-            rmax = _rowmax_tree(s, gl.SliceLayout(1, s.type.layout))
-        else:
-            rmax = gl.max(s, 1)
-        m_new = gl.maximum(m, rmax * qk_scale)
+    def _stats(s, m, l, qk_scale, p_layout: gl.constexpr):
+        """`_softmax` without the accumulator's rescale: the new row max, alpha, l and p (bf16, the p.v operand)."""
+        m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.where(m_new == m, 1.0, gl.exp2(m - m_safe))
         p32 = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
