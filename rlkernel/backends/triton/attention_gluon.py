@@ -100,9 +100,9 @@ if _IMPORT_ERROR is None:
         SKIP: `_softmax`'s rescale skip where no row's max moved (the same bits; session 28: 0.99-1.0x, off).
         DIAG (measurement only, other bits; never set by the library): 1 skips the softmax, 2 skips q.k^T, 3 the
         segment folds (no (M, L, O) held: what the registers would allow with O kept elsewhere); 4 keeps the bits of
-        the output but stores no lse: lse_ptr is an int64 buffer for the timeline of CTAs (0..3, 0, 0) — each chunk's
-        %clock64 at the loop's top, once the turn is held, once its wgmmas are done, after its softmax
-        (`_stamp`; [CTA, consumer, chunk < 128, point]).
+        the output but stores no lse: an lse buffer given is an int64 buffer for the timeline of CTAs (0..3, 0, 0) —
+        each chunk's %clock64 at the loop's top, once the turn is held, once its wgmmas are done, after its softmax
+        (`_stamp`; [CTA, consumer, chunk < 128, point]); without one, no stamps.
         QREG: q.k^T takes the query tile from registers (loaded once from shared memory) instead of shared memory: the
         wgmma then reads only K from shared memory (q.k^T's 64-column chain reads 2 KB of Q and 2 KB of K a k-step).
         QK_FIRST: a turn issues chunk c's q.k^T before chunk c - 1's p.v and waits for q.k^T alone, so chunk c's row
@@ -126,7 +126,8 @@ if _IMPORT_ERROR is None:
         q_len, q_start, first, n_full = _tile_rows(ql_ptr, qs_ptr, kl_ptr, req, tok0, BLOCK_N)
         if DIAG == 4:
             tr = lse_ptr.to(gl.pointer_type(gl.int64), bitcast=True)
-            tr_on = (gl.program_id(0) < 4) & (gl.program_id(1) == 0) & (gl.program_id(2) == 0)
+            # (no stamps without an lse buffer: lse_ptr is then the output)
+            tr_on = (gl.program_id(0) < 4 * STORE_LSE) & (gl.program_id(1) == 0) & (gl.program_id(2) == 0)
             tr_base = (gl.program_id(0) * 2 + WHICH) * 512
         if nc_cta > 0:
             qrow, head, row_ok, d = _load_q(q_ptr, q_smem, q_start, q_len, kvh, tok0, sqt, sqh, G, BLOCK_M, D, ld_layout)
