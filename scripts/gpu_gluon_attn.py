@@ -312,12 +312,12 @@ def trace_run(out: Path, variant: str = "diag_trace") -> int:
     L = 4096
     q, k, v, cu, _ = packed_inputs(8, L)
     ref = A.attention_varlen(q, k, v, cu, max_seqlen=L)
-    trace = torch.zeros(4 * 2 * 512, dtype=torch.int64, device="cuda")
+    trace = torch.zeros(4 * 2 * 1024, dtype=torch.int64, device="cuda")
     for _ in range(3):  # compile, warm, then the run read below
         trace.zero_()
         y = gluon_varlen(q, k, v, cu, L, variant, trace.view(torch.float32))
     torch.cuda.synchronize()
-    tr = trace.view(4, 2, 128, 4).cpu().tolist()
+    tr = trace.view(4, 2, 128, 8).cpu().tolist()
     res = {"device": torch.cuda.get_device_name(), "variant": variant, "equal_library": bool(torch.equal(y, ref)),
            "ctas": {}}
     for cta in range(4):
@@ -326,7 +326,7 @@ def trace_run(out: Path, variant: str = "diag_trace") -> int:
             t = tr[cta][w]
             n = max(c for c in range(128) if t[c][0] != 0) + 1 if any(t[c][0] for c in range(128)) else 0
             steady = range(8, max(9, n - 8))
-            pick = [c for c in steady if c + 1 < n and all(t[c]) and t[c + 1][0]]
+            pick = [c for c in steady if c + 1 < n and all(t[c][:6]) and t[c + 1][0]]
             if not pick:
                 row[w] = {"chunks": n}
                 continue
@@ -335,9 +335,13 @@ def trace_run(out: Path, variant: str = "diag_trace") -> int:
                       "wait_stage_turn": med([t[c][1] - t[c][0] for c in pick]),
                       "wgmma_issue_to_done": med([t[c][2] - t[c][1] for c in pick]),
                       "softmax_to_stamp": med([t[c][3] - t[c][2] for c in pick]),
+                      # inside the softmax (stamps that wait for the value): the row max, then exp2 and the row sum
+                      "done_to_rowmax": med([t[c][4] - t[c][2] for c in pick]),
+                      "rowmax_to_rowsum": med([t[c][5] - t[c][4] for c in pick]),
+                      "rowsum_to_next_top": med([t[c + 1][0] - t[c][5] for c in pick]),
                       "done_to_next_top": med([t[c + 1][0] - t[c][2] for c in pick]),
                       "period": med([t[c + 1][0] - t[c][0] for c in pick]),
-                      "raw_first_16": [[x - t[1][0] for x in t[c]] for c in range(1, min(n, 17))]}
+                      "raw_first_16": [[x - t[1][0] if x else None for x in t[c]] for c in range(1, min(n, 17))]}
             if w == 1 and isinstance(row.get(0), dict) and "period" in row[0]:  # the turn's offset between consumers
                 row["offset_c1_minus_c0_t1"] = med([t[c][1] - tr[cta][0][c][1] for c in pick])
         log("trace cta", cta, {w: {kk: vv for kk, vv in r.items() if kk != "raw_first_16"} if isinstance(r, dict) else r

@@ -102,7 +102,8 @@ if _IMPORT_ERROR is None:
         segment folds (no (M, L, O) held: what the registers would allow with O kept elsewhere); 4 keeps the bits of
         the output but stores no lse: an lse buffer given is an int64 buffer for the timeline of CTAs (0..3, 0, 0) —
         each chunk's %clock64 at the loop's top, once the turn is held, once its wgmmas are done, after its softmax
-        (`_stamp`; [CTA, consumer, chunk < 128, point]); without one, no stamps.
+        (`_stamp`), and once its row max and its l exist (`_stamp_after`); [CTA, consumer, chunk < 128, 8 points];
+        without one, no stamps.
         QREG: q.k^T takes the query tile from registers (loaded once from shared memory) instead of shared memory: the
         wgmma then reads only K from shared memory (q.k^T's 64-column chain reads 2 KB of Q and 2 KB of K a k-step).
         QK_FIRST: a turn issues chunk c's q.k^T before chunk c - 1's p.v and waits for q.k^T alone, so chunk c's row
@@ -128,7 +129,7 @@ if _IMPORT_ERROR is None:
             tr = lse_ptr.to(gl.pointer_type(gl.int64), bitcast=True)
             # (no stamps without an lse buffer: lse_ptr is then the output)
             tr_on = (gl.program_id(0) < 4 * STORE_LSE) & (gl.program_id(1) == 0) & (gl.program_id(2) == 0)
-            tr_base = (gl.program_id(0) * 2 + WHICH) * 512
+            tr_base = (gl.program_id(0) * 2 + WHICH) * 1024
         if nc_cta > 0:
             qrow, head, row_ok, d = _load_q(q_ptr, q_smem, q_start, q_len, kvh, tok0, sqt, sqh, G, BLOCK_M, D, ld_layout)
             if QREG:
@@ -157,11 +158,11 @@ if _IMPORT_ERROR is None:
                 st = c % S
                 sp = (c - 1) % S
                 if DIAG == 4:
-                    _stamp(tr, tr_base + c * 4, tr_on & (c < 128))
+                    _stamp(tr, tr_base + c * 8, tr_on & (c < 128))
                 mbarrier.wait(ready.index(st), (c // S) & 1)
                 mbarrier.wait(turn.index(WHICH), (c & 1) ^ FIRST)
                 if DIAG == 4:
-                    _stamp(tr, tr_base + c * 4 + 1, tr_on & (c < 128))
+                    _stamp(tr, tr_base + c * 8 + 1, tr_on & (c < 128))
                 if QK_FIRST:
                     s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
                     acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
@@ -197,7 +198,7 @@ if _IMPORT_ERROR is None:
                     else:
                         acc, s = _qk_turn(qa, bufs_k.index(st), zero_s, turn.index(NEXT), acc_tok)
                     if DIAG == 4:
-                        _stamp(tr, tr_base + c * 4 + 2, tr_on & (c < 128))
+                        _stamp(tr, tr_base + c * 8 + 2, tr_on & (c < 128))
                     mbarrier.arrive(empty.index(sp), count=1)
                     if DIAG != 3:  # (DIAG 3, measurement only, other bits: one segment, no (M, L, O) held)
                         if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: fold the finished one (its last p.v is in acc)
@@ -209,9 +210,13 @@ if _IMPORT_ERROR is None:
                         p = gl.convert_layout(s.to(gl.bfloat16), p_layout)
                     else:
                         s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
-                        m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
+                        if DIAG == 4:
+                            m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP, tr,
+                                                    tr_base + c * 8 + 4, tr_on & (c < 128))
+                        else:
+                            m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
                         if DIAG == 4:  # (p's conversion may sink below the stamp: the stamp waits for nothing)
-                            _stamp(tr, tr_base + c * 4 + 3, tr_on & (c < 128))
+                            _stamp(tr, tr_base + c * 8 + 3, tr_on & (c < 128))
             sl = (nc_cta - 1) % S
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(empty.index(sl), count=1)

@@ -30,11 +30,12 @@ if _IMPORT_ERROR is None:
         return M_new, L, O
 
     @gluon.jit
-    def _softmax(s, m, l, acc, qk_scale, row_o: gl.constexpr, p_layout: gl.constexpr, SKIP: gl.constexpr):
+    def _softmax(s, m, l, acc, qk_scale, row_o: gl.constexpr, p_layout: gl.constexpr, SKIP: gl.constexpr, tr=None,
+                 tr_idx=0, tr_on=0):
         """attention._chunk between its two dots (s already masked): the new row max, alpha, p, l, acc * alpha, and p
         as the bf16 A operand of the p.v wgmma. SKIP: leave acc alone when no row's max moved (every alpha is then
         1.0 exactly, and acc * 1.0 == acc bit for bit), at the cost of a tile-wide test (a cross-warp reduction)."""
-        m_new, alpha, l, p = _stats(s, m, l, qk_scale, p_layout)
+        m_new, alpha, l, p = _stats(s, m, l, qk_scale, p_layout, tr, tr_idx, tr_on)
         if SKIP:
             if gl.max((m_new != m).to(gl.int32), 0) != 0:
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -43,13 +44,18 @@ if _IMPORT_ERROR is None:
         return m_new, l, acc, p
 
     @gluon.jit
-    def _stats(s, m, l, qk_scale, p_layout: gl.constexpr):
-        """`_softmax` without the accumulator's rescale: the new row max, alpha, l and p (bf16, the p.v operand)."""
+    def _stats(s, m, l, qk_scale, p_layout: gl.constexpr, tr=None, tr_idx=0, tr_on=0):
+        """`_softmax` without the accumulator's rescale: the new row max, alpha, l and p (bf16, the p.v operand).
+        tr (DIAG 4's timeline): %clock64 once the new row max exists (tr[tr_idx]) and once l does (tr[tr_idx + 1])."""
         m_new = gl.maximum(m, gl.max(s, 1) * qk_scale)
+        if tr is not None:
+            _stamp_after(tr, tr_idx, tr_on, m_new)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.where(m_new == m, 1.0, gl.exp2(m - m_safe))
         p32 = gl.exp2(gl.fma(s, qk_scale, -m_safe[:, None]))
         l = l * alpha + gl.sum(p32, 1)
+        if tr is not None:
+            _stamp_after(tr, tr_idx + 1, tr_on, l)
         return m_new, alpha, l, gl.convert_layout(p32.to(gl.bfloat16), p_layout)
 
     @gluon.jit
@@ -67,6 +73,14 @@ if _IMPORT_ERROR is None:
         i = gl.arange(0, 128, layout=gl.BlockedLayout([1], [32], [4], [0]))
         t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [i], dtype=gl.int64, is_pure=False, pack=1)
         gl.store(ptr + idx + i * 0, t, mask=(i == 0) & on)
+
+    @gluon.jit
+    def _stamp_after(ptr, idx, on, x):
+        """`_stamp` once the row values x ([BM] of the score layout's rows) exist: the asm reads them, so it waits for
+        them (row 0's, from a thread of warp 0)."""
+        t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,f", [x], dtype=gl.int64, is_pure=False, pack=1)
+        r = gl.arange(0, x.type.shape[0], layout=x.type.layout)
+        gl.store(ptr + idx + r * 0, t, mask=(r == 0) & on)
 
     @gluon.jit
     def _mask(s, c, n_full, kcol, qpos, BLOCK_N: gl.constexpr, NFULL: gl.constexpr):
