@@ -88,6 +88,8 @@ VARIANTS = {
     "diag_no_softmax": dict(diag=1),
     "diag_no_softmax_qreg": dict(diag=1, qreg=1),
     "diag_no_qk": dict(diag=2),
+    "rescale_in_turn": dict(skip=3),  # (session 41) acc * alpha in the next turn, beside its q.k^T: the same ops
+    "diag_trace_rit": dict(diag=4, skip=3),  # its timeline
     "diag_trace": dict(diag=4),  # (session 41) production's bits, a %clock64 timeline instead of the lse (trace_run)
 }
 
@@ -297,7 +299,7 @@ def ab_run(n: int, out: Path, variants=()) -> int:
     return 0
 
 
-def trace_run(out: Path, variant: str = "diag_trace") -> int:
+def trace_run(out: Path, variant: str = "diag_trace", tag: str = "") -> int:
     """Where a chunk's cycles go (session 41): production's kernel with DIAG 4 writes, for CTAs (0..3, 0, 0) — the
     pairs holding the latest tokens of request 0, kv head 0, at 8 x 4,096 — each chunk's %clock64 at the loop's top
     (t0), once the turn is held (t1), once its p.v and q.k^T are done (t2) and after its softmax (t3, approximate: the
@@ -347,7 +349,7 @@ def trace_run(out: Path, variant: str = "diag_trace") -> int:
         log("trace cta", cta, {w: {kk: vv for kk, vv in r.items() if kk != "raw_first_16"} if isinstance(r, dict) else r
                                for w, r in row.items()})
     out.mkdir(parents=True, exist_ok=True)
-    (out / "h200_gluon_attn_trace.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / f"h200_gluon_attn_trace{tag}.json").write_text(json.dumps(res, indent=1) + "\n")
     return 0
 
 
@@ -362,9 +364,11 @@ def main(argv=None) -> int:
                                                        "heavy GEMM load, with the card's clocks read between")
     ap.add_argument("--ab-variants", default="", help="with --ab: VARIANTS also timed in each round")
     ap.add_argument("--trace", action="store_true", help="only trace_run: production's %%clock64 timeline (DIAG 4)")
+    ap.add_argument("--trace-variant", default="diag_trace", help="with --trace: a DIAG 4 variant of VARIANTS")
     args = ap.parse_args(argv)
     if args.trace:
-        return trace_run(Path(args.out))
+        v = args.trace_variant
+        return trace_run(Path(args.out), v, "" if v == "diag_trace" else "_" + v)
     if args.ab:
         return ab_run(args.ab, Path(args.out), [x for x in args.ab_variants.split(",") if x])
     names = [n for n in args.variants.split(",") if n]
