@@ -88,8 +88,8 @@ VARIANTS = {
     "diag_no_softmax": dict(diag=1),
     "diag_no_softmax_qreg": dict(diag=1, qreg=1),
     "diag_no_qk": dict(diag=2),
-    "rescale_in_turn": dict(skip=3),  # (session 41) acc * alpha in the next turn, beside its q.k^T: the same ops
-    "diag_trace_rit": dict(diag=4, skip=3),  # its timeline
+    # (session 41 also ran "rescale_in_turn", chunk c's acc * alpha moved into turn c + 1 beside its q.k^T — SKIP 3,
+    # bit-equal, 0.955-0.995x — with its timeline "diag_trace_rit": code at commit d98ca3a)
     "diag_trace": dict(diag=4),  # (session 41) production's bits, a %clock64 timeline instead of the lse (trace_run)
 }
 

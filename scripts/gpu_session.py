@@ -56,12 +56,8 @@ STEPS: dict[str, tuple[int, str]] = {
     # (session 41's attn_pair / attn_maxtree — PAIR, two chunks a turn, and the row max as a tree: bit-equal, none
     # faster — are at commit 97b00f4)
     "attn_trace": (120, "timeout 100 python3 scripts/gpu_gluon_attn.py --out {out} --trace"),
-    # session 41: chunk c's rescale moved into turn c + 1 beside its q.k^T (SKIP 3, the same ops): bits, timing, timeline
-    "attn_rit": (330, "timeout 150 python3 scripts/gpu_gluon_attn.py --out {out} --cases q8b_varlen_bits,q8b_8x4096,"
-                      "q06_8x4096,q8b_4x1024 --variants production,rescale_in_turn && "
-                      "timeout 60 python3 scripts/gpu_gluon_attn.py --out {out} --trace && "
-                      "timeout 60 python3 scripts/gpu_gluon_attn.py --out {out} --trace --trace-variant diag_trace_rit && "
-                      "timeout 120 python3 scripts/gpu_gluon_attn.py --out {out} --ab 5 --ab-variants rescale_in_turn"),
+    # (session 41's attn_rit — chunk c's rescale moved into turn c + 1 beside its q.k^T: bit-equal, 0.955-0.995x —
+    # is at commit d98ca3a)
     # o / down: the segmented 128 x 128 tile beside its unsegmented twin (sessions 34-35 also timed 5-7 stages and a
     # 128 x 64 tile here; they lost and left gpu_gluon_gemm's PLAN)
     # (sessions 36-40's three-consumer prefill steps — attn_three, attn_osm, attn_fold, attn_osm_diag, osm_k3_again,

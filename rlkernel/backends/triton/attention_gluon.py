@@ -97,10 +97,7 @@ if _IMPORT_ERROR is None:
                   QREG: gl.constexpr, QK_FIRST: gl.constexpr):
         """One query tile (consumer WHICH of the CTA's two), ping-ponged with the other (module docstring).
         NFULL: mask only the chunks some row does not see in full (1, production) or every chunk (0: the same bits).
-        SKIP: `_softmax`'s rescale skip where no row's max moved (the same bits; session 28: 0.99-1.0x, off); SKIP 3
-        (session 41, the same ops): chunk c's rescale of acc moves into turn c + 1, issued after that turn's q.k^T and
-        before chunk c's p.v, so that its 64 multiplies run beside the tensor cores' work instead of at the softmax's
-        end (the timeline: ptxas schedules them after the row sum, on the consumer's critical path).
+        SKIP: `_softmax`'s rescale skip where no row's max moved (the same bits; session 28: 0.99-1.0x, off).
         DIAG (measurement only, other bits; never set by the library): 1 skips the softmax, 2 skips q.k^T, 3 the
         segment folds (no (M, L, O) held: what the registers would allow with O kept elsewhere); 4 keeps the bits of
         the output but stores no lse: an lse buffer given is an int64 buffer for the timeline of CTAs (0..3, 0, 0) —
@@ -156,11 +153,7 @@ if _IMPORT_ERROR is None:
             mbarrier.arrive(turn.index(NEXT), count=1)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
             s = gl.where(kcol[None, :] <= qpos[:, None], s, float("-inf"))
-            if SKIP == 3:  # the rescale waits for the next turn (acc is zero here: zero either way)
-                m, alpha, l, p = _stats(s, m, l, qk_scale, p_layout)
-            else:
-                m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
-                alpha = m  # (unused: keeps the loop's carried values the same on every path)
+            m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
             for c in range(1, nc_cta):
                 st = c % S
                 sp = (c - 1) % S
@@ -196,29 +189,6 @@ if _IMPORT_ERROR is None:
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                     m = m_c
                     l = l_c
-                elif SKIP == 3:  # q.k^T first; chunk c - 1's rescale while it runs; then that chunk's p.v
-                    s_tok = warpgroup_mma(qa, bufs_k.index(st).permute((1, 0)), zero_s, is_async=True)
-                    # acc passes through a wait that leaves the q.k^T running (nothing else is in flight): it pins the
-                    # multiplies after the q.k^T's issue (else they are hoisted into the previous softmax's tail)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                    acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
-                    mbarrier.arrive(turn.index(NEXT), count=1)
-                    acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
-                    if DIAG == 4:
-                        _stamp(tr, tr_base + c * 8 + 2, tr_on & (c < 128))
-                    mbarrier.arrive(empty.index(sp), count=1)
-                    if (c % SEG_CHUNKS) == 0:  # chunk c opens a segment: fold the finished one (its last p.v is in acc)
-                        M, L, O = _merge(M, L, O, m, l, acc, row_o)
-                        m = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-                        l = gl.zeros([BLOCK_M], gl.float32, row_s)
-                        acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-                    s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
-                    if DIAG == 4:
-                        m, alpha, l, p = _stats(s, m, l, qk_scale, p_layout, tr, tr_base + c * 8 + 4, tr_on & (c < 128))
-                        _stamp(tr, tr_base + c * 8 + 3, tr_on & (c < 128))
-                    else:
-                        m, alpha, l, p = _stats(s, m, l, qk_scale, p_layout)
                 else:
                     acc_tok = warpgroup_mma(p, bufs_v.index(sp), acc, is_async=True)  # chunk c - 1's p.v
                     if DIAG == 2:
@@ -248,8 +218,6 @@ if _IMPORT_ERROR is None:
                         if DIAG == 4:  # (p's conversion may sink below the stamp: the stamp waits for nothing)
                             _stamp(tr, tr_base + c * 8 + 3, tr_on & (c < 128))
             sl = (nc_cta - 1) % S
-            if SKIP == 3:
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(p, bufs_v.index(sl), acc)  # the last chunk's p.v
             mbarrier.arrive(empty.index(sl), count=1)
             M, L, O = _merge(M, L, O, m, l, acc, row_o)
