@@ -26,6 +26,11 @@ batch. Its ceiling with this contract's 64-key chunks: the same kernel without t
 q.k^T 516 — the per-chunk softmax (two row reductions, 32 exp2 and 64 acc rescales a thread) is what is left.
 Session 34: the output tile stored 16 bytes a thread — 466 TFLOP/s on the H200 (1.08-1.11x the Triton
 kernel, 0.82-0.83x SDPA in interleaved rounds; benchmarks/h200_session34/call2), the same bits.
+Session 41 (H100; DIAG 4's %clock64 timeline, `gpu_gluon_attn.py --trace`): a consumer's chunk is ~150 cycles of
+waits, ~630 of its wgmmas and ~1,000 of softmax (~240 to the row max, ~485 for the exp2s and the row sum, ~250
+after), so each consumer's own chain is the period and the tensor cores are ~71 % busy; two chunks a turn (one
+m64n128 q.k^T), the row max as a tree and the rescale moved into the next turn were bit-equal and none faster
+(benchmarks/H200_NOTES.md, session 41).
 
 Layout: this module holds the kernel (`_prefill_kernel`), its consumer, producer and shared memory, and the host side
 (launch, checks); `attention_gluon_parts.py` the device pieces below a consumer (merge, softmax, mask, the turn, the
