@@ -78,3 +78,44 @@ def test_code_stamp_follows_the_sources(tmp_path):
     assert source_sha256(tmp_path) == before
     (tmp_path / "rlkernel" / "a.py").write_text("x = 2\n")
     assert source_sha256(tmp_path) != before
+
+
+def test_a_recorded_source_hash_names_its_commit(tmp_path):
+    """vime.stamp.commit_for_sources: a device record's git commit is stale (the device keeps the first upload's git
+    metadata), its source hash is not — the commit whose sources hash to it is found from git's objects alone, the
+    newest such one; sources never committed as they were name none."""
+    import subprocess
+
+    from vime.stamp import commit_for_sources, main, source_sha256
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    for folder in ("vime", "rlkernel", "recipes", "scripts"):
+        (tmp_path / folder / "sub").mkdir(parents=True)
+        (tmp_path / folder / "a.py").write_text(f"{folder} = 1\n")
+        (tmp_path / folder / "sub" / "b.yaml").write_text("k: 1\n")
+        (tmp_path / folder / "sub" / "skip.md").write_text("not a source\n")
+    # "sub-x.py" sorts before "sub/b.yaml" as a string ('-' < '/') and after it part by part, as the tree walk does
+    (tmp_path / "scripts" / "sub-x.json").write_text("{}\n")
+    git("add", "-A")
+    git("commit", "-qm", "a")
+    a, sha_a = git("rev-parse", "HEAD"), source_sha256(tmp_path)
+    (tmp_path / "rlkernel" / "sub" / "b.yaml").write_text("k: 2\n")
+    sha_dirty = source_sha256(tmp_path)
+    (tmp_path / "rlkernel" / "a.py").write_text("rlkernel = 2\n")
+    git("commit", "-qam", "b")
+    b, sha_b = git("rev-parse", "HEAD"), source_sha256(tmp_path)
+    (tmp_path / "notes.md").write_text("notes only\n")
+    git("add", "-A")
+    git("commit", "-qm", "notes")
+    c = git("rev-parse", "HEAD")
+    assert len({sha_a, sha_b, sha_dirty}) == 3
+    assert commit_for_sources(sha_a, tmp_path) == a
+    assert commit_for_sources(sha_b, tmp_path) == c != b  # the same sources: the newest commit that has them
+    assert commit_for_sources(sha_dirty, tmp_path) is None  # a tree that ran but was never committed as it was
+    assert commit_for_sources(sha_a, tmp_path, max_commits=2) is None  # a is three commits back
+    assert main(["which", sha_a, "--root", str(tmp_path)]) == 0
+    assert main(["which", "0" * 64, "--root", str(tmp_path)]) == 1
