@@ -19,43 +19,52 @@ SOURCES = ("vime", "rlkernel", "recipes", "scripts")
 SUFFIXES = (".py", ".yaml", ".cpp", ".h", ".json")
 
 
-def source_sha256(root: Path = ROOT) -> str:
+def _sources(paths) -> list[PurePosixPath]:
+    """The measured sources among `paths` (relative to the root), in the hash's order: folder by folder as SOURCES
+    lists them, each folder's paths sorted as `Path`s sort (part by part)."""
+    keep = [PurePosixPath(p) for p in paths]
+    keep = [p for p in keep if p.suffix in SUFFIXES and "__pycache__" not in p.parts]
+    return [p for folder in SOURCES for p in sorted((p for p in keep if p.parts[0] == folder), key=lambda p: p.parts)]
+
+
+def _digest(files) -> str:
+    """One sha256 over (relative path, bytes) pairs, each as path NUL bytes NUL."""
     h = hashlib.sha256()
-    for folder in SOURCES:
-        for f in sorted((root / folder).rglob("*")):
-            if f.is_file() and f.suffix in SUFFIXES and "__pycache__" not in f.parts:
-                h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    for path, data in files:
+        h.update(str(path).encode() + b"\0" + data + b"\0")
     return h.hexdigest()
+
+
+def source_sha256(root: Path = ROOT) -> str:
+    found = [f.relative_to(root).as_posix() for folder in SOURCES for f in (root / folder).rglob("*") if f.is_file()]
+    return _digest((p, (root / p).read_bytes()) for p in _sources(found))
 
 
 def _commit_source_sha256(root: Path, commit: str) -> str:
-    """`source_sha256` of a commit's tree, read from git's objects: the same files (by the same rules) in the same
-    order (each folder's paths sorted as `Path`s sort, part by part) and the same bytes."""
+    """`source_sha256` of a commit's tree, read from git's objects: the same files in the same order, the same bytes."""
     ls = subprocess.run(["git", "ls-tree", "-r", "--name-only", commit, "--", *SOURCES], cwd=root, capture_output=True,
                         check=True).stdout.decode().splitlines()
-    paths = [PurePosixPath(x) for x in ls]
-    paths = [x for x in paths if x.suffix in SUFFIXES and "__pycache__" not in x.parts]
-    order = [x for folder in SOURCES for x in sorted((p for p in paths if p.parts[0] == folder), key=lambda p: p.parts)]
+    order = _sources(ls)
     blobs = subprocess.run(["git", "cat-file", "--batch"], cwd=root, capture_output=True, check=True,
                            input="".join(f"{commit}:{x}\n" for x in order).encode()).stdout
-    h, at = hashlib.sha256(), 0
-    for x in order:
-        end = blobs.index(b"\n", at)
-        size = int(blobs[at:end].split()[2])
-        h.update(str(x).encode() + b"\0" + blobs[end + 1:end + 1 + size] + b"\0")
-        at = end + 1 + size + 1
-    return h.hexdigest()
+
+    def read():
+        at = 0
+        for x in order:
+            end = blobs.index(b"\n", at)
+            size = int(blobs[at:end].split()[2])
+            yield x, blobs[end + 1:end + 1 + size]
+            at = end + 1 + size + 1
+    return _digest(read())
 
 
 def commit_for_sources(sha256: str, root: Path = ROOT, max_commits: int = 300) -> str | None:
     """The newest of HEAD's last `max_commits` commits whose sources hash to `sha256` (`source_sha256`), or None."""
     revs = subprocess.run(["git", "rev-list", f"--max-count={max_commits}", "HEAD"], cwd=root, capture_output=True,
                           check=True).stdout.decode().split()
-    seen: dict[str, str] = {}  # the sources' tree ids -> their hash (commits that change only notes share one)
+    seen: dict[str, str] = {}  # the source folders' tree ids -> their hash (commits that change only notes share one)
     for rev in revs:
-        tree = subprocess.run(["git", "rev-parse", f"{rev}^{{tree}}"], cwd=root, capture_output=True, check=True,
-                              ).stdout.decode().strip()
-        key = subprocess.run(["git", "ls-tree", tree, "--", *SOURCES], cwd=root, capture_output=True,
+        key = subprocess.run(["git", "ls-tree", rev, "--", *SOURCES], cwd=root, capture_output=True,
                              check=True).stdout.decode()
         if key not in seen:
             seen[key] = _commit_source_sha256(root, rev)
