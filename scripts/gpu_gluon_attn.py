@@ -299,7 +299,7 @@ def ab_run(n: int, out: Path, variants=()) -> int:
     return 0
 
 
-def trace_run(out: Path, variant: str = "diag_trace", tag: str = "") -> int:
+def trace_run(out: Path) -> int:
     """Where a chunk's cycles go (session 41): production's kernel with DIAG 4 writes, for CTAs (0..3, 0, 0) — the
     pairs holding the latest tokens of request 0, kv head 0, at 8 x 4,096 — each chunk's %clock64 at the loop's top
     (t0), once the turn is held (t1), once its p.v and q.k^T are done (t2) and after its softmax (t3, approximate: the
@@ -317,22 +317,22 @@ def trace_run(out: Path, variant: str = "diag_trace", tag: str = "") -> int:
     trace = torch.zeros(4 * 2 * 1024, dtype=torch.int64, device="cuda")
     for _ in range(3):  # compile, warm, then the run read below
         trace.zero_()
-        y = gluon_varlen(q, k, v, cu, L, variant, trace.view(torch.float32))
+        y = gluon_varlen(q, k, v, cu, L, "diag_trace", trace.view(torch.float32))
     torch.cuda.synchronize()
     tr = trace.view(4, 2, 128, 8).cpu().tolist()
-    res = {"device": torch.cuda.get_device_name(), "variant": variant, "equal_library": bool(torch.equal(y, ref)),
+    res = {"device": torch.cuda.get_device_name(), "variant": "diag_trace", "equal_library": bool(torch.equal(y, ref)),
            "ctas": {}}
+    med = lambda xs: int(statistics.median(xs))  # noqa: E731
     for cta in range(4):
         row = res["ctas"][cta] = {}
         for w in range(2):
             t = tr[cta][w]
-            n = max(c for c in range(128) if t[c][0] != 0) + 1 if any(t[c][0] for c in range(128)) else 0
+            n = 1 + max((c for c in range(128) if t[c][0]), default=-1)  # the chunks stamped
             steady = range(8, max(9, n - 8))
             pick = [c for c in steady if c + 1 < n and all(t[c][:6]) and t[c + 1][0]]
             if not pick:
                 row[w] = {"chunks": n}
                 continue
-            med = lambda xs: int(statistics.median(xs))  # noqa: E731
             row[w] = {"chunks": n, "steady_chunks": len(pick),
                       "wait_stage_turn": med([t[c][1] - t[c][0] for c in pick]),
                       "wgmma_issue_to_done": med([t[c][2] - t[c][1] for c in pick]),
@@ -349,7 +349,7 @@ def trace_run(out: Path, variant: str = "diag_trace", tag: str = "") -> int:
         log("trace cta", cta, {w: {kk: vv for kk, vv in r.items() if kk != "raw_first_16"} if isinstance(r, dict) else r
                                for w, r in row.items()})
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"h200_gluon_attn_trace{tag}.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "h200_gluon_attn_trace.json").write_text(json.dumps(res, indent=1) + "\n")
     return 0
 
 
@@ -364,11 +364,9 @@ def main(argv=None) -> int:
                                                        "heavy GEMM load, with the card's clocks read between")
     ap.add_argument("--ab-variants", default="", help="with --ab: VARIANTS also timed in each round")
     ap.add_argument("--trace", action="store_true", help="only trace_run: production's %%clock64 timeline (DIAG 4)")
-    ap.add_argument("--trace-variant", default="diag_trace", help="with --trace: a DIAG 4 variant of VARIANTS")
     args = ap.parse_args(argv)
     if args.trace:
-        v = args.trace_variant
-        return trace_run(Path(args.out), v, "" if v == "diag_trace" else "_" + v)
+        return trace_run(Path(args.out))
     if args.ab:
         return ab_run(args.ab, Path(args.out), [x for x in args.ab_variants.split(",") if x])
     names = [n for n in args.variants.split(",") if n]

@@ -135,6 +135,10 @@ if _IMPORT_ERROR is None:
             # (no stamps without an lse buffer: lse_ptr is then the output)
             tr_on = (gl.program_id(0) < 4 * STORE_LSE) & (gl.program_id(1) == 0) & (gl.program_id(2) == 0)
             tr_base = (gl.program_id(0) * 2 + WHICH) * 1024
+        else:
+            tr = None  # (`_softmax` stamps nothing)
+            tr_on = 0
+            tr_base = 0
         if nc_cta > 0:
             qrow, head, row_ok, d = _load_q(q_ptr, q_smem, q_start, q_len, kvh, tok0, sqt, sqh, G, BLOCK_M, D, ld_layout)
             if QREG:
@@ -215,11 +219,8 @@ if _IMPORT_ERROR is None:
                         p = gl.convert_layout(s.to(gl.bfloat16), p_layout)
                     else:
                         s = _mask(s, c, n_full, kcol, qpos, BLOCK_N, NFULL)
-                        if DIAG == 4:
-                            m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP, tr,
-                                                    tr_base + c * 8 + 4, tr_on & (c < 128))
-                        else:
-                            m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP)
+                        m, l, acc, p = _softmax(s, m, l, acc, qk_scale, row_o, p_layout, SKIP, tr, tr_base + c * 8 + 4,
+                                                tr_on & (c < 128))
                         if DIAG == 4:  # (p's conversion may sink below the stamp: the stamp waits for nothing)
                             _stamp(tr, tr_base + c * 8 + 3, tr_on & (c < 128))
             sl = (nc_cta - 1) % S
