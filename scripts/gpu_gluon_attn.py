@@ -55,10 +55,13 @@ CASES = {"q8b_8x4096": ([4096] * 8, 32, 8, 128),
 # name -> attention_gluon.launch knobs; "production" is what attention_varlen runs. diag_* are measurement only
 # (other bits): without the softmax, without q.k^T
 VARIANTS = {
-    "production": {},
-    "stages3": dict(stages=3),
-    "mask_every_chunk": dict(nfull=0),
-    "skip_rescale": dict(skip=1),
+    "production": {},  # the library's choice (attention_gluon.consumers_for): since session 42 three consumers where the
+    #                    longest request has >= 2,048 tokens, else two; compile_sm90 compiles the three-consumer kernel
+    # the two-consumer kernel (`_prefill_kernel`, the library's in sessions 27-41) and its knobs
+    "two": dict(consumers=2),
+    "stages3": dict(consumers=2, stages=3),
+    "mask_every_chunk": dict(consumers=2, nfull=0),
+    "skip_rescale": dict(consumers=2, skip=1),
     # (sessions 36-40 ran three consumer warpgroups a CTA, `_prefill3_kernel`: "three" (O in registers, spills),
     # "three_ows" / "three_ows_pdef160" (O in global slots held by a lock: 0.65 / 0.71x SDPA), "three_osm_k2" /
     # "three_osm_k2v3" (O in shared memory, K and V in rings of their own: 0.93-0.99x production; "three_osm_k3", K 3 +
@@ -67,11 +70,12 @@ VARIANTS = {
     # bit-equal on an H100, none faster once the folds run (all three consumers fold at the same chunk). The kernel and
     # these variants are at commit 6fcfcb8; "three_osm_fold_z" (1.01x the fold) and "zskip" (SKIP 2 here, 0.92-0.96x)
     # at b893719)
-    "diag_nofold": dict(diag=3),
-    "qreg": dict(qreg=1),
-    "qk_first": dict(qk_first=1),
-    "qreg_qk_first": dict(qreg=1, qk_first=1),
-    "qreg_qk_first_s3": dict(qreg=1, qk_first=1, stages=3),
+    "diag_nofold": dict(consumers=2, diag=3),
+    "diag_three_nofold": dict(consumers=3, diag=3),  # (session 42) the library's kernel without folds: other bits
+    "qreg": dict(consumers=2, qreg=1),
+    "qk_first": dict(consumers=2, qk_first=1),
+    "qreg_qk_first": dict(consumers=2, qreg=1, qk_first=1),
+    "qreg_qk_first_s3": dict(consumers=2, qreg=1, qk_first=1, stages=3),
     # (session 34 call 1 also ran "persist" — one CTA per SM walking the work items, 0.85x — and "ostore", the output
     # tile in 16-byte stores, 1.08-1.09x, production since; the knobs are at commit 11899d9)
     # (session 35 call 11 ran "nbturn": the consumers' turn as named barriers 4 / 5 by inline bar.sync / bar.arrive, FA3's
@@ -85,12 +89,12 @@ VARIANTS = {
     # (session 41 ran "pair" / "pair_hand1" / "pair_tree" — attention_gluon_pair: 128-key K / V stages, two chunks'
     # q.k^T as one m64n128 chain a turn, the pair's two p.v split by the second chunk's rescale — and "maxtree", the
     # chunk's row max as a register tree: every one bit-equal, 0.95-1.03x production; the code is at commit 97b00f4)
-    "diag_no_softmax": dict(diag=1),
-    "diag_no_softmax_qreg": dict(diag=1, qreg=1),
-    "diag_no_qk": dict(diag=2),
+    "diag_no_softmax": dict(consumers=2, diag=1),
+    "diag_no_softmax_qreg": dict(consumers=2, diag=1, qreg=1),
+    "diag_no_qk": dict(consumers=2, diag=2),
     # (session 41 also ran "rescale_in_turn", chunk c's acc * alpha moved into turn c + 1 beside its q.k^T — SKIP 3,
     # bit-equal, 0.955-0.995x — with its timeline "diag_trace_rit": code at commit d98ca3a)
-    "diag_trace": dict(diag=4),  # (session 41) production's bits, a %clock64 timeline instead of the lse (trace_run)
+    "diag_trace": dict(consumers=2, diag=4),  # (session 41) production's bits, a %clock64 timeline instead of the lse (trace_run)
 }
 
 
@@ -98,13 +102,23 @@ def compile_sm90(variant, G=4, d=128):
     """Compile a variant for sm_90 here (no GPU needed): the CompiledKernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    from rlkernel.backends.triton import contracts as C
 
     kw = {**dict(stages=AG.STAGES, nfull=1, diag=0, skip=0, qreg=AG.QREG, qk_first=AG.QK_FIRST), **VARIANTS[variant]}
     desc = f"tensordesc<bf16[64, {d}],{AG.kv_layout(64, d)!r}>"  # the descriptors' layout, as the library makes it
     ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
             "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32"}
     ints = {"sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32", "qk_scale": "fp32"}
-    const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=8, STAGES=kw["stages"], STORE_LSE=True,
+    seg_chunks = C.ATTENTION.seg_keys // 64
+    if (kw.get("consumers") or AG.CONSUMERS or 3) == 3:  # attention_gluon3._prefill3_kernel (production: the
+        # library's kernel for long requests under auto)
+        from rlkernel.backends.triton import attention_gluon3 as AG3
+        const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=seg_chunks, KS=AG3.KSTAGES, VS=AG3.VSTAGES,
+                     STORE_LSE=True, NFULL=kw["nfull"], DIAG=kw["diag"], num_warps=4)
+        sig = {**ptrs, **ints, "n_groups": "i32", **{k: "constexpr" for k in const}}
+        src = GluonASTSource(AG3._prefill3_kernel, sig, constexprs=const)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
+    const = dict(G=G, BLOCK_M=64, BLOCK_N=64, D=d, SEG_CHUNKS=seg_chunks, STAGES=kw["stages"], STORE_LSE=True,
                  NFULL=kw["nfull"], DIAG=kw["diag"], SKIP=kw["skip"], QREG=kw["qreg"], QK_FIRST=kw["qk_first"],
                  num_warps=4)
     sig = {**ptrs, **ints, "n_pairs": "i32", **{k: "constexpr" for k in const}}

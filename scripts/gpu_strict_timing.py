@@ -260,7 +260,8 @@ def sweep(args, res):
     qsl = torch.arange(B + 1, dtype=torch.int32, device=DEV)
     for bm, bn, w, st in ((64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 4, 3),
                           (256, 64, 8, 2), (128, 32, 4, 3)):
-        cfg = G.AttentionTiles(block_m=bm, block_n=bn, seg_keys=512, num_warps=w, num_stages=st)
+        cfg = G.AttentionTiles(block_m=bm, block_n=bn, seg_keys=G.ATTENTION_TILES.seg_keys, num_warps=w,
+                                num_stages=st)
         key = f"m{bm}_n{bn}_w{w}_s{st}"
         try:
             full = A.attention_varlen(q, k, v, cu, max_seqlen=L, config=cfg)

@@ -9,7 +9,11 @@ dot must start from zero. The interpreter (the other Triton tests) never runs th
 it."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +22,8 @@ import triton.language as tl  # noqa: E402
 
 from rlkernel.backends.triton import gemm  # noqa: E402
 from helpers import compile_sm90_or_skip, wgmma_scale_d_not_always_on  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _compile(fn, signature: dict, constexprs: dict, asm: str = "ttir", **options) -> str:
@@ -177,7 +183,7 @@ def _float_ops(ttgir: str) -> set:
                           ttgir))
 
 
-@pytest.mark.parametrize("variant", ["production", "qreg", "qk_first", "qreg_qk_first", "diag_trace"])
+@pytest.mark.parametrize("variant", ["production", "two", "qreg", "qk_first", "qreg_qk_first", "diag_trace"])
 def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90(variant):
     """attention_gluon's prefill (Gluon, warp-specialised) claims the bits of attention._attn_fwd: equal on the H200
     (session 27, `gpu_gluon_attn.py`), and here for any later edit — both kernels compiled for sm_90, their row
@@ -185,7 +191,9 @@ def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90(variant):
     use the same kinds of float ops (maxnumf, never NaN-propagating maximumf; no contracted fma) and the same wgmma
     shapes; the Gluon kernel has its producer warp's register hand-over and TMA loads, and no spills. Also for the
     schedule knobs (session 33: the query tile from registers, q.k^T issued before p.v), which move no arithmetic, and
-    for DIAG 4 (session 41: the %clock64 timeline, which adds the stamps and drops the lse store).
+    for DIAG 4 (session 41: the %clock64 timeline, which adds the stamps and drops the lse store). "production" is
+    the three-consumer kernel (attention_gluon3, session 42: the library's for long requests), "two" the two-consumer
+    one, which the knobs vary.
     ptxas must not serialize the wgmmas (C7511: session 34's two-chunk q.k^T experiment met it)."""
     pytest.importorskip("triton.experimental.gluon")
     import sys
@@ -218,6 +226,35 @@ def test_gluon_prefill_has_the_triton_kernels_arithmetic_for_sm90(variant):
     a_ops = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*(\S)",
                            k.asm["ptx"]))
     assert a_ops == ({"{"} if "qreg" in variant else {"%"}), a_ops
+
+
+def test_gluon_prefill_picks_three_consumers_for_long_requests_only(monkeypatch):
+    """attention_gluon.consumers_for: under auto (the default) the three-consumer kernel where the longest request has
+    THREE_FROM query tokens or more (n_tiles x tokens a tile), else the two-consumer one; RLKERNEL_ATTENTION_CONSUMERS
+    2 or 3 forces one, self_check's forcing wins over both; the three-consumer kernel refuses the other's knobs; a bad
+    value of the variable is refused at import, naming it."""
+    from rlkernel.backends.triton import attention_gluon as AG
+
+    assert AG.CONSUMERS == 0 and AG.THREE_FROM == 2048  # the suite runs with the default
+    assert AG.consumers_for(128, 16) == 3 and AG.consumers_for(127, 16) == 2 and AG.consumers_for(64, 32) == 3
+    assert AG.consumers_for(1, 1) == 2
+    monkeypatch.setattr(AG, "CONSUMERS", 2)
+    assert AG.consumers_for(10_000, 16) == 2
+    monkeypatch.setattr(AG, "CONSUMERS", 3)
+    assert AG.consumers_for(1, 16) == 3
+    monkeypatch.setattr(AG, "_FORCED", [2])
+    assert AG.consumers_for(10_000, 16) == 2
+    AG._three_knobs(AG.STAGES, 3, 0, AG.QREG, AG.QK_FIRST)  # diag 3 is the three-consumer kernel's own
+    with pytest.raises(ValueError, match="qreg"):
+        AG._three_knobs(AG.STAGES, 0, 0, 1, AG.QK_FIRST)
+    with pytest.raises(ValueError, match="diag"):
+        AG._three_knobs(AG.STAGES, 4, 0, AG.QREG, AG.QK_FIRST)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", "import rlkernel.backends.triton.attention_gluon"],
+                          env={**env, "RLKERNEL_ATTENTION_CONSUMERS": "4", "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "RLKERNEL_ATTENTION_CONSUMERS='4': expected auto, 2 or 3" in proc.stderr, \
+        proc.stderr[-2000:]
 
 
 def test_gluon_prefill_layout_is_made_once_and_is_tritons_default():

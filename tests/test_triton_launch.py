@@ -161,14 +161,19 @@ _GLUON_STUB = STUB_SM90_DRIVER + textwrap.dedent('''
     out, lse = torch.empty_like(q), torch.empty(700, 32)
     qs, ql = torch.tensor([0, 600, 699], dtype=torch.int32), torch.tensor([600, 99, 1], dtype=torch.int32)
     call = (q, k, v, out, qs, ql, ql, qs, 38, 128 ** -0.5, C.ATTENTION, k.stride(0), lse)
-    grid, args, kwargs = AG._launch_args(*call, AG.STAGES, 1, 0, 0, AG.QREG, AG.QK_FIRST)
-    cache, keys, _, _, binder = AG._prefill_kernel.device_caches[0]
+    if AG.CONSUMERS == 3:  # the library's kernel (RLKERNEL_ATTENTION_CONSUMERS): 38 tiles in groups of three
+        grid, args, kwargs = AG._launch3_args(*call, 1, 0)
+        jit, fastk, n_grid = AG.attention_gluon3._prefill3_kernel, AG._prefill3_fast, 13
+    else:  # in pairs
+        grid, args, kwargs = AG._launch_args(*call, AG.STAGES, 1, 0, 0, AG.QREG, AG.QK_FIRST)
+        jit, fastk, n_grid = AG._prefill_kernel, AG._prefill_fast, 19
+    cache, keys, _, _, binder = jit.device_caches[0]
     _, spec, options = binder(*args, **kwargs, debug=False, instrumentation_mode="")  # as JITFunction.run binds
     desc = f"tensordesc<bf16[64, 128],{AG.kv_layout(64, 128)!r}>"  # what precompile and compile_sm90 record
     assert spec[3][0] == spec[4][0] == desc, spec[3:5]
     cache[compute_cache_key(keys, spec, options)] = Kernel()  # "compiled" for these arguments
-    assert launch._fast_ok() and isinstance(AG._prefill_fast, launch.FastKernel) and AG._prefill_fast._jit
-    assert AG._prefill_fast.fn is AG._prefill_kernel
+    assert launch._fast_ok() and isinstance(fastk, launch.FastKernel) and fastk._jit
+    assert fastk.fn is jit
     for _ in range(3):
         AG.launch(*call)
     with launch.fast_path(False):
@@ -181,24 +186,27 @@ _GLUON_STUB = STUB_SM90_DRIVER + textwrap.dedent('''
 
     via = [c[6] for c in calls]
     assert via == ["triton's own run", None, None, "triton's own run"], via
-    assert all(c[:3] == (19, 3, 8) and c[3:6] == (0, "function", "metadata") for c in calls), [c[:6] for c in calls]
+    assert all(c[:3] == (n_grid, 3, 8) and c[3:6] == (0, "function", "metadata") for c in calls), [c[:6] for c in calls]
     assert all(c[7] is None and c[8] is None for c in calls[1:3])  # the fast path launches without hooks
     assert all([plain(a) for a in c[9:]] == [plain(a) for a in calls[0][9:]] for c in calls)
-    assert len(AG._prefill_fast._kernels) == 1 and launch.first_launch_stats()["launches"] == 1
+    assert len(fastk._kernels) == 1 and launch.first_launch_stats()["launches"] == 1
     assert AG.kv_layout(64, 128) is AG.kv_layout(64, 128) and len(AG._LAYOUTS) == 1
     print("ok")
 ''')
 
 
-def test_gluon_prefill_launches_through_the_fast_path():
+@pytest.mark.parametrize("consumers", ["3", "2"])
+def test_gluon_prefill_launches_through_the_fast_path(consumers):
     """attention_gluon.launch goes through launch.py's fast path: its first launch per specialization reaches the
     kernel Triton's own `JITFunction.run` holds for the arguments (found by Triton's own binder and cache key), later
     ones that same kernel directly, with the same launcher arguments (the two K / V tensor descriptors included), and
-    `fast_path(False)` goes back to Triton's own run. Checked without a GPU: Triton's driver is a stub for sm_90 and
+    `fast_path(False)` goes back to Triton's own run; for either kernel (RLKERNEL_ATTENTION_CONSUMERS: three consumer
+    warpgroups, the library's since session 42, or two). Checked without a GPU: Triton's driver is a stub for sm_90 and
     its kernel cache holds a stand-in that records its launches (the GPU's check: scripts/gpu_gluon_attn.py,
     `fast_path` per case, and test_gluon_prefill_fast_path_runs_tritons_kernel)."""
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RLKERNEL_TRITON_FAST_LAUNCH")}
+    env["RLKERNEL_ATTENTION_CONSUMERS"] = consumers
     proc = subprocess.run([sys.executable, "-c", _GLUON_STUB], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.stdout[-1000:], proc.stderr[-3000:])

@@ -49,7 +49,11 @@ class TileConfig:
 class AttentionTiles:
     block_m: int = 64  # query tile rows = (block_m // group) tokens x group heads of one kv head
     block_n: int = 64  # kv chunk: keys [c*block_n, (c+1)*block_n), anchored at absolute position
-    seg_keys: int = 512  # fixed KV split size (a multiple of block_n), anchored at absolute position
+    # fixed KV split size (a multiple of block_n), anchored at absolute position. 2,048 since attention v2 (session 42;
+    # 512 in v1): the three-consumer Gluon prefill runs 0.91-0.94x SDPA with rare folds against 0.83-0.85x at 512
+    # (H100, benchmarks/H100_session42); the paged decode at batch >= 64 is unchanged, at batch 1-8 with 4,096-key
+    # contexts it has a quarter of v1's splits (benchmarks/H200_NOTES.md, session 42)
+    seg_keys: int = 2048
     num_warps: int = 4
     num_stages: int = 3
     page_size: int = 16
@@ -260,7 +264,7 @@ ATTENTION = Contract(
                 ("fp_contraction", "off (FMAs explicit)")),
     invariant=("batch", "prefill == decode == chunked prefill", "split == unsplit", "block table placement",
                "run to run"),
-    version=1,
+    version=2,  # v2 (session 42): seg_keys 512 -> 2,048
 )
 
 # FlashAttention 3 inside vLLM's build, with one KV split: a second GPU attention contract, opt-in

@@ -6,7 +6,8 @@ benchmarks/h200_session27, `scripts/gpu_gluon_attn.py`): a 64-row query tile = (
 of one kv head; keys in 64-key chunks at absolute positions; s = q.k^T one wgmma m64n64 k16 chain from zero, in the
 Triton kernel's score layout (NVMMA v3, 4 warps, instr 16 x 64 x 16: it fixes the row reductions' order); m, alpha,
 p and l as `attention._chunk` (exp2, fma, no fp contraction); p cast to bf16 and p.v one wgmma m64n128 chain onto
-acc * alpha; 512-key segments folded into (M, L, O) by `attention._merge` at each segment's first chunk; out =
+acc * alpha; the contract's segments (seg_keys: 2,048 keys since v2, 512 before) folded into (M, L, O) by
+`attention._merge` at each segment's first chunk; out =
 div_rn(O, L); lse = (M + log2 L) ln 2 on request.
 
 The schedule (what the Triton kernel cannot express in Triton 3.6):
@@ -32,11 +33,15 @@ after), so each consumer's own chain is the period and the tensor cores are ~71 
 m64n128 q.k^T), the row max as a tree and the rescale moved into the next turn were bit-equal and none faster
 (benchmarks/H200_NOTES.md, session 41).
 
-Layout: this module holds the kernel (`_prefill_kernel`), its consumer, producer and shared memory, and the host side
-(launch, checks); `attention_gluon_parts.py` the device pieces below a consumer (merge, softmax, mask, the turn, the
-query load and the lse store). Sessions 36-40's three-consumer measurement kernel (`_prefill3_kernel`: O in held
-global slots, in shared memory, the fold beside the other consumers' MMAs; every version bit-equal, none faster than
-this one on an H100) was removed after session 40; its code is at commit 6fcfcb8 (benchmarks/H200_NOTES.md).
+Since session 42 the library runs `attention_gluon3._prefill3_kernel` (three consumer warpgroups a CTA, the same
+arithmetic) where the longest request has >= 2,048 tokens (`CONSUMERS`, `THREE_FROM`; RLKERNEL_ATTENTION_CONSUMERS).
+Sessions 36-40 had built it and found it no faster while every consumer folded a segment each 512 keys; with the
+contract's 2,048-key segments (v2) it runs 1.04-1.09x this kernel on an H100 at 4,096-16,384 tokens a request
+(benchmarks/H200_NOTES.md, session 42).
+
+Layout: this module holds the two-consumer kernel (`_prefill_kernel`), its consumer, producer and shared memory, and
+the host side of both kernels (launch, checks); `attention_gluon3.py` the three-consumer kernel; `attention_gluon_parts.py`
+the device pieces below a consumer (merge, softmax, mask, the turn, the query load and the lse store).
 
 Used by `attention.attention_varlen` where `unsupported_reason` is None (sm_90, bf16, head dim 128, the contract's
 64 x 64 tiles, K / V through TMA, the unsplit flat walk, Triton 3.6, and a first-use check per device and head group
@@ -73,6 +78,24 @@ def off():
 QREG = 0  # q.k^T's query tile from registers (`_consumer`; session 33: bit-equal, within a timing's spread: off)
 QK_FIRST = 0  # chunk c's q.k^T issued before chunk c - 1's p.v (`_consumer`; session 33: bit-equal, no faster: off)
 STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's spread of each other; 2 stages 0.6x)
+CONSUMERS_ENV = "RLKERNEL_ATTENTION_CONSUMERS"
+# which kernel the library launches (the same bits either way: the first-use check compares each one it may launch
+# with the Triton kernel): "auto" (the default) three consumer warpgroups a CTA (`attention_gluon3._prefill3_kernel`)
+# where the longest request has at least THREE_FROM query tokens, else two (`_prefill_kernel`); "2" / "3" always that
+# one. Session 42 (H100, the contract's 2,048-key segments): three 1.04-1.09x two at 8 x 4,096 and 2 x 16,384 tokens,
+# two 1.06x / 1.16x three at 4 x 1,024 and 16 x 256 (a group of three tiles wastes more of a short request's last CTA)
+THREE_FROM = 2048
+_MODES = {"auto": 0, "2": 2, "3": 3}
+if os.environ.get(CONSUMERS_ENV, "auto") not in _MODES:
+    raise ValueError(f"{CONSUMERS_ENV}={os.environ[CONSUMERS_ENV]!r}: expected auto, 2 or 3")
+CONSUMERS = _MODES[os.environ.get(CONSUMERS_ENV, "auto")]  # 0: auto
+_FORCED = [0]  # self_check's: the kernel to take regardless of CONSUMERS (0: none forced)
+
+
+def consumers_for(n_tiles: int, tok: int) -> int:
+    """The consumer warpgroups of the library's launch for n_tiles query tiles of tok tokens (`CONSUMERS`)."""
+    c = _FORCED[0] or CONSUMERS
+    return c if c else 3 if n_tiles * tok >= THREE_FROM else 2
 PRODUCER_REGS = 24
 CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
 _LOG2E = 1.4426950408889634
@@ -298,6 +321,9 @@ if _IMPORT_ERROR is None:
 
     _prefill_fast = fast(_prefill_kernel)  # launch.py's fast path (the launches `launch` makes)
 
+    from . import attention_gluon3
+    from .attention_gluon3 import KSTAGES as _KSTAGES3, VSTAGES as _VSTAGES3, _prefill3_fast
+
 
 _ARCH: dict = {}  # device index -> its architecture (golden.gpu_arch), asked once
 _CHECKED: dict = {}  # (device index, G) -> None (bit-equal to the Triton kernel) or why this kernel is off there
@@ -329,10 +355,12 @@ def unsupported_reason(q, k, cfg, G: int, d: int, *, paged: bool, split: bool, t
 
 
 def self_check(device, G: int, cfg) -> str | None:
-    """At first use on a device for a query-head group G: a packed batch (lengths 600, 77, 1: a segment fold, a partial
-    chunk, a one-token request; 2 kv heads, head dim 128, bf16, fixed seed) through this kernel and through the Triton
-    kernel; None when the outputs and lse are bit-equal, else the reason this kernel stays off (logged once; the Triton
-    kernel's bits are the contract's). Costs the two kernels' compiles at that shape class and ~1 ms."""
+    """At first use on a device for a query-head group G: a packed batch (lengths 2 x seg_keys + 88: two segment folds,
+    the second onto a held O, and a partial chunk; 77: a partial chunk; 1: a one-token request; 2 kv heads, head dim
+    128, bf16, fixed seed) through each Gluon kernel the library may launch (`CONSUMERS`: under auto, the
+    three-consumer kernel, which this batch's length picks, and the two-consumer one) and through the Triton kernel;
+    None when every output and lse is bit-equal, else the reason the Gluon prefill stays off (logged once; the Triton
+    kernel's bits are the contract's). Costs the kernels' compiles at that shape class and a few ms."""
     import itertools
     import logging
 
@@ -341,7 +369,7 @@ def self_check(device, G: int, cfg) -> str | None:
     from . import attention as A
 
     gen = torch.Generator(device="cpu").manual_seed(27)
-    lens, hkv = [600, 77, 1], 2
+    lens, hkv = [2 * cfg.seg_keys + 88, 77, 1], 2
     q, k, v = (torch.randn(sum(lens), h, 128, generator=gen).to(device=device, dtype=torch.bfloat16)
                for h in (hkv * G, hkv, hkv))
     cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
@@ -350,6 +378,14 @@ def self_check(device, G: int, cfg) -> str | None:
         y, lse = A.attention_varlen(q, k, v, cu, max_seqlen=max(lens), split=False, return_lse=True, config=cfg)
         if _LAUNCHES[0] == launches:
             raise RuntimeError("the check's first call did not reach this kernel")
+        outs = [(y, lse)]
+        if CONSUMERS == 0:  # auto: the two-consumer kernel too
+            _FORCED[0] = 2
+            try:
+                outs.append(A.attention_varlen(q, k, v, cu, max_seqlen=max(lens), split=False, return_lse=True,
+                                               config=cfg))
+            finally:
+                _FORCED[0] = 0
         _CHECKING.append(True)
         try:
             ref, ref_lse = A.attention_varlen(q, k, v, cu, max_seqlen=max(lens), split=False, return_lse=True, config=cfg)
@@ -358,8 +394,9 @@ def self_check(device, G: int, cfg) -> str | None:
     except Exception as e:  # noqa: BLE001 -- a kernel that cannot run here is a reason, never a crash
         why = f"first-use check failed to run: {type(e).__name__}: {str(e)[:200]}"
     else:
-        n = int((y.view(torch.int16) != ref.view(torch.int16)).any(dim=-1).sum()) + \
-            int((lse.view(torch.int32) != ref_lse.view(torch.int32)).sum())  # bit patterns (a NaN equals itself)
+        n = sum(int((y.view(torch.int16) != ref.view(torch.int16)).any(dim=-1).sum()) +
+                int((lse.view(torch.int32) != ref_lse.view(torch.int32)).sum())  # bit patterns (a NaN equals itself)
+                for y, lse in outs)
         why = None if n == 0 else f"first-use check: {n} values differ from the Triton kernel's"
     if why is not None:
         logging.getLogger(__name__).warning("rlkernel: the Gluon attention prefill is off on %s (G=%d): %s", device, G,
@@ -398,10 +435,43 @@ def _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale,
     return (n_pairs, q_len.shape[0], hkv), args, kwargs
 
 
+def _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, nfull, diag):
+    """(grid, positional args, keyword args) of one `attention_gluon3._prefill3_kernel` launch."""
+    hkv, d = k.shape[1:]
+    n_groups = -(-n_tiles // 3)
+    args = (q, out, lse if lse is not None else out, *_kv_descriptors(k, v, cfg, skt), q_start, q_len, kv_len, kv_start,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), float(scale) * _LOG2E, n_groups)
+    kwargs = dict(G=q.shape[1] // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d,
+                  SEG_CHUNKS=cfg.seg_keys // cfg.block_n, KS=_KSTAGES3, VS=_VSTAGES3, STORE_LSE=lse is not None,
+                  NFULL=nfull, DIAG=diag, num_warps=4, enable_fp_fusion=False)
+    return (n_groups, q_len.shape[0], hkv), args, kwargs
+
+
+def _three_knobs(stages, diag, skip, qreg, qk_first) -> None:
+    """Refuse the two-consumer kernel's knobs on the three-consumer kernel, which has none of them (diag 3 only)."""
+    bad = {name: val for name, val, default in (("stages", stages, STAGES), ("skip", skip, 0), ("qreg", qreg, QREG),
+                                                ("qk_first", qk_first, QK_FIRST)) if val != default}
+    if diag not in (0, 3):
+        bad["diag"] = diag
+    if bad:
+        raise ValueError(f"attention_gluon.launch: {bad} are knobs of the two-consumer kernel (consumers=2); the "
+                         "three-consumer kernel takes diag 0 or 3 only")
+
+
 def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST):
+           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, consumers=None):
     """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None), through
-    launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time)."""
+    launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time).
+    consumers: 3 (`attention_gluon3`: three consumer warpgroups; stages, skip, qreg and qk_first are the two-consumer
+    kernel's knobs and refused there; diag 3 only) or 2 (this module's `_prefill_kernel`); None: the library's choice
+    (`consumers_for`)."""
+    if (consumers or consumers_for(n_tiles, cfg.block_m // (q.shape[1] // k.shape[1]))) == 3:
+        _three_knobs(stages, diag, skip, qreg, qk_first)
+        grid, args, kwargs = _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt,
+                                           lse, nfull, diag)
+        _LAUNCHES[0] += 1
+        _prefill3_fast[grid](*args, **kwargs)
+        return out
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
                                       stages, nfull, diag, skip, qreg, qk_first)
     _LAUNCHES[0] += 1
@@ -410,9 +480,14 @@ def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, 
 
 
 def verify(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST) -> dict:
+           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, consumers=None) -> dict:
     """`launch`'s arguments through launch.py's `FastKernel.verify`: runs the kernel three times (fast path, fast path
     again, Triton's own `run`) into `out` / `lse` and says whether all three ran one compiled kernel (a GPU's check)."""
+    if (consumers or consumers_for(n_tiles, cfg.block_m // (q.shape[1] // k.shape[1]))) == 3:
+        _three_knobs(stages, diag, skip, qreg, qk_first)
+        grid, args, kwargs = _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt,
+                                           lse, nfull, diag)
+        return _prefill3_fast.verify(grid, *args, **kwargs)
     grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
                                       stages, nfull, diag, skip, qreg, qk_first)
     return _prefill_fast.verify(grid, *args, **kwargs)
@@ -424,4 +499,7 @@ def describe() -> str:
         return f"off ({ENV}=0)"
     if _IMPORT_ERROR is not None:
         return f"unavailable ({_IMPORT_ERROR})"
-    return "on where supported (sm_90, bf16, head dim 128)" + describe_checks(_CHECKED, lambda k: f"G={k[1]}")
+    which = {0: f"three consumer warpgroups where the longest request has >= {THREE_FROM} tokens, else two",
+             2: "two consumer warpgroups", 3: "three consumer warpgroups"}[CONSUMERS]
+    return (f"on where supported (sm_90, bf16, head dim 128; {which}: {CONSUMERS_ENV})"
+            + describe_checks(_CHECKED, lambda k: f"G={k[1]}"))
