@@ -36,7 +36,7 @@ m64n128 q.k^T), the row max as a tree and the rescale moved into the next turn w
 Since session 42 the library runs `attention_gluon3._prefill3_kernel` (three consumer warpgroups a CTA, the same
 arithmetic) where the longest request has >= 2,048 tokens (`CONSUMERS`, `THREE_FROM`; RLKERNEL_ATTENTION_CONSUMERS).
 Sessions 36-40 had built it and found it no faster while every consumer folded a segment each 512 keys; with the
-contract's 2,048-key segments (v2) it runs 1.04-1.09x this kernel on an H100 at 4,096-16,384 tokens a request
+contract's 2,048-key segments (v2) it runs 1.05-1.09x this kernel on an H100 at 4,096-16,384 tokens a request
 (benchmarks/H200_NOTES.md, session 42).
 
 Layout: this module holds the two-consumer kernel (`_prefill_kernel`), its consumer, producer and shared memory, and
@@ -82,7 +82,7 @@ CONSUMERS_ENV = "RLKERNEL_ATTENTION_CONSUMERS"
 # which kernel the library launches (the same bits either way: the first-use check compares each one it may launch
 # with the Triton kernel): "auto" (the default) three consumer warpgroups a CTA (`attention_gluon3._prefill3_kernel`)
 # where the longest request has at least THREE_FROM query tokens, else two (`_prefill_kernel`); "2" / "3" always that
-# one. Session 42 (H100, the contract's 2,048-key segments): three 1.04-1.09x two at 8 x 4,096 and 2 x 16,384 tokens,
+# one. Session 42 (H100, the contract's 2,048-key segments): three 1.05-1.09x two at 8 x 4,096 and 2 x 16,384 tokens,
 # two 1.06x / 1.16x three at 4 x 1,024 and 16 x 256 (a group of three tiles wastes more of a short request's last CTA)
 THREE_FROM = 2048
 _MODES = {"auto": 0, "2": 2, "3": 3}
