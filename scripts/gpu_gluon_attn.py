@@ -51,14 +51,22 @@ CASES = {"q8b_8x4096": ([4096] * 8, 32, 8, 128),
          "q8b_varlen_bits": ([4096, 77, 1000, 2049, 513, 511, 3333, 1, 16, 17, 64, 65], 32, 8, 128),
          "q8b_4x1024": ([1024] * 4, 32, 8, 128),
          "q8b_16x256": ([256] * 16, 32, 8, 128),
-         "q06_8x4096": ([4096] * 8, 16, 8, 128)}
+         "q06_8x4096": ([4096] * 8, 16, 8, 128),
+         # (session 42) where the three-consumer kernel starts to pay (attention_gluon.THREE_FROM), and a packed batch
+         # of mixed lengths as an RL scoring forward sees it (the rule picks by the longest request)
+         "q8b_8x1536": ([1536] * 8, 32, 8, 128),
+         "q8b_4x2048": ([2048] * 4, 32, 8, 128),
+         "q8b_4x3072": ([3072] * 4, 32, 8, 128),
+         "q8b_mixed16": ([3900, 310, 2750, 1200, 640, 4096, 2048, 980, 1777, 256, 3300, 1500, 2600, 700, 3600, 1100],
+                         32, 8, 128)}
 # name -> attention_gluon.launch knobs; "production" is what attention_varlen runs. diag_* are measurement only
 # (other bits): without the softmax, without q.k^T
 VARIANTS = {
     "production": {},  # the library's choice (attention_gluon.consumers_for): since session 42 three consumers where the
-    #                    longest request has >= 2,048 tokens, else two; compile_sm90 compiles the three-consumer kernel
+    #                    longest request has >= 1,536 tokens, else two; compile_sm90 compiles the three-consumer kernel
     # the two-consumer kernel (`_prefill_kernel`, the library's in sessions 27-41) and its knobs
     "two": dict(consumers=2),
+    "three": dict(consumers=3),  # the three-consumer kernel at any length (attention_gluon3)
     "stages3": dict(consumers=2, stages=3),
     "mask_every_chunk": dict(consumers=2, nfull=0),
     "skip_rescale": dict(consumers=2, skip=1),

@@ -235,8 +235,8 @@ def test_gluon_prefill_picks_three_consumers_for_long_requests_only(monkeypatch)
     value of the variable is refused at import, naming it."""
     from rlkernel.backends.triton import attention_gluon as AG
 
-    assert AG.CONSUMERS == 0 and AG.THREE_FROM == 2048  # the suite runs with the default
-    assert AG.consumers_for(128, 16) == 3 and AG.consumers_for(127, 16) == 2 and AG.consumers_for(64, 32) == 3
+    assert AG.CONSUMERS == 0 and AG.THREE_FROM == 1536  # the suite runs with the default
+    assert AG.consumers_for(96, 16) == 3 and AG.consumers_for(95, 16) == 2 and AG.consumers_for(48, 32) == 3
     assert AG.consumers_for(1, 1) == 2
     monkeypatch.setattr(AG, "CONSUMERS", 2)
     assert AG.consumers_for(10_000, 16) == 2

@@ -34,7 +34,7 @@ m64n128 q.k^T), the row max as a tree and the rescale moved into the next turn w
 (benchmarks/H200_NOTES.md, session 41).
 
 Since session 42 the library runs `attention_gluon3._prefill3_kernel` (three consumer warpgroups a CTA, the same
-arithmetic) where the longest request has >= 2,048 tokens (`CONSUMERS`, `THREE_FROM`; RLKERNEL_ATTENTION_CONSUMERS).
+arithmetic) where the longest request has >= 1,536 tokens (`CONSUMERS`, `THREE_FROM`; RLKERNEL_ATTENTION_CONSUMERS).
 Sessions 36-40 had built it and found it no faster while every consumer folded a segment each 512 keys; with the
 contract's 2,048-key segments (v2) it runs 1.05-1.09x this kernel on an H100 at 4,096-16,384 tokens a request
 (benchmarks/H200_NOTES.md, session 42).
@@ -82,9 +82,11 @@ CONSUMERS_ENV = "RLKERNEL_ATTENTION_CONSUMERS"
 # which kernel the library launches (the same bits either way: the first-use check compares each one it may launch
 # with the Triton kernel): "auto" (the default) three consumer warpgroups a CTA (`attention_gluon3._prefill3_kernel`)
 # where the longest request has at least THREE_FROM query tokens, else two (`_prefill_kernel`); "2" / "3" always that
-# one. Session 42 (H100, the contract's 2,048-key segments): three 1.05-1.09x two at 8 x 4,096 and 2 x 16,384 tokens,
-# two 1.06x / 1.16x three at 4 x 1,024 and 16 x 256 (a group of three tiles wastes more of a short request's last CTA)
-THREE_FROM = 2048
+# one. Session 42 (H100, the contract's 2,048-key segments; benchmarks/H100_session42/call3, call5): three 1.05x two at
+# 8 x 1,536, 1.04-1.05x at 4 x 2,048, 1.07-1.09x at 4 x 3,072 and 8 x 4,096, 1.04-1.07x on a packed batch of 16 requests
+# of 256-4,096 tokens; two 1.06x three at 4 x 1,024 and 1.16x at 16 x 256 (a group of three tiles wastes more of a short
+# request's last CTA)
+THREE_FROM = 1536
 _MODES = {"auto": 0, "2": 2, "3": 3}
 if os.environ.get(CONSUMERS_ENV, "auto") not in _MODES:
     raise ValueError(f"{CONSUMERS_ENV}={os.environ[CONSUMERS_ENV]!r}: expected auto, 2 or 3")
