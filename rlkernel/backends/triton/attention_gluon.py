@@ -78,6 +78,9 @@ def off():
 QREG = 0  # q.k^T's query tile from registers (`_consumer`; session 33: bit-equal, within a timing's spread: off)
 QK_FIRST = 0  # chunk c's q.k^T issued before chunk c - 1's p.v (`_consumer`; session 33: bit-equal, no faster: off)
 STAGES = 4  # K / V chunks in flight (session 27: 3 and 4 within one timing's spread of each other; 2 stages 0.6x)
+PRODUCER_REGS = 24
+CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
+_LOG2E = 1.4426950408889634
 CONSUMERS_ENV = "RLKERNEL_ATTENTION_CONSUMERS"
 # which kernel the library launches (the same bits either way: the first-use check compares each one it may launch
 # with the Triton kernel): "auto" (the default) three consumer warpgroups a CTA (`attention_gluon3._prefill3_kernel`)
@@ -98,9 +101,7 @@ def consumers_for(n_tiles: int, tok: int) -> int:
     """The consumer warpgroups of the library's launch for n_tiles query tiles of tok tokens (`CONSUMERS`)."""
     c = _FORCED[0] or CONSUMERS
     return c if c else 3 if n_tiles * tok >= THREE_FROM else 2
-PRODUCER_REGS = 24
-CONSUMER_REGS = 232  # the worker consumer's registers (the default partition gets the rest: 256)
-_LOG2E = 1.4426950408889634
+
 
 try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API is young, so any failure is a reason
     import triton
@@ -460,39 +461,39 @@ def _three_knobs(stages, diag, skip, qreg, qk_first) -> None:
                          "three-consumer kernel takes diag 0 or 3 only")
 
 
-def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
-           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, consumers=None):
-    """attention._launch's packed unsplit prefill on this kernel (call it where `unsupported_reason` is None), through
-    launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host time).
-    consumers: 3 (`attention_gluon3`: three consumer warpgroups; stages, skip, qreg and qk_first are the two-consumer
-    kernel's knobs and refused there; diag 3 only) or 2 (this module's `_prefill_kernel`); None: the library's choice
-    (`consumers_for`)."""
+def _plan(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse, stages, nfull, diag, skip,
+          qreg, qk_first, consumers):
+    """(fast kernel, grid, positional args, keyword args) of the launch `launch` makes and `verify` checks."""
     if (consumers or consumers_for(n_tiles, cfg.block_m // (q.shape[1] // k.shape[1]))) == 3:
         _three_knobs(stages, diag, skip, qreg, qk_first)
-        grid, args, kwargs = _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt,
-                                           lse, nfull, diag)
-        _LAUNCHES[0] += 1
-        _prefill3_fast[grid](*args, **kwargs)
-        return out
-    grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
-                                      stages, nfull, diag, skip, qreg, qk_first)
+        return (_prefill3_fast, *_launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg,
+                                                skt, lse, nfull, diag))
+    return (_prefill_fast, *_launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
+                                         stages, nfull, diag, skip, qreg, qk_first))
+
+
+def launch(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
+           nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, consumers=None):
+    """attention._launch's packed unsplit prefill on a Gluon kernel (call it where `unsupported_reason` is None),
+    through launch.py's fast path (module docstring: the compiled kernel Triton's own launch would run, less host
+    time). consumers: 3 (`attention_gluon3`: three consumer warpgroups; stages, skip, qreg and qk_first are the
+    two-consumer kernel's knobs and refused there; diag 3 only) or 2 (this module's `_prefill_kernel`); None: the
+    library's choice (`consumers_for`)."""
+    kern, grid, args, kwargs = _plan(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
+                                     stages, nfull, diag, skip, qreg, qk_first, consumers)
     _LAUNCHES[0] += 1
-    _prefill_fast[grid](*args, **kwargs)
+    kern[grid](*args, **kwargs)
     return out
 
 
 def verify(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse=None, *, stages=STAGES,
            nfull=1, diag=0, skip=0, qreg=QREG, qk_first=QK_FIRST, consumers=None) -> dict:
-    """`launch`'s arguments through launch.py's `FastKernel.verify`: runs the kernel three times (fast path, fast path
-    again, Triton's own `run`) into `out` / `lse` and says whether all three ran one compiled kernel (a GPU's check)."""
-    if (consumers or consumers_for(n_tiles, cfg.block_m // (q.shape[1] // k.shape[1]))) == 3:
-        _three_knobs(stages, diag, skip, qreg, qk_first)
-        grid, args, kwargs = _launch3_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt,
-                                           lse, nfull, diag)
-        return _prefill3_fast.verify(grid, *args, **kwargs)
-    grid, args, kwargs = _launch_args(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
-                                      stages, nfull, diag, skip, qreg, qk_first)
-    return _prefill_fast.verify(grid, *args, **kwargs)
+    """`launch`'s arguments through launch.py's `FastKernel.verify`: runs the kernel `launch` would run three times
+    (fast path, fast path again, Triton's own `run`) into `out` / `lse` and says whether all three ran one compiled
+    kernel (a GPU's check)."""
+    kern, grid, args, kwargs = _plan(q, k, v, out, q_start, q_len, kv_len, kv_start, n_tiles, scale, cfg, skt, lse,
+                                     stages, nfull, diag, skip, qreg, qk_first, consumers)
+    return kern.verify(grid, *args, **kwargs)
 
 
 def describe() -> str:
