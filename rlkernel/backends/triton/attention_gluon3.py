@@ -8,6 +8,8 @@ bit-equal to the Triton kernel) and found it no faster once the contract's 512-k
 consumers fold at the same chunk. Session 42 moved the contract's split size to 2,048 keys (contracts/gpu.py,
 attention v2), where the folds are rare, and measured it at 1.07-1.09x the two-consumer kernel (H100, interleaved
 rounds: 8 x 4,096 tokens 0.908x SDPA against 0.849x, 2 x 16,384 0.935x against 0.871x; benchmarks/H100_session42).
+Shorter requests leave more of a group's last CTA idle: `attention_gluon.consumers_for` launches this kernel where the
+longest request has >= `attention_gluon.THREE_FROM` (1,536) tokens, the two-consumer kernel below.
 
 The schedule, as the two-consumer kernel's with a three-way turn:
 * one producer warp loads chunk c's K into a ring of KSTAGES stages and its V into a ring of VSTAGES (K is read a
