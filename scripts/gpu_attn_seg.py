@@ -47,17 +47,6 @@ def log(*a):
     print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
 
 
-def _args(q, k, v, cu, max_seqlen, cfg, lse):
-    """attention_gluon.launch's positional arguments for a packed prefill at tiles cfg (fresh output)."""
-    import torch
-    G = q.shape[1] // k.shape[1]
-    q_start = cu[:-1].contiguous()
-    q_len = (cu[1:] - cu[:-1]).contiguous()
-    n_tiles = -(-max_seqlen // (cfg.block_m // G))
-    return (q, k, v, torch.empty_like(q), q_start, q_len, q_len, q_start, n_tiles, q.shape[-1] ** -0.5, cfg,
-            k.stride(0), lse)
-
-
 def compile_only(segs, variants) -> int:
     """Compile each variant at each split size for sm_90 here (no GPU needed): seconds, shared memory, ptxas usage."""
     import triton
@@ -120,6 +109,8 @@ def main(argv=None) -> int:
     from rlkernel.backends.triton import attention as A
     from rlkernel.backends.triton import attention_gluon as AG
     from rlkernel.backends.triton import contracts as C
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_gluon_attn import direct_args
 
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "segs": segs, "variants": {v: VARIANTS[v] for v in variants}, "bits": {}, "timing": {}}
@@ -150,7 +141,7 @@ def main(argv=None) -> int:
         for name in variants:
             try:
                 lse = torch.empty(T, 32, device="cuda", dtype=torch.float32)
-                a = _args(q, k, v, cu, max(lens), cfg, lse)
+                a = direct_args(q, k, v, cu, max(lens), lse, cfg)
                 y = AG.launch(*a, **VARIANTS[name])
                 torch.cuda.synchronize()
                 n_out = int((y.view(torch.int16) != ref.view(torch.int16)).any(-1).sum())
@@ -178,7 +169,7 @@ def main(argv=None) -> int:
             for name in variants:
                 if "error" in res["bits"][f"seg{seg}"].get(name, {}):
                     continue
-                a = _args(q, k, v, cu, L, cfg, None)
+                a = direct_args(q, k, v, cu, L, None, cfg)
                 fns[f"{name}_seg{seg}"] = lambda a=a, name=name: AG.launch(*a, **VARIANTS[name])
         times = {n: [] for n in fns}
         for _ in range(args.rounds):

@@ -161,13 +161,13 @@ def ptx_facts(kernel) -> dict:
             "warps": kernel.metadata.num_warps}
 
 
-def direct_args(q, k, v, cu, max_seqlen, lse=None) -> tuple:
-    """attention_gluon.launch's positional arguments for attention_varlen's packed call (bf16; the contract's tiles),
-    with a fresh output."""
+def direct_args(q, k, v, cu, max_seqlen, lse=None, cfg=None) -> tuple:
+    """attention_gluon.launch's positional arguments for attention_varlen's packed call (bf16; the contract's tiles, or
+    cfg's), with a fresh output."""
     import torch
     from rlkernel.backends.triton import contracts as C
 
-    cfg = C.ATTENTION
+    cfg = cfg or C.ATTENTION
     G = q.shape[1] // k.shape[1]
     q_start = cu[:-1].contiguous()
     q_len = (cu[1:] - cu[:-1]).contiguous()

@@ -117,7 +117,7 @@ if _IMPORT_ERROR is None:
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
 
-    from .attention_gluon_parts import (_chunks, _load_q, _mask, _merge, _qk_turn, _softmax, _stamp, _stats, _store_lse,
+    from .attention_gluon_parts import (_cta, _load_q, _mask, _merge, _qk_turn, _softmax, _stamp, _stats, _store_lse,
                                         _tile_rows)
 
     @gluon.jit
@@ -273,19 +273,6 @@ if _IMPORT_ERROR is None:
             tma.async_copy_global_to_shared(v_desc, [kv_start + c * BLOCK_N, kvh * D], ready.index(st), bufs_v.index(st))
 
     @gluon.jit
-    def _cta(n_pairs, ql_ptr, kl_ptr, ks_ptr, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """This CTA's work item: (its pair of query tiles, the pair holding the latest tokens first; request; kv head;
-        the request's first key row; the chunks the pair walks; the query heads)."""
-        pair = n_pairs - 1 - gl.program_id(0)
-        req = gl.program_id(1)
-        kvh = gl.program_id(2)
-        q_len = gl.load(ql_ptr + req)
-        kv_len = gl.load(kl_ptr + req)
-        kv_start = gl.load(ks_ptr + req)
-        nc_cta = _chunks(pair, q_len, kv_len, BLOCK_M // G, BLOCK_N)
-        return pair, req, kvh, kv_start, nc_cta, gl.num_programs(2) * G
-
-    @gluon.jit
     def _shared(k_desc, v_desc, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
         """A CTA's shared memory: the K / V ring, the two consumers' query tiles, and the ring's and the turn's
         barriers (a stage is free again when both consumers released it), initialised."""
@@ -310,7 +297,7 @@ if _IMPORT_ERROR is None:
                         DIAG: gl.constexpr, SKIP: gl.constexpr, QREG: gl.constexpr, QK_FIRST: gl.constexpr,
                         num_warps: gl.constexpr):
         """Grid (pairs of query tiles, the pair holding the latest tokens first; requests; kv heads)."""
-        pair, req, kvh, kv_start, nc_cta, hq = _cta(n_pairs, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N)
+        pair, req, kvh, kv_start, nc_cta, hq = _cta(n_pairs, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N, 2)
         bufs_k, bufs_v, q_all, ready, empty, turn = _shared(k_desc, v_desc, STAGES, BLOCK_M, D)
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), bufs_k, bufs_v, ready, empty, turn,

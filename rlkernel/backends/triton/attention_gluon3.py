@@ -40,20 +40,12 @@ except Exception as e:  # noqa: BLE001
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 if _IMPORT_ERROR is None:
-    from .attention_gluon_parts import (_load_q, _mask, _merge_stats, _qk_turn, _softmax, _store_lse, _tile_rows)
+    from .attention_gluon_parts import (_cta, _load_q, _mask, _merge_stats, _qk_turn, _softmax, _store_lse,
+                                        _tile_rows)
     from .launch import fast
 
     _CONSUMER3_REGS = gl.constexpr(CONSUMER_REGS)
     _PRODUCER_REGS = gl.constexpr(24)
-
-    @gluon.jit
-    def _chunks3(grp, q_len, kv_len, TOK: gl.constexpr, BLOCK_N: gl.constexpr):
-        """The chunks a CTA's three query tiles walk: its last live tile's (0 for a group past the request)."""
-        nc = 0
-        if grp * 3 * TOK < q_len:  # the CTA's last live tile sees the most chunks
-            t_last = gl.minimum(grp * 3 + 2, (q_len - 1) // TOK)
-            nc = (kv_len - q_len + gl.minimum(t_last * TOK + TOK, q_len) - 1) // BLOCK_N + 1
-        return nc
 
     @gluon.jit
     def _shared3(k_desc, v_desc, KS: gl.constexpr, VS: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
@@ -224,14 +216,7 @@ if _IMPORT_ERROR is None:
                          D: gl.constexpr, SEG_CHUNKS: gl.constexpr, KS: gl.constexpr, VS: gl.constexpr,
                          STORE_LSE: gl.constexpr, NFULL: gl.constexpr, DIAG: gl.constexpr, num_warps: gl.constexpr):
         """Grid (groups of three query tiles, the group holding the latest tokens first; requests; kv heads)."""
-        grp = n_groups - 1 - gl.program_id(0)
-        req = gl.program_id(1)
-        kvh = gl.program_id(2)
-        q_len = gl.load(ql_ptr + req)
-        kv_len = gl.load(kl_ptr + req)
-        kv_start = gl.load(ks_ptr + req)
-        nc_cta = _chunks3(grp, q_len, kv_len, BLOCK_M // G, BLOCK_N)
-        hq = gl.num_programs(2) * G
+        grp, req, kvh, kv_start, nc_cta, hq = _cta(n_groups, ql_ptr, kl_ptr, ks_ptr, G, BLOCK_M, BLOCK_N, 3)
         bufs_k, bufs_v, q_all, o_all, bars = _shared3(k_desc, v_desc, KS, VS, BLOCK_M, D)
         gl.warp_specialize([
             (_consumer3, (q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_all.index(0), o_all, bufs_k, bufs_v, bars,

@@ -93,13 +93,27 @@ if _IMPORT_ERROR is None:
         return s
 
     @gluon.jit
-    def _chunks(pair, q_len, kv_len, TOK: gl.constexpr, BLOCK_N: gl.constexpr):
-        """The chunks a CTA's pair of query tiles walks: its last live tile's (0 for a pair past the request)."""
+    def _chunks(grp, q_len, kv_len, TOK: gl.constexpr, BLOCK_N: gl.constexpr, NCONS: gl.constexpr):
+        """The chunks a CTA's group of NCONS query tiles walks: its last live tile's (0 for a group past the request)."""
         nc = 0
-        if pair * 2 * TOK < q_len:  # the CTA's last live tile sees the most chunks
-            t_last = gl.minimum(pair * 2 + 1, (q_len - 1) // TOK)
+        if grp * NCONS * TOK < q_len:  # the CTA's last live tile sees the most chunks
+            t_last = gl.minimum(grp * NCONS + (NCONS - 1), (q_len - 1) // TOK)
             nc = (kv_len - q_len + gl.minimum(t_last * TOK + TOK, q_len) - 1) // BLOCK_N + 1
         return nc
+
+    @gluon.jit
+    def _cta(n_groups, ql_ptr, kl_ptr, ks_ptr, G: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             NCONS: gl.constexpr):
+        """This CTA's work item: (its group of NCONS query tiles, the group holding the latest tokens first; request;
+        kv head; the request's first key row; the chunks the group walks; the query heads)."""
+        grp = n_groups - 1 - gl.program_id(0)
+        req = gl.program_id(1)
+        kvh = gl.program_id(2)
+        q_len = gl.load(ql_ptr + req)
+        kv_len = gl.load(kl_ptr + req)
+        kv_start = gl.load(ks_ptr + req)
+        nc_cta = _chunks(grp, q_len, kv_len, BLOCK_M // G, BLOCK_N, NCONS)
+        return grp, req, kvh, kv_start, nc_cta, gl.num_programs(2) * G
 
     @gluon.jit
     def _tile_rows(ql_ptr, qs_ptr, kl_ptr, req, tok0, BLOCK_N: gl.constexpr):
