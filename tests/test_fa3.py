@@ -59,7 +59,10 @@ def test_a_per_op_implementation_is_what_strict_building_blocks_get():
 
 
 def test_config_takes_fa3_for_attention_on_gpus_in_bf16_only():
-    """Refused before anything starts where it cannot run (a CPU recipe, an fp32 model), with the key and the fix."""
+    """Refused before anything starts where it cannot run (a CPU recipe, an fp32 model), with the key and the fix.
+    (Hydra composes the recipes: `make install` has it; a bare GPU machine without the staged kit does not — session
+    42's `gpu_tests` there failed on the import, not on the check.)"""
+    pytest.importorskip("hydra")
     from vime.config import ConfigError, load_config
 
     cfg, _ = load_config("grpo_qwen3_gpu", ["rlkernel.ops.attention=fa3"])
