@@ -122,8 +122,20 @@ def test_replay_from_the_run_directory_alone(tmp, one_sided_run):
         assert same["weight_version"] == step and same["comparable"] and same["trainer"]["ops"] == {"rms_norm": "native"}
         keys = ("mismatch_count", "max_abs_diff", "compared_tokens")
         assert [same[k] for k in keys] == [m[k] for k in keys]
+        assert same["contracts_differ_from_run"] == {}  # the run's own trainer contracts, op for op
     _, fixed = _cli("replay", run, "--step", 1, "rms_norm=strict")
     assert fixed["mismatch_count"] == 0 and fixed["max_abs_diff"] == 0.0 and fixed["impls"]["rms_norm"] == ["cpu"]
+    assert list(fixed["contracts_differ_from_run"]) == ["rms_norm"]  # the override's contract is not the run's
+    assert fixed["contracts_differ_from_run"]["rms_norm"]["replay"][0].startswith("rms_norm/strict/")
+    # a contract version changed since the run (as the GPU attention's v1 -> v2): named, though no override asked
+    step1 = run / "provenance" / "step_000001.json"
+    rec = json.loads(step1.read_text())
+    for e in rec["trainer"]["attention"]:
+        e["contract_id"] = e["contract_id"].replace("/v", "/v0", 1)
+    step1.write_text(json.dumps(rec))
+    _, bumped = _cli("replay", run, "--step", 1)
+    assert list(bumped["contracts_differ_from_run"]) == ["attention"], bumped["contracts_differ_from_run"]
+    assert bumped["contracts_differ_from_run"]["attention"]["run"][0].split("/")[2].startswith("v0")
     assert fixed["recorded"]["mismatch_count"] == one_sided_run[1]["mismatch_count"] > 0
     (run / "weights" / "v000001.safetensors").unlink()
     shutil.rmtree(run / "checkpoints")

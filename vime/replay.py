@@ -124,11 +124,27 @@ def replay(run_dir: Path, step: int, overrides: list[str], threads: int | None =
     cmp = comparability(records, scored.digest, scored.weight_version, version, vocab)
     stats = compare_logprobs([r.rollout_logprobs for r in records], scored.logprobs) if cmp["comparable"] else not_compared()
     recorded = _recorded(run_dir, step)
+    replayed = {op: sorted({e["contract_id"] for e in v}) for op, v in prov.items()}
+    ran = _run_contracts(run_dir, step)
     return {"run_dir": str(run_dir), "step": step, "weight_version": version, "trainer": {"mode": mode, "ops": ops},
             "rollout": dict(zip(("mode", "ops"), side_policy(config, "rollout"))), **stats,
             "comparable": cmp["comparable"], "not_comparable_reasons": cmp["reasons"],
             "impls": {op: sorted({e["impl"] for e in v}) for op, v in prov.items()},
+            # the ops whose trainer contract differs from the one the run's trainer recorded at this step (an override,
+            # or a contract version changed since the run: e.g. the GPU attention's v1 -> v2 split size, session 42);
+            # None where the run kept no per-step provenance
+            "contracts_differ_from_run": None if ran is None else {
+                op: {"run": ran[op], "replay": ids} for op, ids in replayed.items() if op in ran and ran[op] != ids},
             "recorded": {k: recorded.get(k) for k in ("mismatch_count", "max_abs_diff", "compared_tokens")} if recorded else None}
+
+
+def _run_contracts(run_dir: Path, step: int) -> dict | None:
+    """{op: sorted contract ids} the run's trainer recorded for `step` (provenance/step_N.json), or None."""
+    path = run_dir / "provenance" / f"step_{step:06d}.json"
+    if not path.exists():
+        return None
+    trainer = json.loads(path.read_text()).get("trainer") or {}
+    return {op: sorted({e["contract_id"] for e in v}) for op, v in trainer.items()}
 
 
 def _recorded(run_dir: Path, step: int) -> dict | None:
