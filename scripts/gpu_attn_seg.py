@@ -30,16 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 T0 = time.time()
 
-# name -> attention_gluon.launch knobs: the two-consumer kernel, the three-consumer kernel (the library's since session
-# 42), and the latter without segment folds (diag 3: other bits, the ceiling). Session 42's calls 1-2 ran these as
-# the three-consumer variants of commit 6fcfcb8 (copied beside the library for the call: "three" with O in registers,
-# "three_ows" in held global slots, "three_osm_k2v3" in shared memory, "three_osm_fold" in shared memory with the fold
-# beside the other consumers' MMAs — the one the library now runs, as attention_gluon3)
-VARIANTS = {
-    "two": dict(consumers=2),
-    "three": dict(consumers=3),
-    "diag_three_nofold": dict(consumers=3, diag=3),
-}
+sys.path.insert(0, str(ROOT / "scripts"))
+import gpu_gluon_attn as GA  # noqa: E402  (its variants, sm_90 compile, direct launch arguments and hashes)
+
+# gpu_gluon_attn's variants compared here: the two-consumer kernel, the three-consumer kernel (the library's for long
+# requests since session 42), and the latter without segment folds (diag 3: other bits, the ceiling). Session 42's
+# calls 1-2 ran the three-consumer variants of commit 6fcfcb8 (copied beside the library for the call: "three" with O
+# in registers, "three_ows" in held global slots, "three_osm_k2v3" in shared memory, "three_osm_fold" in shared memory
+# with the fold beside the other consumers' MMAs — the one the library now runs, as attention_gluon3)
+VARIANTS = {name: GA.VARIANTS[name] for name in ("two", "three", "diag_three_nofold")}
 MIXED = [4096, 77, 1000, 2049, 513, 511, 3333, 1, 16, 17, 64, 65, 5000, 8200]
 
 
@@ -49,35 +48,11 @@ def log(*a):
 
 def compile_only(segs, variants) -> int:
     """Compile each variant at each split size for sm_90 here (no GPU needed): seconds, shared memory, ptxas usage."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from rlkernel.backends.triton import attention_gluon as AG
-    from rlkernel.backends.triton import attention_gluon3 as AG3
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from gpu_gluon_attn import ptxas_usage
-    desc = f"tensordesc<bf16[64, 128],{AG.kv_layout(64, 128)!r}>"
-    ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc,
-            "qs_ptr": "*i32", "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32"}
-    ints = {"sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32", "qk_scale": "fp32"}
     for seg in segs:
         for name in variants:
-            kw = VARIANTS[name]
             t = time.time()
-            base = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=seg // 64)
-            if kw["consumers"] == 3:
-                const = dict(base, KS=AG3.KSTAGES, VS=AG3.VSTAGES, STORE_LSE=True, NFULL=1, DIAG=kw.get("diag", 0),
-                             num_warps=4)
-                sig = {**ptrs, **ints, "n_groups": "i32", **{k: "constexpr" for k in const}}
-                src = GluonASTSource(AG3._prefill3_kernel, sig, constexprs=const)
-            else:
-                const = dict(base, STAGES=AG.STAGES, STORE_LSE=True, NFULL=1, DIAG=kw.get("diag", 0), SKIP=0, QREG=0,
-                             QK_FIRST=0, num_warps=4)
-                sig = {**ptrs, **ints, "n_pairs": "i32", **{k: "constexpr" for k in const}}
-                src = GluonASTSource(AG._prefill_kernel, sig, constexprs=const)
-            kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 4, "enable_fp_fusion": False})
-            log(seg, name, f"{time.time() - t:.1f}s", "shared", kern.metadata.shared, ptxas_usage(kern.asm["ptx"]))
+            kern = GA.compile_sm90(name, seg_chunks=seg // 64)
+            log(seg, name, f"{time.time() - t:.1f}s", "shared", kern.metadata.shared, GA.ptxas_usage(kern.asm["ptx"]))
     return 0
 
 
@@ -109,8 +84,7 @@ def main(argv=None) -> int:
     from rlkernel.backends.triton import attention as A
     from rlkernel.backends.triton import attention_gluon as AG
     from rlkernel.backends.triton import contracts as C
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from gpu_gluon_attn import direct_args
+    direct_args = GA.direct_args
 
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "segs": segs, "variants": {v: VARIANTS[v] for v in variants}, "bits": {}, "timing": {}}
@@ -132,7 +106,7 @@ def main(argv=None) -> int:
         with AG.off():
             ref, ref_lse = A.attention_varlen(q, k, v, cu, max_seqlen=max(lens), split=False, return_lse=True,
                                               config=cfg)
-        row["triton_sha"] = _sha(ref)
+        row["triton_sha"] = GA._sha(ref)
         if seg != 512:  # the v1 contract's split size
             with AG.off():
                 r512 = A.attention_varlen(q, k, v, cu, max_seqlen=max(lens), split=False,
@@ -195,7 +169,6 @@ def main(argv=None) -> int:
     # paged decode latency at batch 1 / 8 / 64 x 4,096 and 8 / 256 x 1,024 against SDPA on a contiguous cache)
     dsegs = [int(s) for s in args.decode_segs.split(",") if s]
     if dsegs:
-        sys.path.insert(0, str(ROOT / "scripts"))
         import gpu_attn_sweep as S
         S.CONTRACTS = [(64, s) for s in dsegs]
         sub = {}
@@ -206,11 +179,6 @@ def main(argv=None) -> int:
     save()
     log("done", out_path)
     return 0
-
-
-def _sha(t) -> str:
-    import hashlib
-    return hashlib.sha1(t.contiguous().view(-1).view(dtype=__import__("torch").uint8).cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 if __name__ == "__main__":

@@ -106,8 +106,9 @@ VARIANTS = {
 }
 
 
-def compile_sm90(variant, G=4, d=128):
-    """Compile a variant for sm_90 here (no GPU needed): the CompiledKernel."""
+def compile_sm90(variant, G=4, d=128, seg_chunks=None):
+    """Compile a variant for sm_90 here (no GPU needed): the CompiledKernel. seg_chunks: the split in chunks (default:
+    the contract's)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from rlkernel.backends.triton import contracts as C
@@ -117,7 +118,7 @@ def compile_sm90(variant, G=4, d=128):
     ptrs = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "k_desc": desc, "v_desc": desc, "qs_ptr": "*i32",
             "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32"}
     ints = {"sqt": "i32", "sqh": "i32", "sot": "i32", "soh": "i32", "qk_scale": "fp32"}
-    seg_chunks = C.ATTENTION.seg_keys // 64
+    seg_chunks = seg_chunks or C.ATTENTION.seg_keys // 64
     if (kw.get("consumers") or AG.CONSUMERS or 3) == 3:  # attention_gluon3._prefill3_kernel (production: the
         # library's kernel for long requests under auto)
         from rlkernel.backends.triton import attention_gluon3 as AG3

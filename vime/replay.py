@@ -124,7 +124,7 @@ def replay(run_dir: Path, step: int, overrides: list[str], threads: int | None =
     cmp = comparability(records, scored.digest, scored.weight_version, version, vocab)
     stats = compare_logprobs([r.rollout_logprobs for r in records], scored.logprobs) if cmp["comparable"] else not_compared()
     recorded = _recorded(run_dir, step)
-    replayed = {op: sorted({e["contract_id"] for e in v}) for op, v in prov.items()}
+    replayed = _contract_ids(prov)
     ran = _run_contracts(run_dir, step)
     return {"run_dir": str(run_dir), "step": step, "weight_version": version, "trainer": {"mode": mode, "ops": ops},
             "rollout": dict(zip(("mode", "ops"), side_policy(config, "rollout"))), **stats,
@@ -138,13 +138,17 @@ def replay(run_dir: Path, step: int, overrides: list[str], threads: int | None =
             "recorded": {k: recorded.get(k) for k in ("mismatch_count", "max_abs_diff", "compared_tokens")} if recorded else None}
 
 
+def _contract_ids(prov: dict) -> dict:
+    """{op: sorted contract ids} of an engine's provenance ({op: [call entries]})."""
+    return {op: sorted({e["contract_id"] for e in v}) for op, v in prov.items()}
+
+
 def _run_contracts(run_dir: Path, step: int) -> dict | None:
-    """{op: sorted contract ids} the run's trainer recorded for `step` (provenance/step_N.json), or None."""
+    """The contract ids the run's trainer recorded for `step` (provenance/step_N.json), or None."""
     path = run_dir / "provenance" / f"step_{step:06d}.json"
     if not path.exists():
         return None
-    trainer = json.loads(path.read_text()).get("trainer") or {}
-    return {op: sorted({e["contract_id"] for e in v}) for op, v in trainer.items()}
+    return _contract_ids(json.loads(path.read_text()).get("trainer") or {})
 
 
 def _recorded(run_dir: Path, step: int) -> dict | None:
