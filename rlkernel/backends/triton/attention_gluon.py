@@ -117,8 +117,8 @@ if _IMPORT_ERROR is None:
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
     _CONSUMER_REGS = gl.constexpr(CONSUMER_REGS)
 
-    from .attention_gluon_parts import (_cta, _load_q, _mask, _merge, _qk_turn, _softmax, _stamp, _stats, _store_lse,
-                                        _tile_rows)
+    from .attention_gluon_parts import (_cta, _ld_layout, _load_q, _mask, _merge, _mma_layout, _qk_turn, _softmax,
+                                        _stamp, _stats, _store_lse, _tile_rows)
 
     @gluon.jit
     def _consumer(q_ptr, o_ptr, lse_ptr, qs_ptr, ql_ptr, kl_ptr, q_smem, bufs_k, bufs_v, ready, empty, turn, sqt, sqh,
@@ -143,11 +143,10 @@ if _IMPORT_ERROR is None:
         The output tile is stored from the query load's blocked layout (16 bytes a thread, whole 32-byte sectors), not
         from the accumulator's (4 bytes a thread; ncu: 16 of 32 bytes used a sector): the same values, 1.08-1.09x on an
         H100 (session 34; a persistent walk over the work items measured there ran 0.85x: commit 11899d9 has it)."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+        o_layout: gl.constexpr = _mma_layout(D)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        ld_layout: gl.constexpr = _ld_layout()
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         TOK: gl.constexpr = BLOCK_M // G

@@ -40,8 +40,8 @@ except Exception as e:  # noqa: BLE001
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 if _IMPORT_ERROR is None:
-    from .attention_gluon_parts import (_cta, _load_q, _mask, _merge_stats, _qk_turn, _softmax, _store_lse,
-                                        _tile_rows)
+    from .attention_gluon_parts import (_cta, _ld_layout, _load_q, _mask, _merge_stats, _mma_layout, _qk_turn,
+                                        _softmax, _store_lse, _tile_rows)
     from .launch import fast
 
     _CONSUMER3_REGS = gl.constexpr(CONSUMER_REGS)
@@ -136,13 +136,11 @@ if _IMPORT_ERROR is None:
                    STORE_LSE: gl.constexpr, NFULL: gl.constexpr, DIAG: gl.constexpr):
         """Query tile WHICH of the CTA's three (module docstring): chunk c's q.k^T and chunk c - 1's p.v in its turn,
         then chunk c's softmax; a segment's first chunk folds the finished segment after the turn's waits."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-        h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D // 2, 16])
+        s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+        o_layout: gl.constexpr = _mma_layout(D)
+        h_layout: gl.constexpr = _mma_layout(D // 2)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        ld_layout: gl.constexpr = _ld_layout()
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         TOK: gl.constexpr = BLOCK_M // G

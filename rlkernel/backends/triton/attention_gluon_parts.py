@@ -13,6 +13,18 @@ except Exception as e:  # noqa: BLE001
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 if _IMPORT_ERROR is None:
+    @gluon.constexpr_function
+    def _mma_layout(n):
+        """The wgmma accumulator layout of a 64-row tile n columns wide on one warpgroup (NVMMA v3, 4 warps, instr
+        16 x n x 16): the Triton kernel's score (n = BLOCK_N) and output (n = D) layouts, which fix the row reductions'
+        order; every Gluon prefill consumer takes its layouts from here."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+    @gluon.constexpr_function
+    def _ld_layout():
+        """The query load's and the output store's blocked layout (16-byte accesses: 8 bf16 a thread)."""
+        return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
     @gluon.jit
     def _merge_stats(M, L, m, l):
         """attention._merge's row part: the merged max and sum, and the scales a (of O) and b (of o)."""
