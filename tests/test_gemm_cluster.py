@@ -1,0 +1,87 @@
+"""The row-parallel GEMM's cluster tiles (rlkernel/backends/triton/gemm_cluster.py), checked without a GPU: the cga
+layouts say which CTAs share which operand box (A along a cluster row, W along a cluster column, never a split of K),
+the module names why it is unavailable under a Triton without Gluon's multicast, and — under a Triton that has it —
+every tile compiles for sm_90 with the multicast loads and cross-CTA releases its claim rests on, no spills, no
+serialised wgmma, and the same three tree adds as gemm_gluon's segmented tile. Bits and speed: the GPU's
+(`scripts/gpu_gemm_cluster.py`)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("triton")
+import triton  # noqa: E402
+
+from rlkernel.backends.triton import gemm_cluster as GC  # noqa: E402
+
+
+def _per_cta(box: list, bases: list) -> list:
+    """The part of a [rows, cols] box one CTA holds: each non-zero basis halves the dimension it names."""
+    out = list(box)
+    for b in bases:
+        for d, v in enumerate(b):
+            if v:
+                out[d] //= 2
+    return out
+
+
+@pytest.mark.parametrize("tile", list(GC.TILES.values()), ids=lambda t: t.name)
+def test_the_cluster_layouts_share_boxes_not_k(tile):
+    """One basis per CTA-id bit; each CTA's accumulator is the 128 x 128 tile, its A rows are its own 128 (shared
+    with the CTAs of its cluster row), its W box the 128 columns of its cluster column; the K extent (BK) is never
+    split. The barriers: `empty_w` is one per cluster column (the M bit shares), `empty_a` one per cluster row,
+    `ready` one per CTA."""
+    cg = GC.cga_layouts(tile.cm, tile.cn)
+    bits = (tile.cm > 1) + (tile.cn > 1)
+    assert all(len(cg[k]) == bits for k in cg)
+    assert _per_cta([tile.bm * tile.cm, tile.bn * tile.cn], cg["acc"]) == [tile.bm, tile.bn]
+    assert _per_cta([tile.bm * tile.cm, GC.BK], cg["a"]) == [tile.bm, GC.BK]
+    assert _per_cta([tile.bn * tile.cn, GC.BK], cg["w"]) == [tile.bn, GC.BK]
+    # which bits broadcast (a zero basis: CTAs differing only there hold the same box, loaded once and multicast)
+    assert sum(b == [0, 0] for b in cg["a"]) == (tile.cn > 1) and sum(b == [0, 0] for b in cg["w"]) == (tile.cm > 1)
+    assert GC._count(cg["empty_w"]) == tile.cn and GC._count(cg["empty_a"]) == tile.cm
+    assert GC._count(cg["ready"]) == tile.ctas
+    # the control: a layout that splits K (a [0, 1] basis on A) would halve BK per CTA
+    assert _per_cta([256, GC.BK], [[0, 1]]) == [256, GC.BK // 2]
+
+
+def test_unavailable_names_the_triton_it_needs():
+    """Under a Triton older than 3.8 the module imports and says why; `launch` is never reached."""
+    if GC._version(triton.__version__) >= GC.MIN_TRITON:
+        assert GC.unavailable() in (None, f"{GC.ENV}=0")
+    else:
+        why = GC.unavailable()
+        assert why is not None and "3.8" in why and triton.__version__ in why, why
+    assert GC._version("3.10.0") > GC._version("3.8.0") > GC._version("3.6.0+git1a2b")
+
+
+@pytest.mark.parametrize("name", ["seg4_c1x1", "seg4_c2x1", "seg4_c2x2"])
+def test_every_cluster_tile_compiles_for_sm90_as_claimed(name):
+    """m64n128k16 chains only; multicast loads exactly where a box is shared (W across the M pair, A across the N
+    pair) and remote arrives only in a cluster; no spills, no wgmma serialised for want of registers (ptxas C7512:
+    Triton 3.9's code for this kernel had both, hence 3.8); the tree's three fp32 adds and nothing else on the
+    accumulators; every wgmma adds onto its zeroed accumulator."""
+    if GC.unavailable() is not None:
+        pytest.skip(GC.unavailable())
+    from helpers import compile_sm90_or_skip, wgmma_scale_d_not_always_on
+
+    tile = GC.TILES[name]
+    k = compile_sm90_or_skip(lambda: GC.compile_sm90(tile))
+    ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)) == {"m64n128k16"}
+    assert ptx.count("multicast::cluster") == (tile.cm > 1) + (tile.cn > 1)
+    assert ("arrive.shared::cluster" in ptx) == (tile.ctas > 1)
+    assert (f".reqnctapercluster {tile.ctas}" in ptx) == (tile.ctas > 1)
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_gluon_attn as GA
+
+    usage = GA.ptxas_usage(ptx)
+    assert "0 bytes spill stores" in usage and "C7512" not in usage, usage
+    adds = len(re.findall(r"= arith\.addf %\S+, %\S+ : tensor<\d+x\d+xf32", ttgir))
+    assert adds == 3, adds
+    assert not re.search(r"= (arith\.mulf|math\.fma) .*tensor<\d+x\d+xf32", ttgir)
+    assert not wgmma_scale_d_not_always_on(ptx)
