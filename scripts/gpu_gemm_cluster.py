@@ -12,6 +12,8 @@ and the strict Triton GEMM (the contract's reference bits) at the Qwen3-8B shape
 Rows: every variant's output against the strict Triton GEMM's (torch.equal and the rows that differ), run to run,
 and each timer's chain time (a CUDA graph of 8 calls on 8 weights) in interleaved rounds; ratios are medians of the
 rounds' ratios. `hashes` (sha256 of the outputs' bytes on seeded inputs) lets two processes on two Tritons compare.
+Staging Triton 3.8 on the GPU machine: `scripts/gpu_triton_bundle.sh`. Session 43's records:
+benchmarks/H100_session43/CALLS.md.
 """
 from __future__ import annotations
 
@@ -70,7 +72,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
     ap.add_argument("--ms", default="512,1024,4096,16384")
     ap.add_argument("--gemms", default="o,down")
-    ap.add_argument("--variants", default="seg4_c1x1,seg4_c2x1,seg4_c1x2,seg4_c2x2")
+    ap.add_argument("--variants", default="seg4_c1x1,seg4_c2x1_g",
+                    help="gemm_cluster.TILES names; seg4_c2x1 / c1x2 / c2x2 (cross-CTA mbarriers) faulted under Triton "
+                         "3.8 on an H100 (session 43) and a fault poisons the process: run those alone")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]

@@ -56,10 +56,10 @@ def test_unavailable_names_the_triton_it_needs():
     assert GC._version("3.10.0") > GC._version("3.8.0") > GC._version("3.6.0+git1a2b")
 
 
-@pytest.mark.parametrize("name", ["seg4_c1x1", "seg4_c2x1", "seg4_c2x2"])
+@pytest.mark.parametrize("name", ["seg4_c1x1", "seg4_c2x1", "seg4_c2x2", "seg4_c2x1_g"])
 def test_every_cluster_tile_compiles_for_sm90_as_claimed(name):
     """m64n128k16 chains only; multicast loads exactly where a box is shared (W across the M pair, A across the N
-    pair) and remote arrives only in a cluster; no spills, no wgmma serialised for want of registers (ptxas C7512:
+    pair) and remote arrives only in a cluster (gsync: a global release / acquire pair instead); no spills, no wgmma serialised for want of registers (ptxas C7512:
     Triton 3.9's code for this kernel had both, hence 3.8); the tree's three fp32 adds and nothing else on the
     accumulators; every wgmma adds onto its zeroed accumulator."""
     if GC.unavailable() is not None:
@@ -71,7 +71,9 @@ def test_every_cluster_tile_compiles_for_sm90_as_claimed(name):
     ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)) == {"m64n128k16"}
     assert ptx.count("multicast::cluster") == (tile.cm > 1) + (tile.cn > 1)
-    assert ("arrive.shared::cluster" in ptx) == (tile.ctas > 1)
+    # cross-CTA releases: remote mbarrier arrives, or (gsync) the peer's release store and the lead's acquire spin
+    assert ("arrive.shared::cluster" in ptx) == (tile.ctas > 1 and not tile.gsync)
+    assert ("st.release.gpu.global" in ptx and "ld.acquire.gpu.global" in ptx) == tile.gsync
     assert (f".reqnctapercluster {tile.ctas}" in ptx) == (tile.ctas > 1)
     import sys
     from pathlib import Path
@@ -85,3 +87,24 @@ def test_every_cluster_tile_compiles_for_sm90_as_claimed(name):
     assert adds == 3, adds
     assert not re.search(r"= (arith\.mulf|math\.fma) .*tensor<\d+x\d+xf32", ttgir)
     assert not wgmma_scale_d_not_always_on(ptx)
+
+
+def test_the_gpu_script_runs_here_and_records_why(tmp_path):
+    """scripts/gpu_gemm_cluster.py --compile-only on a machine without a GPU: exit 0 and a JSON that names the
+    Triton and, under one without multicast, why no tile was compiled (never a crash, never a silent empty record)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "gpu_gemm_cluster.py"), "--compile-only",
+                           "--variants", "seg4_c1x1", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads((tmp_path / "gemm_cluster.json").read_text())
+    assert rec["triton"] == triton.__version__
+    if GC.unavailable() is None:
+        assert rec["compiled_sm90"]["seg4_c1x1"].get("wgmma_shapes") == ["m64n128k16"], rec["compiled_sm90"]
+    else:
+        assert rec["gemm_cluster"] == GC.unavailable() and rec["compiled_sm90"] == {}

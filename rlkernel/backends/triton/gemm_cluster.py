@@ -1,6 +1,6 @@
 """The strict GEMM's row-parallel tile (4 canonical K segments) on Hopper (sm_90) as a cluster of CTAs that share
 operand tiles through TMA multicast: the same bits as `gemm.matmul` and `gemm_gluon`'s `seg4_128x128_p`, with fewer
-bytes from L2 into each SM. Needs Triton >= 3.9 (Gluon's multicast TMA and cross-CTA mbarriers); with an older
+bytes from L2 into each SM. Needs Triton >= 3.8 (Gluon's multicast TMA and cross-CTA mbarriers); with an older
 Triton this module imports and reports why it is unavailable.
 
 Why: the segment tree ((s0 + s1) + (s2 + s3)) keeps three fp32 partials live, which caps one CTA's tile at 128 x 128
@@ -20,7 +20,18 @@ changes a product or its order.
 Synchronisation: every CTA waits on its own `ready` barrier of a stage (its A rows and the W box, whoever loaded
 them). A box that is multicast is issued by its group's lead CTA (Gluon's lowering), which may overwrite a stage only
 once every CTA of the group has released it: `empty_w` (shared by the CTAs of a cluster column) and `empty_a` (shared
-by the CTAs of a cluster row) gather every consumer's release on the group's lead, and only the lead waits.
+by the CTAs of a cluster row) gather every consumer's release on the group's lead, and only the lead waits. `gsync`
+tiles (2 x 1 only) use no cross-CTA barrier: the peer's producer, once its own consumers released a stage, publishes
+the released-step count with a release store to a global counter of the cluster, and the lead's producer spins on it
+with acquire loads before loading W into both CTAs (one inline PTX block; a Gluon scalar atomic would be broadcast
+through the cluster with the barriers that fault).
+
+**Status (session 43): an experiment, not used by `gemm.matmul`.** Measured on an H100 under Triton 3.8.0 staged
+beside torch 2.11 (`benchmarks/H100_session43/CALLS.md`): the 1 x 1 tile is bit-equal to the strict GEMM and runs as
+the library's seg4_128x128_p (o M = 1,024: 0.77 against 0.78x cuBLAS); every tile using Triton 3.8's cross-CTA
+mbarriers (2 x 1, 1 x 2) failed at launch ("unspecified launch failure"; a 2-CTA probe isolates the cross-CTA
+barrier, while a multicast TMA copy alone is bit-exact). The gsync tile is built (sm_90 compile, no spills) and not yet
+run. Triton 3.9's code for this kernel spills 768 bytes and serialises its wgmmas (ptxas C7512), hence 3.8.
 """
 from __future__ import annotations
 
@@ -31,7 +42,6 @@ ENV = "RLKERNEL_GEMM_CLUSTER"
 _ENABLED = os.environ.get(ENV, "1") != "0"
 BK = 64
 MIN_TRITON = (3, 8)
-TESTED_TRITON = ("3.9",)
 PRODUCER_REGS = 40
 
 
@@ -71,6 +81,7 @@ class ClusterTile:
     bn: int = 128
     warps: int = 8  # one CTA's consumer warps (two warpgroups of 64 rows)
     group_m: int = 8
+    gsync: bool = False  # the W group's stage release through a global counter, not a cross-CTA mbarrier (cn = 1)
 
     @property
     def ctas(self) -> int:
@@ -78,7 +89,8 @@ class ClusterTile:
 
 
 TILES = {t.name: t for t in (ClusterTile("seg4_c1x1", 1, 1), ClusterTile("seg4_c2x1", 2, 1),
-                             ClusterTile("seg4_c1x2", 1, 2), ClusterTile("seg4_c2x2", 2, 2))}
+                             ClusterTile("seg4_c1x2", 1, 2), ClusterTile("seg4_c2x2", 2, 2),
+                             ClusterTile("seg4_c2x1_g", 2, 1, gsync=True))}
 
 
 def _bases(cm: int, cn: int):
@@ -112,17 +124,37 @@ def cga_layouts(cm: int, cn: int) -> dict:
     return {"acc": acc, "a": a, "w": w, "empty_a": bar("n"), "empty_w": bar("m"), "ready": bar("")}
 
 
+# The W group's release through global memory (gsync; cm = 2, cn = 1), one asm block for both CTAs of the pair: the
+# peer (cluster rank 1) publishes that its consumers released step $2 - 1 (a release store of $2 after its own empty
+# barrier's wait); the lead (rank 0) spins with acquire loads until the count reaches $2, then loads W into both.
+_GSYNC_ASM = """{
+.reg .pred p, lead;
+.reg .b32 v, r;
+mov.u32 r, %cluster_ctarank;
+setp.eq.u32 lead, r, 0;
+@!lead st.release.gpu.global.b32 [$1], $2;
+@!lead bra DONE;
+SPIN:
+ld.acquire.gpu.global.b32 v, [$1];
+setp.lt.s32 p, v, $2;
+@p bra SPIN;
+DONE:
+mov.b32 $0, 0;
+}"""
+
 if _IMPORT_ERROR is None:
+    _GSYNC = gl.constexpr(_GSYNC_ASM)
     _PRODUCER_WARPS = gl.constexpr(1)
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
 
     @gluon.jit
     def _producer(a_desc, w_desc, bufs_a, bufs_w, ready, empty_a, empty_w, num_pid_m, num_pid_n, k_steps, step,
-                  BMC: gl.constexpr, BNC: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                  MC_A: gl.constexpr, MC_W: gl.constexpr):
+                  flags, BMC: gl.constexpr, BNC: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
+                  MC_A: gl.constexpr, MC_W: gl.constexpr, GSYNC: gl.constexpr):
         """One warp a CTA: every K step of this cluster's tiles into stage g % S once the CTAs that share each box
         released it (only a group's lead waits and issues a shared box)."""
         S: gl.constexpr = bufs_a.type.shape[0]
+        flag = flags + gl.program_id(0)
         g = 0
         for t in range(gl.program_id(0), num_pid_m * num_pid_n, step):
             off_m, off_n = _origin(t, num_pid_m, num_pid_n, BMC, BNC, GROUP_M)
@@ -131,20 +163,26 @@ if _IMPORT_ERROR is None:
                 s = gi % S
                 ph = ((gi // S) & 1) ^ 1  # a fresh barrier counts as released once
                 mbarrier.wait(empty_a.index(s), ph)
-                mbarrier.wait(empty_w.index(s), ph)
+                if GSYNC:  # the lead loads W into both CTAs: it waits until the peer's consumers released step gi - S
+                    if gi >= S:  # (inline PTX: Gluon would broadcast a scalar atomic's result through the cluster)
+                        gl.inline_asm_elementwise(_GSYNC, "=r,l,r", [flag, gi - S + 1], dtype=gl.int32,
+                                                  is_pure=False, pack=1)
+                else:
+                    mbarrier.wait(empty_w.index(s), ph)
                 mbarrier.expect(ready.index(s), a_desc.nbytes_per_cta + w_desc.nbytes_per_cta)
                 tma.async_load(a_desc, [off_m, i * BK], ready.index(s), bufs_a.index(s), multicast=MC_A)
                 tma.async_load(w_desc, [off_n, i * BK], ready.index(s), bufs_w.index(s), multicast=MC_W)
             g += k_steps
 
     @gluon.jit
-    def _release(empty_a, empty_w, s, pred):
+    def _release(empty_a, empty_w, s, pred, GSYNC: gl.constexpr):
         mbarrier.arrive(empty_a.index(s), count=1, pred=pred)
-        mbarrier.arrive(empty_w.index(s), count=1, pred=pred)
+        if not GSYNC:
+            mbarrier.arrive(empty_w.index(s), count=1, pred=pred)
 
     @gluon.jit
     def _segment(bufs_a, bufs_w, ready, empty_a, empty_w, g, sg, seg_steps, BMC: gl.constexpr, BNC: gl.constexpr,
-                 acc_l: gl.constexpr):
+                 acc_l: gl.constexpr, GSYNC: gl.constexpr):
         """Segment sg's chain from zero over its K steps (one wgmma in flight), each step's previous stage released."""
         S: gl.constexpr = bufs_a.type.shape[0]
         acc = gl.zeros((BMC, BNC), gl.float32, acc_l)
@@ -155,13 +193,13 @@ if _IMPORT_ERROR is None:
             mbarrier.wait(ready.index(s), (gi // S) & 1)
             acc = warpgroup_mma(bufs_a.index(s), bufs_w.index(s).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _release(empty_a, empty_w, (gi + S - 1) % S, i > 0)  # step gi - 1 is free
+            _release(empty_a, empty_w, (gi + S - 1) % S, i > 0, GSYNC)  # step gi - 1 is free
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     @gluon.jit
     def _consumer(bufs_a, bufs_w, ready, empty_a, empty_w, num_pid_m, num_pid_n, k_steps, step, c_ptr, M, N,
                   stride_cm, BMC: gl.constexpr, BNC: gl.constexpr, SEGS: gl.constexpr, GROUP_M: gl.constexpr,
-                  acc_l: gl.constexpr):
+                  acc_l: gl.constexpr, GSYNC: gl.constexpr):
         """Per cluster tile: each CTA's [128, 128] part, each segment's wgmma chain from zero (one step in flight),
         folded into the tree as it ends; bf16 out."""
         S: gl.constexpr = bufs_a.type.shape[0]
@@ -169,40 +207,44 @@ if _IMPORT_ERROR is None:
         g = 0
         for t in range(gl.program_id(0), num_pid_m * num_pid_n, step):
             off_m, off_n = _origin(t, num_pid_m, num_pid_n, BMC, BNC, GROUP_M)
-            lo = _segment(bufs_a, bufs_w, ready, empty_a, empty_w, g, 0, seg_steps, BMC, BNC, acc_l)
+            lo = _segment(bufs_a, bufs_w, ready, empty_a, empty_w, g, 0, seg_steps, BMC, BNC, acc_l, GSYNC)
             hi = lo  # (s0 until segment 2 ends; no zero tile is carried: Triton 3.9 spilled one, 768 bytes)
             for sg in gl.static_range(1, SEGS):
-                part = _segment(bufs_a, bufs_w, ready, empty_a, empty_w, g, sg, seg_steps, BMC, BNC, acc_l)
+                part = _segment(bufs_a, bufs_w, ready, empty_a, empty_w, g, sg, seg_steps, BMC, BNC, acc_l, GSYNC)
                 lo, hi = _tree4(lo, hi, part, sg)
             _store(c_ptr, lo, off_m, off_n, M, N, stride_cm, BMC, BNC, acc_l)
-            _release(empty_a, empty_w, (g + k_steps + S - 1) % S, True)  # the tile's last step is free
+            _release(empty_a, empty_w, (g + k_steps + S - 1) % S, True, GSYNC)  # the tile's last step is free
             g += k_steps
 
     @gluon.jit
-    def _cluster_kernel(a_desc, w_desc, c_ptr, M, N, K, stride_cm, step, BMC: gl.constexpr, BNC: gl.constexpr,
+    def _cluster_kernel(a_desc, w_desc, c_ptr, flags, M, N, K, stride_cm, step, BMC: gl.constexpr, BNC: gl.constexpr,
                         BK: gl.constexpr, SEGS: gl.constexpr, GROUP_M: gl.constexpr, acc_l: gl.constexpr,
                         EA_L: gl.constexpr, EW_L: gl.constexpr, RD_L: gl.constexpr, N_EA: gl.constexpr, N_EW: gl.constexpr,
                         N_RD: gl.constexpr, STAGES: gl.constexpr,
-                        MC_A: gl.constexpr, MC_W: gl.constexpr, num_warps: gl.constexpr):
+                        MC_A: gl.constexpr, MC_W: gl.constexpr, GSYNC: gl.constexpr, num_warps: gl.constexpr):
         """C = A [M, K] @ W [N, K]^T in cluster tiles of [BMC, BNC]: cluster p takes tiles p, p + step, ...
         (persistent: step = the number of clusters)."""
         bufs_a = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
         bufs_w = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, N_RD], RD_L)
         empty_a = gl.allocate_shared_memory(gl.int64, [STAGES, N_EA], EA_L)
-        empty_w = gl.allocate_shared_memory(gl.int64, [STAGES, N_EW], EW_L)
+        if GSYNC:  # no cross-CTA barrier at all (Triton 3.8's faulted on an H100: scripts/gpu_cluster_probe.py)
+            empty_w = empty_a  # (unused)
+        else:
+            empty_w = gl.allocate_shared_memory(gl.int64, [STAGES, N_EW], EW_L)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty_a.index(i), count=1)
-            mbarrier.init(empty_w.index(i), count=1)
+            if not GSYNC:
+                mbarrier.init(empty_w.index(i), count=1)
         k_steps = gl.cdiv(K, BK)
         num_pid_m = gl.cdiv(M, BMC)
         num_pid_n = gl.cdiv(N, BNC)
         gl.warp_specialize([
             (_consumer, (bufs_a, bufs_w, ready, empty_a, empty_w, num_pid_m, num_pid_n, k_steps, step, c_ptr, M, N,
-                         stride_cm, BMC, BNC, SEGS, GROUP_M, acc_l)),
+                         stride_cm, BMC, BNC, SEGS, GROUP_M, acc_l, GSYNC)),
             (_producer, (a_desc, w_desc, bufs_a, bufs_w, ready, empty_a, empty_w, num_pid_m, num_pid_n, k_steps,
-                         step, BMC, BNC, BK, GROUP_M, MC_A, MC_W)),
+                         step, flags, BMC, BNC, BK, GROUP_M, MC_A, MC_W, GSYNC)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
 
 
@@ -225,7 +267,7 @@ def _constexprs(tile: ClusterTile, cg: dict) -> dict:
                 EA_L=mbarrier.MBarrierLayout(cg["empty_a"]), EW_L=mbarrier.MBarrierLayout(cg["empty_w"]),
                 RD_L=mbarrier.MBarrierLayout(cg["ready"]),
                 N_EA=_count(cg["empty_a"]), N_EW=_count(cg["empty_w"]), N_RD=_count(cg["ready"]),
-                STAGES=tile.stages, MC_A=tile.cn > 1, MC_W=tile.cm > 1, num_warps=tile.warps)
+                STAGES=tile.stages, MC_A=tile.cn > 1, MC_W=tile.cm > 1, GSYNC=tile.gsync, num_warps=tile.warps)
 
 
 def unavailable() -> str | None:
@@ -249,7 +291,8 @@ def launch(a, w, tile: ClusterTile, out=None, programs: int | None = None):
     tiles = -(-M // (tile.bm * tile.cm)) * -(-N // (tile.bn * tile.cn))
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     grid = programs or min(tiles, sms // tile.ctas)
-    _cluster_kernel[(grid,)](a_desc, w_desc, out, M, N, K, out.stride(0), grid, num_ctas=tile.ctas,
+    flags = torch.zeros(grid, device=a.device, dtype=torch.int32)  # gsync: the W group's released-step counters
+    _cluster_kernel[(grid,)](a_desc, w_desc, out, flags, M, N, K, out.stride(0), grid, num_ctas=tile.ctas,
                              **_constexprs(tile, cg))
     return out
 
@@ -262,7 +305,7 @@ def compile_sm90(tile: ClusterTile):
     cg, a_lay, w_lay = _layouts(tile)
     sig = {"a_desc": f"tensordesc<bf16[{tile.bm * tile.cm}, {BK}],{a_lay!r}>",
            "w_desc": f"tensordesc<bf16[{tile.bn * tile.cn}, {BK}],{w_lay!r}>",
-           "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32", "step": "i32"}
+           "c_ptr": "*bf16", "flags": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32", "step": "i32"}
     const = _constexprs(tile, cg)
     sig.update({k: "constexpr" for k in const})
     return triton.compile(GluonASTSource(_cluster_kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
