@@ -33,6 +33,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import triton  # noqa: E402
 
 from rlkernel.backends.triton import gemm_cluster as GC  # noqa: E402
+import gpu_gluon_gemm as GGS  # noqa: E402
+
 from rlkernel.backends.triton import gemm_gluon as GG  # noqa: E402
 
 SHAPES = {"o": (4096, 4096), "down": (12288, 4096)}  # K, N (Qwen3-8B's row-parallel layers)
@@ -55,14 +57,11 @@ def _inputs(M: int, K: int, N: int, n: int):
 
 
 def _facts(kernel) -> dict:
-    import re
-
-    from gpu_gluon_attn import ptxas_usage
-
+    """gpu_gluon_gemm's facts (wgmma shapes, shared memory, ptxas usage) and the cluster's: multicast loads, remote
+    mbarrier arrives."""
     ptx = kernel.asm["ptx"]
-    return {"wgmma_shapes": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
-            "multicast_loads": ptx.count("multicast::cluster"), "remote_arrives": ptx.count("arrive.shared::cluster"),
-            "shared_bytes": kernel.metadata.shared, "ptxas": ptxas_usage(ptx)}
+    return {**GGS.facts(kernel), "multicast_loads": ptx.count("multicast::cluster"),
+            "remote_arrives": ptx.count("arrive.shared::cluster")}
 
 
 def main(argv=None) -> int:
@@ -80,12 +79,7 @@ def main(argv=None) -> int:
     variants = [v for v in args.variants.split(",") if v]
     res = {"triton": triton.__version__, "gemm_cluster": GC.unavailable() or "available", "compiled_sm90": {}}
     if not args.hashes_only and GC.unavailable() is None:
-        for name in variants:
-            try:
-                res["compiled_sm90"][name] = _facts(GC.compile_sm90(GC.TILES[name]))
-            except Exception as e:  # noqa: BLE001 -- recorded
-                res["compiled_sm90"][name] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
-            print(name, json.dumps(res["compiled_sm90"][name]), flush=True)
+        GGS.record_compiles(variants, lambda n: _facts(GC.compile_sm90(GC.TILES[n])), res["compiled_sm90"])
     if not args.compile_only:
         import torch
 

@@ -108,6 +108,17 @@ def facts(kernel) -> dict:
             "shared_bytes": kernel.metadata.shared, "ptxas": ptxas_usage(ptx)}
 
 
+def record_compiles(names, build, into: dict) -> None:
+    """into[name] = build(name) (a compiled kernel's facts) for each name, or the error a tile this Triton cannot
+    build raised (recorded, never fatal); each printed as it lands. Shared with gpu_gemm_cluster.py."""
+    for name in names:
+        try:
+            into[name] = build(name)
+        except Exception as e:  # noqa: BLE001 -- recorded
+            into[name] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
+        print(name, json.dumps(into[name]), flush=True)
+
+
 def run(a, w, name):
     """a [M, K] bf16 @ w [N, K]^T -> [M, N] bf16 on the GPU through tile `name` (the library's launch)."""
     t = TILES[name]
@@ -127,14 +138,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     res = {"triton": triton.__version__, "compiled_sm90": {}}
     wanted = {t for g in args.gemms.split(",") for t in PLAN.get(g, [])}
-    for name in TILES:
-        if name not in wanted and not args.compile_only:  # only the rows' tiles (each compile ~2 s on this host)
-            continue
-        try:
-            res["compiled_sm90"][name] = facts(GG.compile_sm90(TILES[name]))
-        except Exception as e:  # noqa: BLE001 -- a tile this Triton cannot build is recorded
-            res["compiled_sm90"][name] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
-        print(name, json.dumps(res["compiled_sm90"][name]), flush=True)
+    names = [n for n in TILES if n in wanted or args.compile_only]  # only the rows' tiles (each compile ~2 s here)
+    record_compiles(names, lambda n: facts(GG.compile_sm90(TILES[n])), res["compiled_sm90"])
     if not args.compile_only:
         import torch
         if not torch.cuda.is_available():
