@@ -108,3 +108,12 @@ def test_the_gpu_script_runs_here_and_records_why(tmp_path):
         assert rec["compiled_sm90"]["seg4_c1x1"].get("wgmma_shapes") == ["m64n128k16"], rec["compiled_sm90"]
     else:
         assert rec["gemm_cluster"] == GC.unavailable() and rec["compiled_sm90"] == {}
+
+
+def test_a_tile_the_kernel_cannot_synchronise_is_refused():
+    """gsync's counter names one peer (a 2 x 1 pair); clusters are 1 or 2 CTAs a side (the cga bases above)."""
+    with pytest.raises(ValueError, match="2 x 1 cluster only"):
+        GC.ClusterTile("bad", 2, 2, gsync=True)
+    with pytest.raises(ValueError, match="1 or 2 CTAs a side"):
+        GC.ClusterTile("bad", 4, 1)
+    assert GC.ClusterTile("ok", 2, 1, gsync=True).ctas == 2

@@ -46,6 +46,7 @@ PRODUCER_REGS = 40
 
 
 def _version(v: str) -> tuple:
+    """(major, minor) of a version string ("3.6.0+git1a2b" -> (3, 6))."""
     out = []
     for part in v.split(".")[:2]:
         digits = "".join(ch for ch in part if ch.isdigit())
@@ -82,6 +83,12 @@ class ClusterTile:
     warps: int = 8  # one CTA's consumer warps (two warpgroups of 64 rows)
     group_m: int = 8
     gsync: bool = False  # the W group's stage release through a global counter, not a cross-CTA mbarrier (cn = 1)
+
+    def __post_init__(self):
+        if self.cm not in (1, 2) or self.cn not in (1, 2):
+            raise ValueError(f"{self.name}: clusters of 1 or 2 CTAs a side, got {self.cm} x {self.cn}")
+        if self.gsync and (self.cm, self.cn) != (2, 1):
+            raise ValueError(f"{self.name}: the global-counter release (gsync) serves a 2 x 1 cluster only")
 
     @property
     def ctas(self) -> int:
