@@ -21,7 +21,6 @@ import argparse
 import hashlib
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,8 @@ SHAPES = {"o": (4096, 4096), "down": (12288, 4096)}  # K, N (Qwen3-8B's row-para
 
 
 def _sha(t) -> str:
+    """The first 16 hex digits of the SHA-256 of a bf16 tensor's bit patterns. Not gpu_gluon_attn._sha (SHA-1): the
+    hashes committed in benchmarks/H*_session43 are these, and later runs compare against them."""
     import torch
 
     return hashlib.sha256(t.contiguous().view(torch.int16).cpu().numpy().tobytes()).hexdigest()[:16]
@@ -64,6 +65,56 @@ def _facts(kernel) -> dict:
             "remote_arrives": ptx.count("arrive.shared::cluster")}
 
 
+def _row(gname: str, M: int, variants: list, rounds: int, timed: bool) -> dict:
+    """One shape: the strict Triton GEMM's bits (the contract's reference), the library's Gluon tile and each cluster
+    variant against them (bit patterns), then every kernel's chain time in interleaved rounds (where `timed`)."""
+    import torch
+
+    from rlkernel.backends.triton import gemm
+
+    K, N = SHAPES[gname]
+    a, ws = _inputs(M, K, N, 8)
+
+    def bits(y):
+        return y.view(torch.int16)
+
+    def strict(i):  # the Triton kernel: the contract's reference bits
+        with GG.off():
+            return gemm.matmul(a, ws[i], k_segments=4, schedule="scratch")
+
+    def gluon(i):  # the library's Gluon tile, launched directly (its gate names Triton 3.6)
+        return GG.launch(a, ws[i], GG.SEG_128x128)
+
+    ref = strict(0)
+    row = {"gemm": gname, "M": M, "K": K, "N": N, "hashes": {"strict": _sha(ref)}, "variants": {}}
+    timers = {"cublas": lambda i: torch.nn.functional.linear(a, ws[i]), "strict": strict}
+    try:
+        y = gluon(0)
+        row["hashes"]["gluon_seg4_128x128_p"] = _sha(y)
+        row["gluon_equal_to_strict"] = bool(torch.equal(bits(y), bits(ref)))
+        timers["gluon_seg4_128x128_p"] = gluon
+    except Exception as e:  # noqa: BLE001
+        row["gluon_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    for name in variants:
+        tile = GC.TILES[name]
+        try:
+            y = GC.launch(a, ws[0], tile)
+            y2 = GC.launch(a, ws[0], tile, programs=3)  # three clusters walk every tile
+            row["variants"][name] = {
+                "equal_to_strict": bool(torch.equal(bits(y), bits(ref))),
+                "rows_differ": int((bits(y) != bits(ref)).any(dim=1).sum()),
+                "three_clusters_equal": bool(torch.equal(bits(y), bits(y2))),
+                "run_to_run_equal": bool(torch.equal(y, GC.launch(a, ws[0], tile))),
+                "hash": _sha(y)}
+            timers[name] = lambda i, tile=tile: GC.launch(a, ws[i], tile)
+        except Exception as e:  # noqa: BLE001
+            row["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
+    if timed:
+        ms = GGS.interleaved_ms(timers, rounds)
+        row["times"] = {k: GGS.rounds_record(ms, k) for k in timers}
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compile-only", action="store_true")
@@ -80,70 +131,13 @@ def main(argv=None) -> int:
     res = {"triton": triton.__version__, "gemm_cluster": GC.unavailable() or "available", "compiled_sm90": {}}
     if not args.hashes_only and GC.unavailable() is None:
         GGS.record_compiles(variants, lambda n: _facts(GC.compile_sm90(GC.TILES[n])), res["compiled_sm90"])
-    if not args.compile_only:
-        import torch
-
-        if not torch.cuda.is_available():
-            res["skipped"] = "no CUDA device"
-        else:
-            from gpu_gemm_sweep import chain_ms
-
-            from rlkernel.backends.triton import gemm
-
-            res["device"] = torch.cuda.get_device_name()
-            res["timer"] = "chain: a CUDA graph of 8 calls on 8 weights, ms per call (scripts/gpu_gemm_sweep.chain_ms)"
-            res["rows"] = []
-            t0 = time.time()
-            for gname in args.gemms.split(","):
-                K, N = SHAPES[gname]
-                for M in (int(m) for m in args.ms.split(",")):
-                    a, ws = _inputs(M, K, N, 8)
-
-                    def strict(i, a=a):  # the Triton kernel: the contract's reference bits
-                        with GG.off():
-                            return gemm.matmul(a, ws[i], k_segments=4, schedule="scratch")
-
-                    def gluon(i, a=a):  # the library's Gluon tile, launched directly (its gate names Triton 3.6)
-                        return GG.launch(a, ws[i], GG.SEG_128x128)
-
-                    ref = strict(0)
-                    row = {"gemm": gname, "M": M, "K": K, "N": N, "hashes": {"strict": _sha(ref)}, "variants": {}}
-                    timers = {"cublas": lambda i, a=a: torch.nn.functional.linear(a, ws[i]), "strict": strict}
-                    try:
-                        y = gluon(0)
-                        row["hashes"]["gluon_seg4_128x128_p"] = _sha(y)
-                        row["gluon_equal_to_strict"] = bool(torch.equal(y.view(torch.int16), ref.view(torch.int16)))
-                        timers["gluon_seg4_128x128_p"] = gluon
-                    except Exception as e:  # noqa: BLE001
-                        row["gluon_error"] = f"{type(e).__name__}: {str(e)[:400]}"
-                    if not args.hashes_only:
-                        for name in variants:
-                            tile = GC.TILES[name]
-                            try:
-                                y = GC.launch(a, ws[0], tile)
-                                y2 = GC.launch(a, ws[0], tile, programs=3)  # three clusters walk every tile
-                                row["variants"][name] = {
-                                    "equal_to_strict": bool(torch.equal(y.view(torch.int16), ref.view(torch.int16))),
-                                    "rows_differ": int((y.view(torch.int16) != ref.view(torch.int16)).any(dim=1).sum()),
-                                    "three_clusters_equal": bool(torch.equal(y.view(torch.int16), y2.view(torch.int16))),
-                                    "run_to_run_equal": bool(torch.equal(y, GC.launch(a, ws[0], tile))),
-                                    "hash": _sha(y)}
-                                timers[name] = lambda i, a=a, tile=tile: GC.launch(a, ws[i], tile)
-                            except Exception as e:  # noqa: BLE001
-                                row["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
-                        ms = {k: [] for k in timers}
-                        for _ in range(args.rounds):  # interleaved rounds, every timer in each
-                            for k, fn in timers.items():
-                                ms[k].append(chain_ms(fn))
-                        med = statistics.median
-
-                        def rec(k):
-                            return {"ms": round(med(ms[k]), 4),
-                                    "vs_cublas": round(med([c / t for c, t in zip(ms["cublas"], ms[k])]), 3),
-                                    "vs_cublas_rounds": [round(c / t, 3) for c, t in zip(ms["cublas"], ms[k])]}
-                        row["times"] = {k: rec(k) for k in timers}
-                    res["rows"].append(row)
-                    print(f"[{time.time() - t0:6.1f}s]", json.dumps(row), flush=True)
+    if not args.compile_only and GGS.gpu_header(res):
+        t0 = time.time()
+        for gname in args.gemms.split(","):
+            for M in (int(m) for m in args.ms.split(",")):
+                row = _row(gname, M, [] if args.hashes_only else variants, args.rounds, timed=not args.hashes_only)
+                res["rows"].append(row)
+                print(f"[{time.time() - t0:6.1f}s]", json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "gemm_cluster_hashes.json" if args.hashes_only else "gemm_cluster.json"

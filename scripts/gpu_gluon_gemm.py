@@ -119,6 +119,42 @@ def record_compiles(names, build, into: dict) -> None:
         print(name, json.dumps(into[name]), flush=True)
 
 
+def gpu_header(res: dict) -> bool:
+    """On a CUDA machine: res gets the device, the timer's description and an empty `rows`, and True; else
+    res["skipped"] and False. Shared with gpu_gemm_cluster.py."""
+    import torch
+
+    if not torch.cuda.is_available():
+        res["skipped"] = "no CUDA device"
+        return False
+    res["device"] = torch.cuda.get_device_name()
+    res["timer"] = "chain: a CUDA graph of 8 calls on 8 weights, ms per call (scripts/gpu_gemm_sweep.chain_ms)"
+    res["rows"] = []
+    return True
+
+
+def interleaved_ms(timers: dict, rounds: int) -> dict:
+    """name -> its chain time in each of `rounds` rounds, every timer once a round in order (session 29 call 1: one
+    kernel's chain time moved ~10 % between two timings in one process)."""
+    from gpu_gemm_sweep import chain_ms
+
+    ms = {k: [] for k in timers}
+    for _ in range(rounds):
+        for k, fn in timers.items():
+            ms[k].append(chain_ms(fn))
+    return ms
+
+
+def rounds_record(ms: dict, k: str, bases=("cublas",)) -> dict:
+    """Timer k's median ms, the medians of its per-round ratios to each base (base ms / k ms: > 1 is faster than the
+    base) and its per-round ratios to cuBLAS."""
+    med = statistics.median
+    rec = {"ms": round(med(ms[k]), 4)}
+    rec.update({f"vs_{b}": round(med([c / t for c, t in zip(ms[b], ms[k])]), 3) for b in bases})
+    rec["vs_cublas_rounds"] = [round(c / t, 3) for c, t in zip(ms["cublas"], ms[k])]
+    return rec
+
+
 def run(a, w, name):
     """a [M, K] bf16 @ w [N, K]^T -> [M, N] bf16 on the GPU through tile `name` (the library's launch)."""
     t = TILES[name]
@@ -140,86 +176,72 @@ def main(argv=None) -> int:
     wanted = {t for g in args.gemms.split(",") for t in PLAN.get(g, [])}
     names = [n for n in TILES if n in wanted or args.compile_only]  # only the rows' tiles (each compile ~2 s here)
     record_compiles(names, lambda n: facts(GG.compile_sm90(TILES[n])), res["compiled_sm90"])
-    if not args.compile_only:
+    if not args.compile_only and gpu_header(res):
         import torch
-        if not torch.cuda.is_available():
-            res["skipped"] = "no CUDA device"
-        else:
-            from gpu_gemm_sweep import chain_ms
-            from gpu_strict_parity import GEMMS
-            from rlkernel.backends.triton import gemm, ops
 
-            res["device"] = torch.cuda.get_device_name()
-            res["timer"] = "chain: a CUDA graph of 8 calls on 8 weights, ms per call (scripts/gpu_gemm_sweep.chain_ms)"
-            res["rows"] = []
-            t0 = time.time()
-            for gname, tiles in PLAN.items():
-                if gname not in args.gemms.split(","):
-                    continue
-                K, N = GEMMS[gname]
-                segs = 4 if gname in ("o", "down") else 1
-                ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5 for _ in range(8)]
-                for M in (int(m) for m in (args.seg_ms if segs > 1 else args.ms).split(",")):
-                    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                    sched = "scratch" if segs > 1 else None  # the Triton kernel's schedule before session 28
-                    lib_sched = ops.segment_schedule(M, N, K, segs) if segs > 1 else None
+        from gpu_strict_parity import GEMMS
+        from rlkernel.backends.triton import gemm, ops
 
-                    def strict(i, a=a, sched=sched, segs=segs):  # the Triton kernel: the reference bits and time
+        t0 = time.time()
+        for gname, tiles in PLAN.items():
+            if gname not in args.gemms.split(","):
+                continue
+            K, N = GEMMS[gname]
+            segs = 4 if gname in ("o", "down") else 1
+            ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5 for _ in range(8)]
+            for M in (int(m) for m in (args.seg_ms if segs > 1 else args.ms).split(",")):
+                a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                sched = "scratch" if segs > 1 else None  # the Triton kernel's schedule before session 28
+                lib_sched = ops.segment_schedule(M, N, K, segs) if segs > 1 else None
+
+                def strict(i, a=a, sched=sched, segs=segs):  # the Triton kernel: the reference bits and time
+                    with GG.off():
+                        return gemm.matmul(a, ws[i], k_segments=segs, schedule=sched)
+
+                def library(i, a=a, segs=segs, lib_sched=lib_sched):
+                    return gemm.matmul(a, ws[i], k_segments=segs, schedule=lib_sched)
+
+                ref = strict(0)
+                row = {"gemm": gname, "M": M, "K": K, "N": N, "k_segments": segs, "strict_schedule": sched,
+                       "tiles": {}}
+                timers = {"cublas": lambda i, a=a: torch.nn.functional.linear(a, ws[i]), "strict": strict}
+                if segs > 1:  # the unsegmented strict GEMM: what the segments cost
+                    def plain(i, a=a):
                         with GG.off():
-                            return gemm.matmul(a, ws[i], k_segments=segs, schedule=sched)
+                            return gemm.matmul(a, ws[i])
+                    timers["strict_plain"] = plain
+                # the library as shipped: gemm.matmul with ops.segment_schedule's pick (a Gluon tile where
+                # gemm_gluon.pick names one, after its first-use check)
+                tile = GG.choose(a, ws[0], segs, None, None)
+                y = library(0)
+                row["library"] = {"schedule": lib_sched, "gluon_tile": tile and tile.name,
+                                  "equal_to_strict": bool(torch.equal(y, ref))}
+                timers["library"] = library
+                for name in tiles:
+                    try:
+                        y = run(a, ws[0], name)
+                        row["tiles"][name] = {"equal_to_strict": bool(torch.equal(y, ref)),
+                                              "rows_differ": int((y != ref).any(dim=1).sum()),
+                                              "run_to_run_equal": bool(torch.equal(y, run(a, ws[0], name)))}
+                        timers[name] = lambda i, a=a, name=name: run(a, ws[i], name)
+                    except Exception as e:  # noqa: BLE001
+                        row["tiles"][name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+                ms = interleaved_ms(timers, args.rounds)
+                med = statistics.median
 
-                    def library(i, a=a, segs=segs, lib_sched=lib_sched):
-                        return gemm.matmul(a, ws[i], k_segments=segs, schedule=lib_sched)
-
-                    ref = strict(0)
-                    row = {"gemm": gname, "M": M, "K": K, "N": N, "k_segments": segs, "strict_schedule": sched,
-                           "tiles": {}}
-                    timers = {"cublas": lambda i, a=a: torch.nn.functional.linear(a, ws[i]), "strict": strict}
-                    if segs > 1:  # the unsegmented strict GEMM: what the segments cost
-                        def plain(i, a=a):
-                            with GG.off():
-                                return gemm.matmul(a, ws[i])
-                        timers["strict_plain"] = plain
-                    # the library as shipped: gemm.matmul with ops.segment_schedule's pick (a Gluon tile where
-                    # gemm_gluon.pick names one, after its first-use check)
-                    tile = GG.choose(a, ws[0], segs, None, None)
-                    y = library(0)
-                    row["library"] = {"schedule": lib_sched, "gluon_tile": tile and tile.name,
-                                      "equal_to_strict": bool(torch.equal(y, ref))}
-                    timers["library"] = library
-                    for name in tiles:
-                        try:
-                            y = run(a, ws[0], name)
-                            row["tiles"][name] = {"equal_to_strict": bool(torch.equal(y, ref)),
-                                                  "rows_differ": int((y != ref).any(dim=1).sum()),
-                                                  "run_to_run_equal": bool(torch.equal(y, run(a, ws[0], name)))}
-                            timers[name] = lambda i, a=a, name=name: run(a, ws[i], name)
-                        except Exception as e:  # noqa: BLE001
-                            row["tiles"][name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-                    # rounds interleave every timer (session 29 call 1: one kernel's chain time moved ~10 % between
-                    # two timings in one process); ratios are the medians of each round's ratio to cuBLAS
-                    ms = {k: [] for k in timers}
-                    for _ in range(args.rounds):
-                        for k, fn in timers.items():
-                            ms[k].append(chain_ms(fn))
-                    med = statistics.median
-
-                    def rec(k):
-                        return {"ms": round(med(ms[k]), 4),
-                                "vs_cublas": round(med([c / t for c, t in zip(ms["cublas"], ms[k])]), 3),
-                                "vs_strict": round(med([c / t for c, t in zip(ms["strict"], ms[k])]), 3),
-                                "vs_cublas_rounds": [round(c / t, 3) for c, t in zip(ms["cublas"], ms[k])]}
-                    row["cublas_ms"] = round(med(ms["cublas"]), 4)
-                    row["strict_ms"] = round(med(ms["strict"]), 4)
-                    if segs > 1:
-                        row["strict_plain_ms"] = round(med(ms["strict_plain"]), 4)
-                    row["library"].update(rec("library"))
-                    for name in tiles:
-                        if name in ms:
-                            row["tiles"][name].update(rec(name))
-                    row["strict_vs_cublas"] = rec("strict")["vs_cublas"]
-                    res["rows"].append(row)
-                    print(f"[{time.time() - t0:6.1f}s]", json.dumps(row), flush=True)
+                def rec(k):
+                    return rounds_record(ms, k, ("cublas", "strict"))
+                row["cublas_ms"] = round(med(ms["cublas"]), 4)
+                row["strict_ms"] = round(med(ms["strict"]), 4)
+                if segs > 1:
+                    row["strict_plain_ms"] = round(med(ms["strict_plain"]), 4)
+                row["library"].update(rec("library"))
+                for name in tiles:
+                    if name in ms:
+                        row["tiles"][name].update(rec(name))
+                row["strict_vs_cublas"] = rec("strict")["vs_cublas"]
+                res["rows"].append(row)
+                print(f"[{time.time() - t0:6.1f}s]", json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res["gemm_gluon"] = GG.describe()  # the first-use checks' outcomes

@@ -35,6 +35,7 @@ run. Triton 3.9's code for this kernel spills 768 bytes and serialises its wgmma
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -255,26 +256,25 @@ if _IMPORT_ERROR is None:
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
 
 
-def _layouts(tile: ClusterTile):
-    cg = cga_layouts(tile.cm, tile.cn)
-    a_lay = gl.NVMMASharedLayout.get_default_for([tile.bm * tile.cm, BK], gl.bfloat16, cga_layout=cg["a"])
-    w_lay = gl.NVMMASharedLayout.get_default_for([tile.bn * tile.cn, BK], gl.bfloat16, cga_layout=cg["w"])
-    return cg, a_lay, w_lay
-
-
 def _count(bar_cga) -> int:
     """How many distinct barriers a barrier cga layout names (2 ** its non-zero bases)."""
     return 1 << sum(1 for b in bar_cga if b[0] != 0)
 
 
-def _constexprs(tile: ClusterTile, cg: dict) -> dict:
-    return dict(BMC=tile.bm * tile.cm, BNC=tile.bn * tile.cn, BK=BK, SEGS=tile.segs, GROUP_M=tile.group_m,
-                acc_l=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[tile.warps, 1], instr_shape=[16, 128, 16],
-                                                cga_layout=cg["acc"]),
-                EA_L=mbarrier.MBarrierLayout(cg["empty_a"]), EW_L=mbarrier.MBarrierLayout(cg["empty_w"]),
-                RD_L=mbarrier.MBarrierLayout(cg["ready"]),
-                N_EA=_count(cg["empty_a"]), N_EW=_count(cg["empty_w"]), N_RD=_count(cg["ready"]),
-                STAGES=tile.stages, MC_A=tile.cn > 1, MC_W=tile.cm > 1, GSYNC=tile.gsync, num_warps=tile.warps)
+@functools.lru_cache(maxsize=None)
+def _plan(tile: ClusterTile):
+    """(A box layout, W box layout, the kernel's constexprs) of `tile`, built once (launch and compile_sm90)."""
+    cg = cga_layouts(tile.cm, tile.cn)
+    a_lay = gl.NVMMASharedLayout.get_default_for([tile.bm * tile.cm, BK], gl.bfloat16, cga_layout=cg["a"])
+    w_lay = gl.NVMMASharedLayout.get_default_for([tile.bn * tile.cn, BK], gl.bfloat16, cga_layout=cg["w"])
+    consts = dict(BMC=tile.bm * tile.cm, BNC=tile.bn * tile.cn, BK=BK, SEGS=tile.segs, GROUP_M=tile.group_m,
+                  acc_l=gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[tile.warps, 1],
+                                                  instr_shape=[16, 128, 16], cga_layout=cg["acc"]),
+                  EA_L=mbarrier.MBarrierLayout(cg["empty_a"]), EW_L=mbarrier.MBarrierLayout(cg["empty_w"]),
+                  RD_L=mbarrier.MBarrierLayout(cg["ready"]),
+                  N_EA=_count(cg["empty_a"]), N_EW=_count(cg["empty_w"]), N_RD=_count(cg["ready"]),
+                  STAGES=tile.stages, MC_A=tile.cn > 1, MC_W=tile.cm > 1, GSYNC=tile.gsync, num_warps=tile.warps)
+    return a_lay, w_lay, consts
 
 
 def unavailable() -> str | None:
@@ -286,21 +286,23 @@ def unavailable() -> str | None:
 def launch(a, w, tile: ClusterTile, out=None, programs: int | None = None):
     """a [M, K] @ w [N, K]^T -> out [M, N] bf16 through `tile` (bf16, K a multiple of 64 x segs, TMA-loadable)."""
     import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .gemm_gluon import _sms
+    from .gluon_checks import descriptor
 
     M, K = a.shape
     N = w.shape[0]
     if out is None:
         out = torch.empty((M, N), device=a.device, dtype=a.dtype)
-    cg, a_lay, w_lay = _layouts(tile)
-    a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [tile.bm * tile.cm, BK], a_lay)
-    w_desc = TensorDescriptor(w, [N, K], [w.stride(0), 1], [tile.bn * tile.cn, BK], w_lay)
+    a_lay, w_lay, consts = _plan(tile)
+    a_desc = descriptor(a, [M, K], [a.stride(0), 1], [tile.bm * tile.cm, BK], a_lay)
+    w_desc = descriptor(w, [N, K], [w.stride(0), 1], [tile.bn * tile.cn, BK], w_lay)
     tiles = -(-M // (tile.bm * tile.cm)) * -(-N // (tile.bn * tile.cn))
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    grid = programs or min(tiles, sms // tile.ctas)
-    flags = torch.zeros(grid, device=a.device, dtype=torch.int32)  # gsync: the W group's released-step counters
-    _cluster_kernel[(grid,)](a_desc, w_desc, out, flags, M, N, K, out.stride(0), grid, num_ctas=tile.ctas,
-                             **_constexprs(tile, cg))
+    grid = programs or min(tiles, _sms(a.device) // tile.ctas)
+    # gsync: the W group's released-step counters, zeroed per launch (other tiles never read the pointer)
+    flags = torch.zeros(grid, device=a.device, dtype=torch.int32) if tile.gsync else \
+        torch.empty(1, device=a.device, dtype=torch.int32)
+    _cluster_kernel[(grid,)](a_desc, w_desc, out, flags, M, N, K, out.stride(0), grid, num_ctas=tile.ctas, **consts)
     return out
 
 
@@ -309,11 +311,10 @@ def compile_sm90(tile: ClusterTile):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    cg, a_lay, w_lay = _layouts(tile)
+    a_lay, w_lay, const = _plan(tile)
     sig = {"a_desc": f"tensordesc<bf16[{tile.bm * tile.cm}, {BK}],{a_lay!r}>",
            "w_desc": f"tensordesc<bf16[{tile.bn * tile.cn}, {BK}],{w_lay!r}>",
            "c_ptr": "*bf16", "flags": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32", "step": "i32"}
-    const = _constexprs(tile, cg)
     sig.update({k: "constexpr" for k in const})
     return triton.compile(GluonASTSource(_cluster_kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": tile.warps, "num_ctas": tile.ctas})
