@@ -65,7 +65,7 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-    from .gemm_gluon import _origin, _store
+    from .gemm_gluon import _k_step, _origin, _store
     from .ksegments import _tree4
     _IMPORT_ERROR = None
 except Exception as e:  # noqa: BLE001
@@ -197,11 +197,9 @@ if _IMPORT_ERROR is None:
         for j in range(seg_steps):
             i = sg * seg_steps + j
             gi = g + i
-            s = gi % S
-            mbarrier.wait(ready.index(s), (gi // S) & 1)
-            acc = warpgroup_mma(bufs_a.index(s), bufs_w.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _release(empty_a, empty_w, (gi + S - 1) % S, i > 0, GSYNC)  # step gi - 1 is free
+            acc, _ = _k_step(bufs_a, bufs_w, bufs_w, ready, empty_a, gi, i > 0, acc, acc, 0)  # gemm_gluon's step
+            if not GSYNC:  # step gi - 1 is free in the W group's barrier too
+                mbarrier.arrive(empty_w.index((gi + S - 1) % S), count=1, pred=i > 0)
         return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     @gluon.jit
