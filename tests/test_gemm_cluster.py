@@ -56,7 +56,7 @@ def test_unavailable_names_the_triton_it_needs():
     assert GC._version("3.10.0") > GC._version("3.8.0") > GC._version("3.6.0+git1a2b")
 
 
-@pytest.mark.parametrize("name", ["seg4_c1x1", "seg4_c2x1", "seg4_c2x2", "seg4_c2x1_g"])
+@pytest.mark.parametrize("name", ["seg4_c1x1", "seg4_c2x1", "seg4_c2x2", "seg4_c2x1_g", "seg4_c2x1_g6"])
 def test_every_cluster_tile_compiles_for_sm90_as_claimed(name):
     """m64n128k16 chains only; multicast loads exactly where a box is shared (W across the M pair, A across the N
     pair) and remote arrives only in a cluster (gsync: a global release / acquire pair instead); no spills, no wgmma serialised for want of registers (ptxas C7512:

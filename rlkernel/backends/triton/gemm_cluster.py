@@ -98,7 +98,8 @@ class ClusterTile:
 
 TILES = {t.name: t for t in (ClusterTile("seg4_c1x1", 1, 1), ClusterTile("seg4_c2x1", 2, 1),
                              ClusterTile("seg4_c1x2", 1, 2), ClusterTile("seg4_c2x2", 2, 2),
-                             ClusterTile("seg4_c2x1_g", 2, 1, gsync=True))}
+                             ClusterTile("seg4_c2x1_g", 2, 1, gsync=True),
+                             ClusterTile("seg4_c2x1_g6", 2, 1, stages=6, gsync=True))}
 
 
 def _bases(cm: int, cn: int):
