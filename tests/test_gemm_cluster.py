@@ -56,7 +56,8 @@ def test_unavailable_names_the_triton_it_needs():
     assert GC._version("3.10.0") > GC._version("3.8.0") > GC._version("3.6.0+git1a2b")
 
 
-@pytest.mark.parametrize("name", ["seg4_c1x1", "seg4_c2x1", "seg4_c2x2", "seg4_c2x1_g", "seg4_c2x1_g6"])
+@pytest.mark.parametrize("name", ["seg4_c1x1", "seg4_c2x1", "seg4_c2x2", "seg4_c2x1_g", "seg4_c2x1_g6",
+                                  "seg4_c2x1_gc", "seg4_c2x1_gr6"])
 def test_every_cluster_tile_compiles_for_sm90_as_claimed(name):
     """m64n128k16 chains only; multicast loads exactly where a box is shared (W across the M pair, A across the N
     pair) and remote arrives only in a cluster (gsync: a global release / acquire pair instead); no spills, no wgmma serialised for want of registers (ptxas C7512:
@@ -73,7 +74,8 @@ def test_every_cluster_tile_compiles_for_sm90_as_claimed(name):
     assert ptx.count("multicast::cluster") == (tile.cm > 1) + (tile.cn > 1)
     # cross-CTA releases: remote mbarrier arrives, or (gsync) the peer's release store and the lead's acquire spin
     assert ("arrive.shared::cluster" in ptx) == (tile.ctas > 1 and not tile.gsync)
-    assert ("st.release.gpu.global" in ptx and "ld.acquire.gpu.global" in ptx) == tile.gsync
+    store, load = GC.GSYNC_MODES[tile.sync]
+    assert (f"st.{store}.global" in ptx and f"ld.{load}.global" in ptx) == tile.gsync
     assert (f".reqnctapercluster {tile.ctas}" in ptx) == (tile.ctas > 1)
     import sys
     from pathlib import Path

@@ -44,6 +44,11 @@ _ENABLED = os.environ.get(ENV, "1") != "0"
 BK = 64
 MIN_TRITON = (3, 8)
 PRODUCER_REGS = 40
+# sync -> (the peer's store, the lead's load): release / acquire at GPU or cluster scope (both CTAs share a cluster),
+# or relaxed at cluster scope (no fence: the peer's consumers read the stage through wgmma, complete before their
+# release, so no read of it is left to order)
+GSYNC_MODES = {"release.gpu": ("release.gpu", "acquire.gpu"), "release.cluster": ("release.cluster", "acquire.cluster"),
+               "relaxed.cluster": ("relaxed.cluster", "relaxed.cluster")}
 
 
 def _version(v: str) -> tuple:
@@ -84,12 +89,15 @@ class ClusterTile:
     warps: int = 8  # one CTA's consumer warps (two warpgroups of 64 rows)
     group_m: int = 8
     gsync: bool = False  # the W group's stage release through a global counter, not a cross-CTA mbarrier (cn = 1)
+    sync: str = "release.gpu"  # gsync's store / load semantics and scope (GSYNC_MODES)
 
     def __post_init__(self):
         if self.cm not in (1, 2) or self.cn not in (1, 2):
             raise ValueError(f"{self.name}: clusters of 1 or 2 CTAs a side, got {self.cm} x {self.cn}")
         if self.gsync and (self.cm, self.cn) != (2, 1):
             raise ValueError(f"{self.name}: the global-counter release (gsync) serves a 2 x 1 cluster only")
+        if self.sync not in GSYNC_MODES:
+            raise ValueError(f"{self.name}: sync {self.sync!r} is not one of {sorted(GSYNC_MODES)}")
 
     @property
     def ctas(self) -> int:
@@ -99,7 +107,10 @@ class ClusterTile:
 TILES = {t.name: t for t in (ClusterTile("seg4_c1x1", 1, 1), ClusterTile("seg4_c2x1", 2, 1),
                              ClusterTile("seg4_c1x2", 1, 2), ClusterTile("seg4_c2x2", 2, 2),
                              ClusterTile("seg4_c2x1_g", 2, 1, gsync=True),
-                             ClusterTile("seg4_c2x1_g6", 2, 1, stages=6, gsync=True))}
+                             ClusterTile("seg4_c2x1_g6", 2, 1, stages=6, gsync=True),
+                             ClusterTile("seg4_c2x1_gc", 2, 1, gsync=True, sync="release.cluster"),
+                             ClusterTile("seg4_c2x1_gc6", 2, 1, stages=6, gsync=True, sync="release.cluster"),
+                             ClusterTile("seg4_c2x1_gr6", 2, 1, stages=6, gsync=True, sync="relaxed.cluster"))}
 
 
 def _bases(cm: int, cn: int):
@@ -136,30 +147,35 @@ def cga_layouts(cm: int, cn: int) -> dict:
 # The W group's release through global memory (gsync; cm = 2, cn = 1), one asm block for both CTAs of the pair: the
 # peer (cluster rank 1) publishes that its consumers released step $2 - 1 (a release store of $2 after its own empty
 # barrier's wait); the lead (rank 0) spins with acquire loads until the count reaches $2, then loads W into both.
-_GSYNC_ASM = """{
+_GSYNC_TEMPLATE = """{
 .reg .pred p, lead;
 .reg .b32 v, r;
 mov.u32 r, %cluster_ctarank;
 setp.eq.u32 lead, r, 0;
-@!lead st.release.gpu.global.b32 [$1], $2;
+@!lead st.{store}.global.b32 [$1], $2;
 @!lead bra DONE;
 SPIN:
-ld.acquire.gpu.global.b32 v, [$1];
+ld.{load}.global.b32 v, [$1];
 setp.lt.s32 p, v, $2;
 @p bra SPIN;
 DONE:
 mov.b32 $0, 0;
 }"""
 
+
+def gsync_asm(sync: str) -> str:
+    store, load = GSYNC_MODES[sync]
+    return _GSYNC_TEMPLATE.replace("{store}", store).replace("{load}", load)
+
+
 if _IMPORT_ERROR is None:
-    _GSYNC = gl.constexpr(_GSYNC_ASM)
     _PRODUCER_WARPS = gl.constexpr(1)
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
 
     @gluon.jit
     def _producer(a_desc, w_desc, bufs_a, bufs_w, ready, empty_a, empty_w, num_pid_m, num_pid_n, k_steps, step,
                   flags, BMC: gl.constexpr, BNC: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                  MC_A: gl.constexpr, MC_W: gl.constexpr, GSYNC: gl.constexpr):
+                  MC_A: gl.constexpr, MC_W: gl.constexpr, GSYNC: gl.constexpr, GSYNC_ASM: gl.constexpr):
         """One warp a CTA: every K step of this cluster's tiles into stage g % S once the CTAs that share each box
         released it (only a group's lead waits and issues a shared box)."""
         S: gl.constexpr = bufs_a.type.shape[0]
@@ -174,7 +190,7 @@ if _IMPORT_ERROR is None:
                 mbarrier.wait(empty_a.index(s), ph)
                 if GSYNC:  # the lead loads W into both CTAs: it waits until the peer's consumers released step gi - S
                     if gi >= S:  # (inline PTX: Gluon would broadcast a scalar atomic's result through the cluster)
-                        gl.inline_asm_elementwise(_GSYNC, "=r,l,r", [flag, gi - S + 1], dtype=gl.int32,
+                        gl.inline_asm_elementwise(GSYNC_ASM, "=r,l,r", [flag, gi - S + 1], dtype=gl.int32,
                                                   is_pure=False, pack=1)
                 else:
                     mbarrier.wait(empty_w.index(s), ph)
@@ -228,7 +244,8 @@ if _IMPORT_ERROR is None:
                         BK: gl.constexpr, SEGS: gl.constexpr, GROUP_M: gl.constexpr, acc_l: gl.constexpr,
                         EA_L: gl.constexpr, EW_L: gl.constexpr, RD_L: gl.constexpr, N_EA: gl.constexpr, N_EW: gl.constexpr,
                         N_RD: gl.constexpr, STAGES: gl.constexpr,
-                        MC_A: gl.constexpr, MC_W: gl.constexpr, GSYNC: gl.constexpr, num_warps: gl.constexpr):
+                        MC_A: gl.constexpr, MC_W: gl.constexpr, GSYNC: gl.constexpr, GSYNC_ASM: gl.constexpr,
+                        num_warps: gl.constexpr):
         """C = A [M, K] @ W [N, K]^T in cluster tiles of [BMC, BNC]: cluster p takes tiles p, p + step, ...
         (persistent: step = the number of clusters)."""
         bufs_a = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -251,7 +268,7 @@ if _IMPORT_ERROR is None:
             (_consumer, (bufs_a, bufs_w, ready, empty_a, empty_w, num_pid_m, num_pid_n, k_steps, step, c_ptr, M, N,
                          stride_cm, BMC, BNC, SEGS, GROUP_M, acc_l, GSYNC)),
             (_producer, (a_desc, w_desc, bufs_a, bufs_w, ready, empty_a, empty_w, num_pid_m, num_pid_n, k_steps,
-                         step, flags, BMC, BNC, BK, GROUP_M, MC_A, MC_W, GSYNC)),
+                         step, flags, BMC, BNC, BK, GROUP_M, MC_A, MC_W, GSYNC, GSYNC_ASM)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
 
 
@@ -272,7 +289,8 @@ def _plan(tile: ClusterTile):
                   EA_L=mbarrier.MBarrierLayout(cg["empty_a"]), EW_L=mbarrier.MBarrierLayout(cg["empty_w"]),
                   RD_L=mbarrier.MBarrierLayout(cg["ready"]),
                   N_EA=_count(cg["empty_a"]), N_EW=_count(cg["empty_w"]), N_RD=_count(cg["ready"]),
-                  STAGES=tile.stages, MC_A=tile.cn > 1, MC_W=tile.cm > 1, GSYNC=tile.gsync, num_warps=tile.warps)
+                  STAGES=tile.stages, MC_A=tile.cn > 1, MC_W=tile.cm > 1, GSYNC=tile.gsync,
+                  GSYNC_ASM=gsync_asm(tile.sync), num_warps=tile.warps)
     return a_lay, w_lay, consts
 
 
