@@ -47,8 +47,12 @@ PRODUCER_REGS = 40
 # sync -> (the peer's store, the lead's load): release / acquire at GPU or cluster scope (both CTAs share a cluster),
 # or relaxed at cluster scope (no fence: the peer's consumers read the stage through wgmma, complete before their
 # release, so no read of it is left to order)
+# "dsmem": the counter lives in the lead's shared memory (a .shared variable of the asm block: Gluon gives no shared
+# address to inline PTX), the peer stores into it through `mapa` (release, cluster scope) and the lead polls its own
+# (acquire); the block runs from step 0, where the lead zeroes it (before its first W load, which every peer store
+# follows)
 GSYNC_MODES = {"release.gpu": ("release.gpu", "acquire.gpu"), "release.cluster": ("release.cluster", "acquire.cluster"),
-               "relaxed.cluster": ("relaxed.cluster", "relaxed.cluster")}
+               "relaxed.cluster": ("relaxed.cluster", "relaxed.cluster"), "dsmem": ("release.cluster", "acquire.cluster")}
 
 
 def _version(v: str) -> tuple:
@@ -110,7 +114,9 @@ TILES = {t.name: t for t in (ClusterTile("seg4_c1x1", 1, 1), ClusterTile("seg4_c
                              ClusterTile("seg4_c2x1_g6", 2, 1, stages=6, gsync=True),
                              ClusterTile("seg4_c2x1_gc", 2, 1, gsync=True, sync="release.cluster"),
                              ClusterTile("seg4_c2x1_gc6", 2, 1, stages=6, gsync=True, sync="release.cluster"),
-                             ClusterTile("seg4_c2x1_gr6", 2, 1, stages=6, gsync=True, sync="relaxed.cluster"))}
+                             ClusterTile("seg4_c2x1_gr6", 2, 1, stages=6, gsync=True, sync="relaxed.cluster"),
+                             ClusterTile("seg4_c2x1_d", 2, 1, gsync=True, sync="dsmem"),
+                             ClusterTile("seg4_c2x1_d6", 2, 1, stages=6, gsync=True, sync="dsmem"))}
 
 
 def _bases(cm: int, cn: int):
@@ -163,9 +169,38 @@ mov.b32 $0, 0;
 }"""
 
 
-def gsync_asm(sync: str) -> str:
+_DSMEM_TEMPLATE = """{
+.reg .pred p, lead, first;
+.reg .b32 v, r, a, ra;
+.shared .align 4 .b32 rlk_wflag;
+mov.u32 r, %cluster_ctarank;
+setp.eq.u32 lead, r, 0;
+mov.u32 a, rlk_wflag;
+setp.lt.s32 p, $2, 1;
+@!lead bra PEER;
+setp.eq.s32 first, $2, {first};
+@first st.shared::cta.b32 [a], 0;
+@p bra DONE;
+SPIN:
+ld.{load}.shared::cta.b32 v, [a];
+setp.lt.s32 p, v, $2;
+@p bra SPIN;
+bra DONE;
+PEER:
+@p bra DONE;
+mapa.shared::cluster.u32 ra, a, 0;
+st.{store}.shared::cluster.b32 [ra], $2;
+DONE:
+mov.b32 $0, 0;
+}"""
+
+
+def gsync_asm(sync: str, stages: int) -> str:
+    """The gsync block of `sync` for a ring of `stages` (its operand $2 is the count the lead waits for, gi - S + 1:
+    1 - S at step 0)."""
     store, load = GSYNC_MODES[sync]
-    return _GSYNC_TEMPLATE.replace("{store}", store).replace("{load}", load)
+    tmpl = _DSMEM_TEMPLATE if sync == "dsmem" else _GSYNC_TEMPLATE
+    return tmpl.replace("{store}", store).replace("{load}", load).replace("{first}", str(1 - stages))
 
 
 if _IMPORT_ERROR is None:
@@ -175,7 +210,8 @@ if _IMPORT_ERROR is None:
     @gluon.jit
     def _producer(a_desc, w_desc, bufs_a, bufs_w, ready, empty_a, empty_w, num_pid_m, num_pid_n, k_steps, step,
                   flags, BMC: gl.constexpr, BNC: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr,
-                  MC_A: gl.constexpr, MC_W: gl.constexpr, GSYNC: gl.constexpr, GSYNC_ASM: gl.constexpr):
+                  MC_A: gl.constexpr, MC_W: gl.constexpr, GSYNC: gl.constexpr, GSYNC_ASM: gl.constexpr,
+                  DSMEM: gl.constexpr):
         """One warp a CTA: every K step of this cluster's tiles into stage g % S once the CTAs that share each box
         released it (only a group's lead waits and issues a shared box)."""
         S: gl.constexpr = bufs_a.type.shape[0]
@@ -189,7 +225,8 @@ if _IMPORT_ERROR is None:
                 ph = ((gi // S) & 1) ^ 1  # a fresh barrier counts as released once
                 mbarrier.wait(empty_a.index(s), ph)
                 if GSYNC:  # the lead loads W into both CTAs: it waits until the peer's consumers released step gi - S
-                    if gi >= S:  # (inline PTX: Gluon would broadcast a scalar atomic's result through the cluster)
+                    if gi >= S or DSMEM:  # (inline PTX: Gluon would broadcast a scalar atomic's result through the
+                        # cluster; DSMEM's block also runs at step 0, where the lead zeroes its shared counter)
                         gl.inline_asm_elementwise(GSYNC_ASM, "=r,l,r", [flag, gi - S + 1], dtype=gl.int32,
                                                   is_pure=False, pack=1)
                 else:
@@ -245,7 +282,7 @@ if _IMPORT_ERROR is None:
                         EA_L: gl.constexpr, EW_L: gl.constexpr, RD_L: gl.constexpr, N_EA: gl.constexpr, N_EW: gl.constexpr,
                         N_RD: gl.constexpr, STAGES: gl.constexpr,
                         MC_A: gl.constexpr, MC_W: gl.constexpr, GSYNC: gl.constexpr, GSYNC_ASM: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        DSMEM: gl.constexpr, num_warps: gl.constexpr):
         """C = A [M, K] @ W [N, K]^T in cluster tiles of [BMC, BNC]: cluster p takes tiles p, p + step, ...
         (persistent: step = the number of clusters)."""
         bufs_a = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -268,7 +305,7 @@ if _IMPORT_ERROR is None:
             (_consumer, (bufs_a, bufs_w, ready, empty_a, empty_w, num_pid_m, num_pid_n, k_steps, step, c_ptr, M, N,
                          stride_cm, BMC, BNC, SEGS, GROUP_M, acc_l, GSYNC)),
             (_producer, (a_desc, w_desc, bufs_a, bufs_w, ready, empty_a, empty_w, num_pid_m, num_pid_n, k_steps,
-                         step, flags, BMC, BNC, BK, GROUP_M, MC_A, MC_W, GSYNC, GSYNC_ASM)),
+                         step, flags, BMC, BNC, BK, GROUP_M, MC_A, MC_W, GSYNC, GSYNC_ASM, DSMEM)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
 
 
@@ -290,7 +327,7 @@ def _plan(tile: ClusterTile):
                   RD_L=mbarrier.MBarrierLayout(cg["ready"]),
                   N_EA=_count(cg["empty_a"]), N_EW=_count(cg["empty_w"]), N_RD=_count(cg["ready"]),
                   STAGES=tile.stages, MC_A=tile.cn > 1, MC_W=tile.cm > 1, GSYNC=tile.gsync,
-                  GSYNC_ASM=gsync_asm(tile.sync), num_warps=tile.warps)
+                  GSYNC_ASM=gsync_asm(tile.sync, tile.stages), DSMEM=tile.sync == "dsmem", num_warps=tile.warps)
     return a_lay, w_lay, consts
 
 
