@@ -52,7 +52,8 @@ PRODUCER_REGS = 40
 # (acquire); the block runs from step 0, where the lead zeroes it (before its first W load, which every peer store
 # follows)
 GSYNC_MODES = {"release.gpu": ("release.gpu", "acquire.gpu"), "release.cluster": ("release.cluster", "acquire.cluster"),
-               "relaxed.cluster": ("relaxed.cluster", "relaxed.cluster"), "dsmem": ("release.cluster", "acquire.cluster")}
+               "relaxed.cluster": ("relaxed.cluster", "relaxed.cluster"), "dsmem": ("release.cluster", "acquire.cluster"),
+               "dsmem.relaxed": ("relaxed.cluster", "relaxed.cluster"), "dsmem.2": ("release.cluster", "acquire.cluster")}
 
 
 def _version(v: str) -> tuple:
@@ -102,6 +103,9 @@ class ClusterTile:
             raise ValueError(f"{self.name}: the global-counter release (gsync) serves a 2 x 1 cluster only")
         if self.sync not in GSYNC_MODES:
             raise ValueError(f"{self.name}: sync {self.sync!r} is not one of {sorted(GSYNC_MODES)}")
+        if self.sync.endswith(".2") and self.stages % 2:  # (every CTA's step count, k_steps a multiple of segs, is
+            # even: with S even the last count the lead waits for, rounded up to even, is one the peer publishes)
+            raise ValueError(f"{self.name}: publishing every other count needs an even number of stages")
 
     @property
     def ctas(self) -> int:
@@ -116,7 +120,9 @@ TILES = {t.name: t for t in (ClusterTile("seg4_c1x1", 1, 1), ClusterTile("seg4_c
                              ClusterTile("seg4_c2x1_gc6", 2, 1, stages=6, gsync=True, sync="release.cluster"),
                              ClusterTile("seg4_c2x1_gr6", 2, 1, stages=6, gsync=True, sync="relaxed.cluster"),
                              ClusterTile("seg4_c2x1_d", 2, 1, gsync=True, sync="dsmem"),
-                             ClusterTile("seg4_c2x1_d6", 2, 1, stages=6, gsync=True, sync="dsmem"))}
+                             ClusterTile("seg4_c2x1_d6", 2, 1, stages=6, gsync=True, sync="dsmem"),
+                             ClusterTile("seg4_c2x1_dr6", 2, 1, stages=6, gsync=True, sync="dsmem.relaxed"),
+                             ClusterTile("seg4_c2x1_d2s6", 2, 1, stages=6, gsync=True, sync="dsmem.2"))}
 
 
 def _bases(cm: int, cn: int):
@@ -172,7 +178,7 @@ mov.b32 $0, 0;
 _DSMEM_TEMPLATE = """{
 .reg .pred p, lead, first;
 .reg .b32 v, r, a, ra;
-.shared .align 4 .b32 rlk_wflag;
+.shared .align 1024 .b32 rlk_wflag[256];
 mov.u32 r, %cluster_ctarank;
 setp.eq.u32 lead, r, 0;
 mov.u32 a, rlk_wflag;
@@ -181,12 +187,17 @@ setp.lt.s32 p, $2, 1;
 setp.eq.s32 first, $2, {first};
 @first st.shared::cta.b32 [a], 0;
 @p bra DONE;
+add.s32 r, $2, {round};
+and.b32 r, r, {mask};
 SPIN:
 ld.{load}.shared::cta.b32 v, [a];
-setp.lt.s32 p, v, $2;
+setp.lt.s32 p, v, r;
 @p bra SPIN;
 bra DONE;
 PEER:
+@p bra DONE;
+and.b32 r, $2, {odd};
+setp.ne.s32 p, r, 0;
 @p bra DONE;
 mapa.shared::cluster.u32 ra, a, 0;
 st.{store}.shared::cluster.b32 [ra], $2;
@@ -199,8 +210,10 @@ def gsync_asm(sync: str, stages: int) -> str:
     """The gsync block of `sync` for a ring of `stages` (its operand $2 is the count the lead waits for, gi - S + 1:
     1 - S at step 0)."""
     store, load = GSYNC_MODES[sync]
-    tmpl = _DSMEM_TEMPLATE if sync == "dsmem" else _GSYNC_TEMPLATE
-    return tmpl.replace("{store}", store).replace("{load}", load).replace("{first}", str(1 - stages))
+    tmpl = _DSMEM_TEMPLATE if sync.startswith("dsmem") else _GSYNC_TEMPLATE
+    every = 2 if sync.endswith(".2") else 1  # the peer publishes every `every`-th count
+    return (tmpl.replace("{store}", store).replace("{load}", load).replace("{first}", str(1 - stages))
+            .replace("{round}", str(every - 1)).replace("{mask}", str(-every)).replace("{odd}", str(every - 1)))
 
 
 if _IMPORT_ERROR is None:
@@ -327,7 +340,7 @@ def _plan(tile: ClusterTile):
                   RD_L=mbarrier.MBarrierLayout(cg["ready"]),
                   N_EA=_count(cg["empty_a"]), N_EW=_count(cg["empty_w"]), N_RD=_count(cg["ready"]),
                   STAGES=tile.stages, MC_A=tile.cn > 1, MC_W=tile.cm > 1, GSYNC=tile.gsync,
-                  GSYNC_ASM=gsync_asm(tile.sync, tile.stages), DSMEM=tile.sync == "dsmem", num_warps=tile.warps)
+                  GSYNC_ASM=gsync_asm(tile.sync, tile.stages), DSMEM=tile.sync.startswith("dsmem"), num_warps=tile.warps)
     return a_lay, w_lay, consts
 
 
