@@ -53,7 +53,8 @@ PRODUCER_REGS = 40
 # follows)
 GSYNC_MODES = {"release.gpu": ("release.gpu", "acquire.gpu"), "release.cluster": ("release.cluster", "acquire.cluster"),
                "relaxed.cluster": ("relaxed.cluster", "relaxed.cluster"), "dsmem": ("release.cluster", "acquire.cluster"),
-               "dsmem.relaxed": ("relaxed.cluster", "relaxed.cluster"), "dsmem.2": ("release.cluster", "acquire.cluster")}
+               "dsmem.relaxed": ("relaxed.cluster", "relaxed.cluster"), "dsmem.2": ("release.cluster", "acquire.cluster"),
+               "none": ("", "")}  # none: a diagnostic only (the lead never waits for the peer: racy, the ceiling)
 
 
 def _version(v: str) -> tuple:
@@ -122,7 +123,8 @@ TILES = {t.name: t for t in (ClusterTile("seg4_c1x1", 1, 1), ClusterTile("seg4_c
                              ClusterTile("seg4_c2x1_d", 2, 1, gsync=True, sync="dsmem"),
                              ClusterTile("seg4_c2x1_d6", 2, 1, stages=6, gsync=True, sync="dsmem"),
                              ClusterTile("seg4_c2x1_dr6", 2, 1, stages=6, gsync=True, sync="dsmem.relaxed"),
-                             ClusterTile("seg4_c2x1_d2s6", 2, 1, stages=6, gsync=True, sync="dsmem.2"))}
+                             ClusterTile("seg4_c2x1_d2s6", 2, 1, stages=6, gsync=True, sync="dsmem.2"),
+                             ClusterTile("diag_c2x1_nosync6", 2, 1, stages=6, gsync=True, sync="none"))}
 
 
 def _bases(cm: int, cn: int):
@@ -210,6 +212,8 @@ def gsync_asm(sync: str, stages: int) -> str:
     """The gsync block of `sync` for a ring of `stages` (its operand $2 is the count the lead waits for, gi - S + 1:
     1 - S at step 0)."""
     store, load = GSYNC_MODES[sync]
+    if sync == "none":
+        return "mov.b32 $0, 0;"
     tmpl = _DSMEM_TEMPLATE if sync.startswith("dsmem") else _GSYNC_TEMPLATE
     every = 2 if sync.endswith(".2") else 1  # the peer publishes every `every`-th count
     return (tmpl.replace("{store}", store).replace("{load}", load).replace("{first}", str(1 - stages))
