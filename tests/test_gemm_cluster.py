@@ -122,3 +122,35 @@ def test_a_tile_the_kernel_cannot_synchronise_is_refused():
     with pytest.raises(ValueError, match="1 or 2 CTAs a side"):
         GC.ClusterTile("bad", 4, 1)
     assert GC.ClusterTile("ok", 2, 1, gsync=True).ctas == 2
+
+
+@pytest.mark.parametrize("sync", sorted(GC.GSYNC_MODES))
+def test_each_gsync_block_names_its_semantics(sync):
+    """The PTX block of each W-release mode (built from strings, so checked here under any Triton): the peer's store
+    and the lead's load carry the mode's semantics and scope in the state space it claims (a global word, or the
+    lead's shared counter reached through mapa), the lead's count is rounded up to what the peer publishes, and the
+    step-0 zeroing compares against 1 - S. `none` (a racy diagnostic) waits for nothing."""
+    block = GC.gsync_asm(sync, 6)
+    if sync == "none":
+        assert "ld." not in block and "st." not in block
+        return
+    store, load = GC.GSYNC_MODES[sync]
+    if sync.startswith("dsmem"):
+        assert f"st.{store}.shared::cluster.b32 [ra], $2;" in block and "mapa.shared::cluster.u32 ra, a, 0;" in block
+        assert f"ld.{load}.shared::cta.b32 v, [a];" in block and "setp.eq.s32 first, $2, -5;" in block
+        every = 2 if sync.endswith(".2") else 1
+        assert f"add.s32 r, $2, {every - 1};" in block and f"and.b32 r, r, {-every};" in block
+        assert ".shared .align 1024" in block  # (16 bytes misaligned the TMA stages: session 44 call 6)
+    else:
+        assert f"st.{store}.global.b32 [$1], $2;" in block and f"ld.{load}.global.b32 v, [$1];" in block
+    assert "{" not in block.replace("{\n", "", 1)  # every template field was filled
+
+
+def test_cluster_tiles_refuse_what_their_handshake_cannot_do():
+    with pytest.raises(ValueError, match="not one of"):
+        GC.ClusterTile("x", 2, 1, gsync=True, sync="release.sys")
+    with pytest.raises(ValueError, match="even number of stages"):
+        GC.ClusterTile("x", 2, 1, stages=5, gsync=True, sync="dsmem.2")
+    with pytest.raises(ValueError, match="2 x 1 cluster only"):
+        GC.ClusterTile("x", 1, 2, gsync=True)
+    assert GC.ClusterTile("x", 2, 1, stages=6, gsync=True, sync="dsmem.2").ctas == 2
