@@ -26,12 +26,14 @@ the released-step count with a release store to a global counter of the cluster,
 with acquire loads before loading W into both CTAs (one inline PTX block; a Gluon scalar atomic would be broadcast
 through the cluster with the barriers that fault).
 
-**Status (session 43): an experiment, not used by `gemm.matmul`.** Measured on an H100 under Triton 3.8.0 staged
-beside torch 2.11 (`benchmarks/H100_session43/CALLS.md`): the 1 x 1 tile is bit-equal to the strict GEMM and runs as
-the library's seg4_128x128_p (o M = 1,024: 0.77 against 0.78x cuBLAS); every tile using Triton 3.8's cross-CTA
+**Status (sessions 43-44): an experiment, not used by `gemm.matmul`.** Measured on H100s under Triton 3.8.0 staged
+beside torch 2.11 (`benchmarks/H100_session43/CALLS.md`, `benchmarks/H100_session44/CALLS.md`): the 1 x 1 tile is
+bit-equal to the strict GEMM and runs as the library's seg4_128x128_p; every tile using Triton 3.8's cross-CTA
 mbarriers (2 x 1, 1 x 2) failed at launch ("unspecified launch failure"; a 2-CTA probe isolates the cross-CTA
-barrier, while a multicast TMA copy alone is bit-exact). The gsync tile is built (sm_90 compile, no spills) and not yet
-run. Triton 3.9's code for this kernel spills 768 bytes and serialises its wgmmas (ptxas C7512), hence 3.8.
+barrier, while a multicast TMA copy alone is bit-exact). The gsync pairs run and are bit-equal (every row, run to run,
+three clusters), and lose: the global counter 0.23-0.36x cuBLAS whatever its scope or fences, the shared counter
+(`dsmem`) 0.47-0.58x, against the library tile's 0.72-0.90x in the same rows. Triton 3.9's code for this kernel
+spills 768 bytes and serialises its wgmmas (ptxas C7512), hence 3.8.
 """
 from __future__ import annotations
 
