@@ -122,9 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
     ap.add_argument("--ms", default="512,1024,4096,16384")
     ap.add_argument("--gemms", default="o,down")
-    ap.add_argument("--variants", default="seg4_c1x1,seg4_c2x1_g",
+    ap.add_argument("--variants", default="seg4_c1x1,seg4_c2x1_dr6",
                     help="gemm_cluster.TILES names; seg4_c2x1 / c1x2 / c2x2 (cross-CTA mbarriers) faulted under Triton "
-                         "3.8 on an H100 (session 43) and a fault poisons the process: run those alone")
+                         "3.8 on an H100 (session 43) and a fault poisons the process: run those alone, under `timeout`")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]

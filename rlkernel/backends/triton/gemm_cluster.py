@@ -31,8 +31,11 @@ beside torch 2.11 (`benchmarks/H100_session43/CALLS.md`, `benchmarks/H100_sessio
 bit-equal to the strict GEMM and runs as the library's seg4_128x128_p; every tile using Triton 3.8's cross-CTA
 mbarriers (2 x 1, 1 x 2) failed at launch ("unspecified launch failure"; a 2-CTA probe isolates the cross-CTA
 barrier, while a multicast TMA copy alone is bit-exact). The gsync pairs run and are bit-equal (every row, run to run,
-three clusters), and lose: the global counter 0.23-0.36x cuBLAS whatever its scope or fences, the shared counter
-(`dsmem`) 0.47-0.58x, against the library tile's 0.72-0.90x in the same rows. Triton 3.9's code for this kernel
+three clusters), and do not win: the global counter 0.23-0.36x cuBLAS whatever its scope or fences (one global
+load's round trip a K step), the shared counter with release / acquire (`dsmem`) 0.47-0.58x, and with relaxed
+accesses (`seg4_c2x1_dr6`) o 0.833 against the library tile's 0.838x (M = 4,096, one round), down 0.798 against
+0.846x (M = 4,096, two rounds). Sharing W's box across the pair cuts the bytes into each SM by a quarter and buys
+nothing: those bytes are not what caps the 128 x 128 tile. Triton 3.9's code for this kernel
 spills 768 bytes and serialises its wgmmas (ptxas C7512), hence 3.8.
 """
 from __future__ import annotations
@@ -48,15 +51,14 @@ MIN_TRITON = (3, 8)
 PRODUCER_REGS = 40
 # sync -> (the peer's store, the lead's load): release / acquire at GPU or cluster scope (both CTAs share a cluster),
 # or relaxed at cluster scope (no fence: the peer's consumers read the stage through wgmma, complete before their
-# release, so no read of it is left to order)
+# release, so no read of it is left to order: an argument from completion, not a PTX memory-model guarantee)
 # "dsmem": the counter lives in the lead's shared memory (a .shared variable of the asm block: Gluon gives no shared
 # address to inline PTX), the peer stores into it through `mapa` (release, cluster scope) and the lead polls its own
 # (acquire); the block runs from step 0, where the lead zeroes it (before its first W load, which every peer store
 # follows)
 GSYNC_MODES = {"release.gpu": ("release.gpu", "acquire.gpu"), "release.cluster": ("release.cluster", "acquire.cluster"),
                "relaxed.cluster": ("relaxed.cluster", "relaxed.cluster"), "dsmem": ("release.cluster", "acquire.cluster"),
-               "dsmem.relaxed": ("relaxed.cluster", "relaxed.cluster"), "dsmem.2": ("release.cluster", "acquire.cluster"),
-               "none": ("", "")}  # none: a diagnostic only (the lead never waits for the peer: racy, the ceiling)
+               "dsmem.relaxed": ("relaxed.cluster", "relaxed.cluster"), "dsmem.2": ("release.cluster", "acquire.cluster")}
 
 
 def _version(v: str) -> tuple:
@@ -125,8 +127,7 @@ TILES = {t.name: t for t in (ClusterTile("seg4_c1x1", 1, 1), ClusterTile("seg4_c
                              ClusterTile("seg4_c2x1_d", 2, 1, gsync=True, sync="dsmem"),
                              ClusterTile("seg4_c2x1_d6", 2, 1, stages=6, gsync=True, sync="dsmem"),
                              ClusterTile("seg4_c2x1_dr6", 2, 1, stages=6, gsync=True, sync="dsmem.relaxed"),
-                             ClusterTile("seg4_c2x1_d2s6", 2, 1, stages=6, gsync=True, sync="dsmem.2"),
-                             ClusterTile("diag_c2x1_nosync6", 2, 1, stages=6, gsync=True, sync="none"))}
+                             ClusterTile("seg4_c2x1_d2s6", 2, 1, stages=6, gsync=True, sync="dsmem.2"))}
 
 
 def _bases(cm: int, cn: int):
@@ -214,8 +215,6 @@ def gsync_asm(sync: str, stages: int) -> str:
     """The gsync block of `sync` for a ring of `stages` (its operand $2 is the count the lead waits for, gi - S + 1:
     1 - S at step 0)."""
     store, load = GSYNC_MODES[sync]
-    if sync == "none":
-        return "mov.b32 $0, 0;"
     tmpl = _DSMEM_TEMPLATE if sync.startswith("dsmem") else _GSYNC_TEMPLATE
     every = 2 if sync.endswith(".2") else 1  # the peer publishes every `every`-th count
     return (tmpl.replace("{store}", store).replace("{load}", load).replace("{first}", str(1 - stages))
