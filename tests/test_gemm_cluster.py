@@ -61,9 +61,10 @@ def test_unavailable_names_the_triton_it_needs():
                                   "seg4_c2x1_dr6", "seg4_c2x1_d2s6"])
 def test_every_cluster_tile_compiles_for_sm90_as_claimed(name):
     """m64n128k16 chains only; multicast loads exactly where a box is shared (W across the M pair, A across the N
-    pair) and remote arrives only in a cluster (gsync: a global release / acquire pair instead); no spills, no wgmma serialised for want of registers (ptxas C7512:
-    Triton 3.9's code for this kernel had both, hence 3.8); the tree's three fp32 adds and nothing else on the
-    accumulators; every wgmma adds onto its zeroed accumulator."""
+    pair) and remote arrives only in a cluster (gsync: its mode's store / load pair instead, through `mapa` for the
+    dsmem modes); no spills, no wgmma serialised for want of registers (ptxas C7512: Triton 3.9's code for this kernel
+    had both, hence 3.8); the tree's three fp32 adds and nothing else on the accumulators; every wgmma adds onto its
+    zeroed accumulator."""
     if GC.unavailable() is not None:
         pytest.skip(GC.unavailable())
     from helpers import compile_sm90_or_skip, wgmma_scale_d_not_always_on

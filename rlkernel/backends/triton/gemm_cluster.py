@@ -22,9 +22,10 @@ them). A box that is multicast is issued by its group's lead CTA (Gluon's loweri
 once every CTA of the group has released it: `empty_w` (shared by the CTAs of a cluster column) and `empty_a` (shared
 by the CTAs of a cluster row) gather every consumer's release on the group's lead, and only the lead waits. `gsync`
 tiles (2 x 1 only) use no cross-CTA barrier: the peer's producer, once its own consumers released a stage, publishes
-the released-step count with a release store to a global counter of the cluster, and the lead's producer spins on it
-with acquire loads before loading W into both CTAs (one inline PTX block; a Gluon scalar atomic would be broadcast
-through the cluster with the barriers that fault).
+the released-step count to a counter, and the lead's producer spins on it before loading W into both CTAs (one inline
+PTX block; a Gluon scalar atomic would be broadcast through the cluster with the barriers that fault). The counter is
+a global word of the cluster, or (`dsmem` modes) a word of the lead's shared memory the peer stores into through
+`mapa`; `GSYNC_MODES` names each mode's semantics and scope.
 
 **Status (sessions 43-44): an experiment, not used by `gemm.matmul`.** Measured on H100s under Triton 3.8.0 staged
 beside torch 2.11 (`benchmarks/H100_session43/CALLS.md`, `benchmarks/H100_session44/CALLS.md`): the 1 x 1 tile is
@@ -56,9 +57,12 @@ PRODUCER_REGS = 40
 # address to inline PTX), the peer stores into it through `mapa` (release, cluster scope) and the lead polls its own
 # (acquire); the block runs from step 0, where the lead zeroes it (before its first W load, which every peer store
 # follows)
-GSYNC_MODES = {"release.gpu": ("release.gpu", "acquire.gpu"), "release.cluster": ("release.cluster", "acquire.cluster"),
-               "relaxed.cluster": ("relaxed.cluster", "relaxed.cluster"), "dsmem": ("release.cluster", "acquire.cluster"),
-               "dsmem.relaxed": ("relaxed.cluster", "relaxed.cluster"), "dsmem.2": ("release.cluster", "acquire.cluster")}
+GSYNC_MODES = {"release.gpu": ("release.gpu", "acquire.gpu"),
+               "release.cluster": ("release.cluster", "acquire.cluster"),
+               "relaxed.cluster": ("relaxed.cluster", "relaxed.cluster"),
+               "dsmem": ("release.cluster", "acquire.cluster"),
+               "dsmem.relaxed": ("relaxed.cluster", "relaxed.cluster"),
+               "dsmem.2": ("release.cluster", "acquire.cluster")}
 
 
 def _version(v: str) -> tuple:
@@ -98,7 +102,7 @@ class ClusterTile:
     bn: int = 128
     warps: int = 8  # one CTA's consumer warps (two warpgroups of 64 rows)
     group_m: int = 8
-    gsync: bool = False  # the W group's stage release through a global counter, not a cross-CTA mbarrier (cn = 1)
+    gsync: bool = False  # the W group's stage release through a counter, not a cross-CTA mbarrier (cm = 2, cn = 1)
     sync: str = "release.gpu"  # gsync's store / load semantics and scope (GSYNC_MODES)
 
     def __post_init__(self):
@@ -345,7 +349,8 @@ def _plan(tile: ClusterTile):
                   RD_L=mbarrier.MBarrierLayout(cg["ready"]),
                   N_EA=_count(cg["empty_a"]), N_EW=_count(cg["empty_w"]), N_RD=_count(cg["ready"]),
                   STAGES=tile.stages, MC_A=tile.cn > 1, MC_W=tile.cm > 1, GSYNC=tile.gsync,
-                  GSYNC_ASM=gsync_asm(tile.sync, tile.stages), DSMEM=tile.sync.startswith("dsmem"), num_warps=tile.warps)
+                  GSYNC_ASM=gsync_asm(tile.sync, tile.stages), DSMEM=tile.sync.startswith("dsmem"),
+                  num_warps=tile.warps)
     return a_lay, w_lay, consts
 
 
@@ -371,9 +376,10 @@ def launch(a, w, tile: ClusterTile, out=None, programs: int | None = None):
     w_desc = descriptor(w, [N, K], [w.stride(0), 1], [tile.bn * tile.cn, BK], w_lay)
     tiles = -(-M // (tile.bm * tile.cm)) * -(-N // (tile.bn * tile.cn))
     grid = programs or min(tiles, _sms(a.device) // tile.ctas)
-    # gsync: the W group's released-step counters, zeroed per launch (other tiles never read the pointer)
-    flags = torch.zeros(grid, device=a.device, dtype=torch.int32) if tile.gsync else \
-        torch.empty(1, device=a.device, dtype=torch.int32)
+    # gsync through global memory: the W group's released-step counters, zeroed per launch (the dsmem modes zero their
+    # shared counter in the kernel; other tiles never read the pointer)
+    flags = torch.zeros(grid, device=a.device, dtype=torch.int32) if tile.gsync and not tile.sync.startswith("dsmem") \
+        else torch.empty(1, device=a.device, dtype=torch.int32)
     _cluster_kernel[(grid,)](a_desc, w_desc, out, flags, M, N, K, out.stride(0), grid, num_ctas=tile.ctas, **consts)
     return out
 
