@@ -76,7 +76,7 @@ def test_every_cluster_tile_compiles_for_sm90_as_claimed(name):
     assert ptx.count("multicast::cluster") == (tile.cm > 1) + (tile.cn > 1)
     # cross-CTA releases: remote mbarrier arrives, or (gsync) the peer's release store and the lead's acquire spin
     assert ("arrive.shared::cluster" in ptx) == (tile.ctas > 1 and not tile.gsync)
-    store, load = GC.GSYNC_MODES[tile.sync]
+    store, load = GC.GSYNC_MODES[tile.sync][:2]
     space = ("shared::cluster", "shared::cta") if tile.sync.startswith("dsmem") else ("global", "global")
     assert (f"st.{store}.{space[0]}" in ptx and f"ld.{load}.{space[1]}" in ptx) == tile.gsync
     assert ("mapa.shared::cluster" in ptx) == (tile.sync.startswith("dsmem") and tile.gsync)
@@ -132,7 +132,7 @@ def test_each_gsync_block_names_its_semantics(sync):
     lead's shared counter reached through mapa), the lead's count is rounded up to what the peer publishes, and the
     step-0 zeroing compares against 1 - S."""
     block = GC.gsync_asm(sync, 6)
-    store, load = GC.GSYNC_MODES[sync]
+    store, load = GC.GSYNC_MODES[sync][:2]
     if sync.startswith("dsmem"):
         assert f"st.{store}.shared::cluster.b32 [ra], $2;" in block and "mapa.shared::cluster.u32 ra, a, 0;" in block
         assert f"ld.{load}.shared::cta.b32 v, [a];" in block and "setp.eq.s32 first, $2, -5;" in block

@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 ENV = "RLKERNEL_GEMM_CLUSTER"
 _ENABLED = os.environ.get(ENV, "1") != "0"
@@ -57,12 +58,19 @@ PRODUCER_REGS = 40
 # address to inline PTX), the peer stores into it through `mapa` (release, cluster scope) and the lead polls its own
 # (acquire); the block runs from step 0, where the lead zeroes it (before its first W load, which every peer store
 # follows)
-GSYNC_MODES = {"release.gpu": ("release.gpu", "acquire.gpu"),
-               "release.cluster": ("release.cluster", "acquire.cluster"),
-               "relaxed.cluster": ("relaxed.cluster", "relaxed.cluster"),
-               "dsmem": ("release.cluster", "acquire.cluster"),
-               "dsmem.relaxed": ("relaxed.cluster", "relaxed.cluster"),
-               "dsmem.2": ("release.cluster", "acquire.cluster")}
+class GsyncMode(NamedTuple):
+    store: str  # the peer's store: semantics.scope
+    load: str  # the lead's load
+    shared: bool = False  # the counter in the lead's shared memory (dsmem), else a global word
+    every: int = 1  # the peer publishes every `every`-th count
+
+
+GSYNC_MODES = {"release.gpu": GsyncMode("release.gpu", "acquire.gpu"),
+               "release.cluster": GsyncMode("release.cluster", "acquire.cluster"),
+               "relaxed.cluster": GsyncMode("relaxed.cluster", "relaxed.cluster"),
+               "dsmem": GsyncMode("release.cluster", "acquire.cluster", shared=True),
+               "dsmem.relaxed": GsyncMode("relaxed.cluster", "relaxed.cluster", shared=True),
+               "dsmem.2": GsyncMode("release.cluster", "acquire.cluster", shared=True, every=2)}
 
 
 def _version(v: str) -> tuple:
@@ -112,9 +120,14 @@ class ClusterTile:
             raise ValueError(f"{self.name}: the global-counter release (gsync) serves a 2 x 1 cluster only")
         if self.sync not in GSYNC_MODES:
             raise ValueError(f"{self.name}: sync {self.sync!r} is not one of {sorted(GSYNC_MODES)}")
-        if self.sync.endswith(".2") and self.stages % 2:  # (every CTA's step count, k_steps a multiple of segs, is
+        if GSYNC_MODES[self.sync].every == 2 and self.stages % 2:  # (every CTA's step count, k_steps a multiple of segs, is
             # even: with S even the last count the lead waits for, rounded up to even, is one the peer publishes)
             raise ValueError(f"{self.name}: publishing every other count needs an even number of stages")
+
+    @property
+    def shared_counter(self) -> bool:
+        """gsync through the lead's shared memory (no global counter to zero at launch)."""
+        return self.gsync and GSYNC_MODES[self.sync].shared
 
     @property
     def ctas(self) -> int:
@@ -218,11 +231,11 @@ mov.b32 $0, 0;
 def gsync_asm(sync: str, stages: int) -> str:
     """The gsync block of `sync` for a ring of `stages` (its operand $2 is the count the lead waits for, gi - S + 1:
     1 - S at step 0)."""
-    store, load = GSYNC_MODES[sync]
-    tmpl = _DSMEM_TEMPLATE if sync.startswith("dsmem") else _GSYNC_TEMPLATE
-    every = 2 if sync.endswith(".2") else 1  # the peer publishes every `every`-th count
-    return (tmpl.replace("{store}", store).replace("{load}", load).replace("{first}", str(1 - stages))
-            .replace("{round}", str(every - 1)).replace("{mask}", str(-every)).replace("{odd}", str(every - 1)))
+    m = GSYNC_MODES[sync]
+    if not m.shared:
+        return _GSYNC_TEMPLATE.replace("{store}", m.store).replace("{load}", m.load)
+    return (_DSMEM_TEMPLATE.replace("{store}", m.store).replace("{load}", m.load).replace("{first}", str(1 - stages))
+            .replace("{round}", str(m.every - 1)).replace("{mask}", str(-m.every)).replace("{odd}", str(m.every - 1)))
 
 
 if _IMPORT_ERROR is None:
@@ -349,7 +362,7 @@ def _plan(tile: ClusterTile):
                   RD_L=mbarrier.MBarrierLayout(cg["ready"]),
                   N_EA=_count(cg["empty_a"]), N_EW=_count(cg["empty_w"]), N_RD=_count(cg["ready"]),
                   STAGES=tile.stages, MC_A=tile.cn > 1, MC_W=tile.cm > 1, GSYNC=tile.gsync,
-                  GSYNC_ASM=gsync_asm(tile.sync, tile.stages), DSMEM=tile.sync.startswith("dsmem"),
+                  GSYNC_ASM=gsync_asm(tile.sync, tile.stages), DSMEM=tile.shared_counter,
                   num_warps=tile.warps)
     return a_lay, w_lay, consts
 
@@ -378,7 +391,7 @@ def launch(a, w, tile: ClusterTile, out=None, programs: int | None = None):
     grid = programs or min(tiles, _sms(a.device) // tile.ctas)
     # gsync through global memory: the W group's released-step counters, zeroed per launch (the dsmem modes zero their
     # shared counter in the kernel; other tiles never read the pointer)
-    flags = torch.zeros(grid, device=a.device, dtype=torch.int32) if tile.gsync and not tile.sync.startswith("dsmem") \
+    flags = torch.zeros(grid, device=a.device, dtype=torch.int32) if tile.gsync and not tile.shared_counter \
         else torch.empty(1, device=a.device, dtype=torch.int32)
     _cluster_kernel[(grid,)](a_desc, w_desc, out, flags, M, N, K, out.stride(0), grid, num_ctas=tile.ctas, **consts)
     return out
