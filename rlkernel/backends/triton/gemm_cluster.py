@@ -120,8 +120,9 @@ class ClusterTile:
             raise ValueError(f"{self.name}: the global-counter release (gsync) serves a 2 x 1 cluster only")
         if self.sync not in GSYNC_MODES:
             raise ValueError(f"{self.name}: sync {self.sync!r} is not one of {sorted(GSYNC_MODES)}")
-        if GSYNC_MODES[self.sync].every == 2 and self.stages % 2:  # (every CTA's step count, k_steps a multiple of segs, is
-            # even: with S even the last count the lead waits for, rounded up to even, is one the peer publishes)
+        # every CTA's step count (k_steps, a multiple of segs) is even: with S even, the last count the lead waits
+        # for, rounded up to even, is one the peer publishes
+        if GSYNC_MODES[self.sync].every == 2 and self.stages % 2:
             raise ValueError(f"{self.name}: publishing every other count needs an even number of stages")
 
     @property
