@@ -50,14 +50,15 @@ class ParkTile(Tile):
     swz: bool = True  # the shared partial's layout: swizzled (else flat, session 32's)
 
     def __post_init__(self):
-        if self.segs != 4 or not self.bn2 or self.bk not in (32, 64) or self.park not in (0, 1):
-            raise ValueError(f"{self.name}: 4 segments, two accumulators, bk 32 or 64 and park 0 or 1, got "
+        if self.segs not in (1, 4) or not self.bn2 or self.bk not in (32, 64) or self.park not in (0, 1):
+            raise ValueError(f"{self.name}: 4 segments (1: the diagnostic), two accumulators, bk 32 or 64 and park 0 "
+                             "or 1, got "
                              f"{self.segs}, bn2 {self.bn2}, bk {self.bk}, park {self.park}")
 
     @property
     def shared_bytes(self) -> int:
-        """The ring's stages and the waiting partial (barriers aside)."""
-        return self.stages * (self.bm + self.bn) * self.bk * 2 + self.bm * self.bn * 4
+        """The ring's stages and the waiting partial (barriers aside; segs 1 waits for nothing)."""
+        return self.stages * (self.bm + self.bn) * self.bk * 2 + (self.bm * self.bn * 4 if self.segs > 1 else 0)
 
 
 def _t(name, bn2, stages, bk, park=1, swz=True):
@@ -69,7 +70,11 @@ TILES = {t.name: t for t in (
     # 128 x 192: hi fits in registers beside the accumulator (two pairs of 96 registers); session 32's flat layout
     # at 64 x 3 lost (0.76-0.84x): the swizzle and a deeper ring of 32-column steps
     _t("seg4_128x192_k64s3_swz", 64, 3, 64, park=0), _t("seg4_128x192_k32s6_swz", 64, 6, 32, park=0),
-    _t("seg4_128x192_k32s6_pk", 64, 6, 32, park=1))}
+    _t("seg4_128x192_k32s6_pk", 64, 6, 32, park=1),
+    # the diagnostic: one chain over K (no segments, nothing parked; the unsegmented bits) with the same ring (one
+    # program per SM either way, so the shared memory it does not hold changes no occupancy): what the parking costs
+    # is its time against seg4_128x256_k32s4's
+    ParkTile("plain_128x256_k32s4", 128, 128, 128, 4, 1, 8, persistent=True, group_m=8, bk=32, park=0))}
 
 
 def unavailable() -> str | None:
@@ -83,12 +88,13 @@ if _PARK_IMPORT_ERROR is None:
     @gluon.jit
     def _consumer_park(bufs_a, bufs_w1, bufs_w2, lo_smem, lo2_smem, ready, empty, num_pid_m, num_pid_n, k_steps, step,
                        c_ptr, park_ptr, M, N, stride_cm, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr,
-                       GROUP_M: gl.constexpr, PARK: gl.constexpr, l1: gl.constexpr, l2: gl.constexpr):
+                       GROUP_M: gl.constexpr, SEGS: gl.constexpr, PARK: gl.constexpr, l1: gl.constexpr,
+                       l2: gl.constexpr):
         """Per tile: 4 segments, each (acc, acc2) from zero over its K steps; s0 into lo_smem, s1's end lo_smem +=,
         s2 waits (PARK 1: in this program's global slot, else in registers), s3's end: lo + (hi + s3), stored."""
         S: gl.constexpr = bufs_a.type.shape[0]
         BN: gl.constexpr = BN1 + BN2
-        seg_steps = k_steps // 4
+        seg_steps = k_steps // SEGS
         slot = park_ptr + gl.program_id(0) * (BM * BN)
         r1 = gl.arange(0, BM, layout=gl.SliceLayout(1, l1))
         c1 = gl.arange(0, BN1, layout=gl.SliceLayout(0, l1))
@@ -99,14 +105,17 @@ if _PARK_IMPORT_ERROR is None:
         g = 0
         for t in range(gl.program_id(0), num_pid_m * num_pid_n, step):
             off_m, off_n = _origin(t, num_pid_m, num_pid_n, BM, BN, GROUP_M)
-            for sg in gl.static_range(4):
+            for sg in gl.static_range(SEGS):
                 acc = gl.zeros((BM, BN1), gl.float32, l1)
                 acc2 = gl.zeros((BM, BN2), gl.float32, l2)
                 for j in range(seg_steps):
                     i = sg * seg_steps + j
                     acc, acc2 = _k_step(bufs_a, bufs_w1, bufs_w2, ready, empty, g + i, i > 0, acc, acc2, BN2)
                 acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
-                if sg == 0:
+                if SEGS == 1:
+                    lo = acc
+                    lo2 = acc2
+                elif sg == 0:
                     lo_smem.store(acc)
                     lo2_smem.store(acc2)
                 elif sg == 1:
@@ -134,7 +143,8 @@ if _PARK_IMPORT_ERROR is None:
     @gluon.jit
     def _park_kernel(a_desc, w1_desc, w2_desc, c_ptr, park_ptr, M, N, K, stride_cm, step, BM: gl.constexpr,
                      BN1: gl.constexpr, BN2: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                     GROUP_M: gl.constexpr, PARK: gl.constexpr, SWZ: gl.constexpr, num_warps: gl.constexpr):
+                     SEGS: gl.constexpr, GROUP_M: gl.constexpr, PARK: gl.constexpr, SWZ: gl.constexpr,
+                     num_warps: gl.constexpr):
         l1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BN1, 16])
         l2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -158,7 +168,7 @@ if _PARK_IMPORT_ERROR is None:
         num_pid_n = gl.cdiv(N, BN1 + BN2)
         gl.warp_specialize([
             (_consumer_park, (bufs_a, bufs_w1, bufs_w2, lo_smem, lo2_smem, ready, empty, num_pid_m, num_pid_n, k_steps,
-                              step, c_ptr, park_ptr, M, N, stride_cm, BM, BN1, BN2, GROUP_M, PARK, l1, l2)),
+                              step, c_ptr, park_ptr, M, N, stride_cm, BM, BN1, BN2, GROUP_M, SEGS, PARK, l1, l2)),
             (_producer, (a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n,
                          k_steps, step, BM, BK, BN1, BN2, GROUP_M)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
@@ -182,8 +192,8 @@ def _check(a, w, tile: ParkTile) -> None:
     if a.dtype != w.dtype or str(a.dtype) != "torch.bfloat16" or w.shape[1] != K:
         raise ValueError(f"{tile.name}: bf16 [M, K] @ [N, K]^T, got {tuple(a.shape)} {a.dtype} and "
                          f"{tuple(w.shape)} {w.dtype}")
-    if K % (4 * tile.bk):
-        raise ValueError(f"{tile.name}: K = {K} is not 4 segments of whole {tile.bk}-column steps")
+    if K % (tile.segs * tile.bk):
+        raise ValueError(f"{tile.name}: K = {K} is not {tile.segs} segments of whole {tile.bk}-column steps")
 
 
 def launch(a, w, tile: ParkTile, out=None, programs: int | None = None):
@@ -210,7 +220,7 @@ def launch(a, w, tile: ParkTile, out=None, programs: int | None = None):
 
     _park_kernel[(grid,)](desc(a, M, tile.bm), desc(w, N, tile.bn1), desc(w, N, tile.bn2), out, slots, M, N, K,
                           out.stride(0), grid, BM=tile.bm, BN1=tile.bn1, BN2=tile.bn2, BK=tile.bk, STAGES=tile.stages,
-                          GROUP_M=tile.group_m, PARK=tile.park, SWZ=tile.swz, num_warps=tile.warps)
+                          SEGS=tile.segs, GROUP_M=tile.group_m, PARK=tile.park, SWZ=tile.swz, num_warps=tile.warps)
     return out
 
 
@@ -226,8 +236,9 @@ def compile_sm90(tile: ParkTile):
            "w2_desc": f"tensordesc<bf16[{tile.bn2}, {tile.bk}],{_layout(tile.bn2, tile.bk)!r}>",
            "c_ptr": "*bf16", "park_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
            "step": "i32",
-           **{k: "constexpr" for k in ("BM", "BN1", "BN2", "BK", "STAGES", "GROUP_M", "PARK", "SWZ", "num_warps")}}
-    const = {"BM": tile.bm, "BN1": tile.bn1, "BN2": tile.bn2, "BK": tile.bk, "STAGES": tile.stages,
+           **{k: "constexpr" for k in ("BM", "BN1", "BN2", "BK", "STAGES", "SEGS", "GROUP_M", "PARK", "SWZ",
+                                          "num_warps")}}
+    const = {"BM": tile.bm, "BN1": tile.bn1, "BN2": tile.bn2, "BK": tile.bk, "STAGES": tile.stages, "SEGS": tile.segs,
              "GROUP_M": tile.group_m, "PARK": tile.park, "SWZ": tile.swz, "num_warps": tile.warps}
     # c_ptr and park_ptr 16-byte aligned, as a launch specialises them (torch's allocations): vector stores
     attrs = {(3,): [["tt.divisibility", 16]], (4,): [["tt.divisibility", 16]]}
