@@ -60,12 +60,15 @@ def _ptxas(ptx: str) -> str:
     return GA.ptxas_usage(ptx)
 
 
-# not in the library yet (scripts/gpu_gluon_gemm.py times it): segments over two accumulators, the tree's waiting
-# partial in shared memory
-SEG_128x192 = GG.Tile("seg4_128x192_p", 128, 128, 64, 3, 4, 8, persistent=True, group_m=8)
+def test_segments_over_two_accumulators_are_gemm_parks():
+    """This kernel folds one accumulator's segments in registers; two accumulators' tree partials must wait outside
+    them (gemm_park's kernel, tests/test_gemm_park.py): such a Tile is refused here, not compiled into spills."""
+    with pytest.raises(ValueError, match="gemm_park"):
+        GG.Tile("seg4_128x192_p", 128, 128, 64, 3, 4, 8, persistent=True, group_m=8)
+    assert GG.Tile("128x192", 128, 128, 64, 4, 1, 8).bn == 192 and GG.Tile("seg4", 128, 128, 0, 4, 4, 8).segs == 4
 
 
-@pytest.mark.parametrize("tile", GG.TILES + (SEG_128x192,), ids=lambda t: t.name)
+@pytest.mark.parametrize("tile", GG.TILES, ids=lambda t: t.name)
 def test_every_tile_compiles_for_sm90_as_claimed(tile):
     """Each accumulator one wgmma chain of its own width (64 + 32, 128 + 64, 128), A and W through TMA, the producer
     warp's register hand-over, no spills and no wgmma serialised for want of registers (ptxas C7512); the segment

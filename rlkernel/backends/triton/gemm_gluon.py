@@ -75,6 +75,11 @@ class Tile:
     persistent: bool = False  # one program per SM walking the tiles (else one program per tile)
     group_m: int = 0  # the tile walk: 0 = M tiles fastest; g = groups of g M tiles (L2 locality; never a bit)
 
+    def __post_init__(self):
+        if self.segs > 1 and self.bn2 and type(self) is Tile:  # (gemm_park.ParkTile builds those)
+            raise ValueError(f"{self.name}: segments over two accumulators need the tree's partials parked outside "
+                             "the registers: gemm_park.ParkTile (this kernel folds one accumulator's segments)")
+
     @property
     def bn(self) -> int:
         return self.bn1 + self.bn2
@@ -187,8 +192,8 @@ if _IMPORT_ERROR is None:
         return acc, acc2
 
     @gluon.jit
-    def _consumer(bufs_a, bufs_w1, bufs_w2, lo_smem, lo2_smem, ready, empty, num_pid_m, num_pid_n, k_steps, step,
-                  c_ptr, M, N, stride_cm, BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, SEGS: gl.constexpr, GROUP_M: gl.constexpr,
+    def _consumer(bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n, k_steps, step, c_ptr, M, N, stride_cm,
+                  BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, SEGS: gl.constexpr, GROUP_M: gl.constexpr,
                   l1: gl.constexpr, l2: gl.constexpr):
         """Per tile of this program: acc (+ acc2) += A_k @ W_k^T, one wgmma chain per accumulator, K in order, one
         step in flight; SEGS > 1: each of SEGS equal K segments from zero, folded into the balanced tree as it ends.
@@ -200,30 +205,7 @@ if _IMPORT_ERROR is None:
         g = 0
         for t in range(gl.program_id(0), num_pid_m * num_pid_n, step):
             off_m, off_n = _origin(t, num_pid_m, num_pid_n, BM, BN1 + BN2, GROUP_M)
-            if SEGS > 1 and BN2 > 0:  # two accumulators: s0, then s0 + s1, wait in shared memory (fp32, each
-                # thread reads back the elements it wrote): three live pairs of 96 columns would not fit in registers
-                for sg in gl.static_range(SEGS):
-                    acc = gl.zeros((BM, BN1), gl.float32, l1)
-                    acc2 = gl.zeros((BM, BN2), gl.float32, l2)
-                    for j in range(seg_steps):
-                        i = sg * seg_steps + j
-                        acc, acc2 = _k_step(bufs_a, bufs_w1, bufs_w2, ready, empty, g + i, i > 0, acc, acc2, BN2)
-                    acc, acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc2))
-                    if sg == 0:
-                        lo_smem.store(acc)
-                        lo2_smem.store(acc2)
-                    elif sg == 1:
-                        lo_smem.store(lo_smem.load(l1) + acc)
-                        lo2_smem.store(lo2_smem.load(l2) + acc2)
-                    elif sg == 2:
-                        hi = acc
-                        hi2 = acc2
-                    else:
-                        lo = lo_smem.load(l1) + (hi + acc)
-                        lo2 = lo2_smem.load(l2) + (hi2 + acc2)
-                _store(c_ptr, lo, off_m, off_n, M, N, stride_cm, BM, BN1, l1)
-                _store(c_ptr, lo2, off_m, off_n + BN1, M, N, stride_cm, BM, BN2, l2)
-            elif SEGS > 1:
+            if SEGS > 1:
                 lo = gl.zeros((BM, BN1), gl.float32, l1)
                 hi = lo
                 for sg in gl.static_range(SEGS):
@@ -266,13 +248,6 @@ if _IMPORT_ERROR is None:
             bufs_w2 = gl.allocate_shared_memory(w2_desc.dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout)
         else:
             bufs_w2 = bufs_w1
-        if SEGS > 1 and BN2 > 0:  # the tree's waiting partial (fp32), see _consumer
-            flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-            lo_smem = gl.allocate_shared_memory(gl.float32, [BM, BN1], flat)
-            lo2_smem = gl.allocate_shared_memory(gl.float32, [BM, BN2], flat)
-        else:
-            lo_smem = bufs_a  # unused
-            lo2_smem = bufs_a
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -282,8 +257,8 @@ if _IMPORT_ERROR is None:
         num_pid_m = gl.cdiv(M, BM)
         num_pid_n = gl.cdiv(N, BN1 + BN2)  # a last partial N tile: TMA fills zeros past N, the store masks
         gl.warp_specialize([
-            (_consumer, (bufs_a, bufs_w1, bufs_w2, lo_smem, lo2_smem, ready, empty, num_pid_m, num_pid_n, k_steps,
-                         step, c_ptr, M, N, stride_cm, BM, BN1, BN2, SEGS, GROUP_M, l1, l2)),
+            (_consumer, (bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n, k_steps, step, c_ptr, M, N,
+                         stride_cm, BM, BN1, BN2, SEGS, GROUP_M, l1, l2)),
             (_producer, (a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n,
                          k_steps, step, BM, BK, BN1, BN2, GROUP_M)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])

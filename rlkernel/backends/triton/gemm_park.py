@@ -50,6 +50,7 @@ class ParkTile(Tile):
     swz: bool = True  # the shared partial's layout: swizzled (else flat, session 32's)
 
     def __post_init__(self):
+        super().__post_init__()
         if self.segs not in (1, 4) or not self.bn2 or self.bk not in (32, 64) or self.park not in (0, 1):
             raise ValueError(f"{self.name}: 4 segments (1: the diagnostic), two accumulators, bk 32 or 64 and park 0 "
                              "or 1, got "
@@ -67,14 +68,19 @@ def _t(name, bn2, stages, bk, park=1, swz=True):
 
 TILES = {t.name: t for t in (
     _t("seg4_128x256_k64s2", 128, 2, 64), _t("seg4_128x256_k32s4", 128, 4, 32), _t("seg4_128x256_k32s3", 128, 3, 32),
-    # 128 x 192: hi fits in registers beside the accumulator (two pairs of 96 registers); session 32's flat layout
-    # at 64 x 3 lost (0.76-0.84x): the swizzle and a deeper ring of 32-column steps
+    # 128 x 192: hi fits in registers beside the accumulator (two pairs of 96 registers). For o / down a layout A/B
+    # only (192 does not divide N = 4,096: session 32's loss), against seg4_128x192_p below: the swizzle, and a deeper
+    # ring of 32-column steps
     _t("seg4_128x192_k64s3_swz", 64, 3, 64, park=0), _t("seg4_128x192_k32s6_swz", 64, 6, 32, park=0),
     _t("seg4_128x192_k32s6_pk", 64, 6, 32, park=1),
     # the diagnostic: one chain over K (no segments, nothing parked; the unsegmented bits) with the same ring (one
     # program per SM either way, so the shared memory it does not hold changes no occupancy): what the parking costs
     # is its time against seg4_128x256_k32s4's
-    ParkTile("plain_128x256_k32s4", 128, 128, 128, 4, 1, 8, persistent=True, group_m=8, bk=32, park=0))}
+    ParkTile("plain_128x256_k32s4", 128, 128, 128, 4, 1, 8, persistent=True, group_m=8, bk=32, park=0),
+    # session 32's two-accumulator segmented tiles (gemm_gluon's kernel until session 45): hi in registers, lo in the
+    # flat layout, 3 stages of 64-column steps; o / down 0.44-0.74x there (seg4_128x128_p 0.79-0.94x): 192 and 160 do
+    # not divide N = 4,096 (22 / 26 N tiles, the last part empty), and the flat layout's 8-way bank conflicts
+    _t("seg4_128x192_p", 64, 3, 64, park=0, swz=False), _t("seg4_128x160_p", 32, 3, 64, park=0, swz=False))}
 
 
 def unavailable() -> str | None:
