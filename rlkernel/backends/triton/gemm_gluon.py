@@ -233,6 +233,17 @@ if _IMPORT_ERROR is None:
             g += k_steps
 
     @gluon.jit
+    def _ring(STAGES: gl.constexpr):
+        """The operand ring's `ready` (the producer's loads landed) and `empty` (the consumer freed the stage)
+        mbarriers, one of each a stage, each completing on one arrival (gemm_park's kernel shares it)."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        return ready, empty
+
+    @gluon.jit
     def _gemm_kernel(a_desc, w1_desc, w2_desc, c_ptr, M, N, K, stride_cm, step, BM: gl.constexpr,
                      BN1: gl.constexpr, BN2: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                      SEGS: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
@@ -248,11 +259,7 @@ if _IMPORT_ERROR is None:
             bufs_w2 = gl.allocate_shared_memory(w2_desc.dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout)
         else:
             bufs_w2 = bufs_w1
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+        ready, empty = _ring(STAGES)
         k_steps = gl.cdiv(K, BK)
         num_pid_m = gl.cdiv(M, BM)
         num_pid_n = gl.cdiv(N, BN1 + BN2)  # a last partial N tile: TMA fills zeros past N, the store masks

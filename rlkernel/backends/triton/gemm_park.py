@@ -35,7 +35,7 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
-    from .gemm_gluon import _k_step, _origin, _producer, _store
+    from .gemm_gluon import _k_step, _origin, _producer, _ring, _store
     _PARK_IMPORT_ERROR = None
 except Exception as e:  # noqa: BLE001
     _PARK_IMPORT_ERROR = f"{type(e).__name__}: {e}"
@@ -164,11 +164,7 @@ if _PARK_IMPORT_ERROR is None:
             lay: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         lo_smem = gl.allocate_shared_memory(gl.float32, [BM, BN1], lay)
         lo2_smem = gl.allocate_shared_memory(gl.float32, [BM, BN2], lay)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+        ready, empty = _ring(STAGES)
         k_steps = gl.cdiv(K, BK)
         num_pid_m = gl.cdiv(M, BM)
         num_pid_n = gl.cdiv(N, BN1 + BN2)
