@@ -75,3 +75,27 @@ def test_park_tiles_refuse_what_they_do_not_build():
         GP._check(a.float(), torch.zeros(256, 4096), tile)
     with pytest.raises(ValueError, match="bf16"):
         GP._check(a, torch.zeros(256, 2048, dtype=torch.bfloat16), tile)
+
+
+def test_the_gpu_script_compiles_here_and_refuses_unknown_variants(tmp_path):
+    """scripts/gpu_gemm_park.py --compile-only on a machine without a GPU: exit 0 and a JSON with the tile's facts
+    (no rows: no GPU); an unknown variant is an argument error naming the known ones, before any compile."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if GP.unavailable() is not None:
+        pytest.skip(GP.unavailable())
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "gpu_gemm_park.py")
+    proc = subprocess.run([sys.executable, script, "--compile-only", "--variants", "seg4_128x256_k32s4", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads((tmp_path / "gemm_park.json").read_text())
+    facts = rec["compiled_sm90"]["seg4_128x256_k32s4"]
+    assert facts.get("wgmma_shapes") == ["m64n128k16"] and facts["ring_and_partial_bytes"] == 229376, facts
+    assert "rows" not in rec
+    bad = subprocess.run([sys.executable, script, "--compile-only", "--variants", "seg4_128x512", "--out",
+                          str(tmp_path / "bad")], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "unknown variants ['seg4_128x512']" in bad.stderr and "seg4_128x256_k32s4" in bad.stderr
+    assert not (tmp_path / "bad").exists()
