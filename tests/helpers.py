@@ -254,3 +254,15 @@ def compile_sm90_or_skip(fn):
     if why is not None:
         pytest.skip(f"this Triton cannot compile for sm_90 here: {why}")
     return fn()
+
+
+def ptxas_usage(ptx: str) -> str:
+    """ptxas -v's registers / spills / warnings for a kernel's PTX (scripts/gpu_gluon_attn.ptxas_usage: Triton's
+    bundled ptxas, no GPU needed)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import gpu_gluon_attn as GA
+
+    return GA.ptxas_usage(ptx)

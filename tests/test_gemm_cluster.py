@@ -67,7 +67,7 @@ def test_every_cluster_tile_compiles_for_sm90_as_claimed(name):
     zeroed accumulator."""
     if GC.unavailable() is not None:
         pytest.skip(GC.unavailable())
-    from helpers import compile_sm90_or_skip, wgmma_scale_d_not_always_on
+    from helpers import compile_sm90_or_skip, ptxas_usage, wgmma_scale_d_not_always_on
 
     tile = GC.TILES[name]
     k = compile_sm90_or_skip(lambda: GC.compile_sm90(tile))
@@ -76,18 +76,13 @@ def test_every_cluster_tile_compiles_for_sm90_as_claimed(name):
     assert ptx.count("multicast::cluster") == (tile.cm > 1) + (tile.cn > 1)
     # cross-CTA releases: remote mbarrier arrives, or (gsync) the peer's release store and the lead's acquire spin
     assert ("arrive.shared::cluster" in ptx) == (tile.ctas > 1 and not tile.gsync)
-    store, load = GC.GSYNC_MODES[tile.sync][:2]
-    space = ("shared::cluster", "shared::cta") if tile.sync.startswith("dsmem") else ("global", "global")
+    mode = GC.GSYNC_MODES[tile.sync]
+    store, load = mode.store, mode.load
+    space = ("shared::cluster", "shared::cta") if mode.shared else ("global", "global")
     assert (f"st.{store}.{space[0]}" in ptx and f"ld.{load}.{space[1]}" in ptx) == tile.gsync
-    assert ("mapa.shared::cluster" in ptx) == (tile.sync.startswith("dsmem") and tile.gsync)
+    assert ("mapa.shared::cluster" in ptx) == tile.shared_counter
     assert (f".reqnctapercluster {tile.ctas}" in ptx) == (tile.ctas > 1)
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import gpu_gluon_attn as GA
-
-    usage = GA.ptxas_usage(ptx)
+    usage = ptxas_usage(ptx)
     assert "0 bytes spill stores" in usage and "C7512" not in usage, usage
     adds = len(re.findall(r"= arith\.addf %\S+, %\S+ : tensor<\d+x\d+xf32", ttgir))
     assert adds == 3, adds
@@ -132,8 +127,9 @@ def test_each_gsync_block_names_its_semantics(sync):
     lead's shared counter reached through mapa), the lead's count is rounded up to what the peer publishes, and the
     step-0 zeroing compares against 1 - S."""
     block = GC.gsync_asm(sync, 6)
-    store, load = GC.GSYNC_MODES[sync][:2]
-    if sync.startswith("dsmem"):
+    mode = GC.GSYNC_MODES[sync]
+    store, load = mode.store, mode.load
+    if mode.shared:
         assert f"st.{store}.shared::cluster.b32 [ra], $2;" in block and "mapa.shared::cluster.u32 ra, a, 0;" in block
         assert f"ld.{load}.shared::cta.b32 v, [a];" in block and "setp.eq.s32 first, $2, -5;" in block
         every = 2 if sync.endswith(".2") else 1

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from rlkernel.backends.triton import gemm_gluon as GG  # noqa: E402
-from helpers import STUB_SM90_DRIVER, compile_sm90_or_skip, wgmma_scale_d_not_always_on  # noqa: E402
+from helpers import STUB_SM90_DRIVER, compile_sm90_or_skip, ptxas_usage, wgmma_scale_d_not_always_on  # noqa: E402
 
 QKV, O, GATE_UP, DOWN, LM_HEAD = (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 151936)  # (K, N)
 
@@ -49,17 +49,6 @@ def _compiled(tile):
     return compile_sm90_or_skip(lambda: GG.compile_sm90(tile))
 
 
-def _ptxas(ptx: str) -> str:
-    """ptxas -v's registers / spills / warnings for a kernel's PTX (scripts/gpu_gluon_attn.ptxas_usage)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import gpu_gluon_attn as GA
-
-    return GA.ptxas_usage(ptx)
-
-
 def test_segments_over_two_accumulators_are_gemm_parks():
     """This kernel folds one accumulator's segments in registers; two accumulators' tree partials must wait outside
     them (gemm_park's kernel, tests/test_gemm_park.py): such a Tile is refused here, not compiled into spills."""
@@ -83,7 +72,7 @@ def test_every_tile_compiles_for_sm90_as_claimed(tile):
     widths = {int(w) for w in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16", ptx)}
     assert widths == {tile.bn1} | ({tile.bn2} if tile.bn2 else set()), widths
     assert "setmaxnreg" in ptx and ptx.count("cp.async.bulk.tensor") >= (3 if tile.bn2 else 2)
-    usage = _ptxas(ptx)
+    usage = ptxas_usage(ptx)
     assert "0 bytes spill stores" in usage and "C7512" not in usage, usage
     adds = len(re.findall(r"= arith\.addf %\S+, %\S+ : tensor<\d+x\d+xf32", ttgir))
     assert adds == (3 * (2 if tile.bn2 else 1) if tile.segs == 4 else 0), adds  # the tree's adds per accumulator

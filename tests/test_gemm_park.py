@@ -13,23 +13,13 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from rlkernel.backends.triton import gemm_park as GP  # noqa: E402
-from helpers import compile_sm90_or_skip, wgmma_scale_d_not_always_on  # noqa: E402
+from helpers import compile_sm90_or_skip, ptxas_usage, wgmma_scale_d_not_always_on  # noqa: E402
 
 
 def _compiled(tile):
     if GP.unavailable() is not None:
         pytest.skip(GP.unavailable())
     return compile_sm90_or_skip(lambda: GP.compile_sm90(tile))
-
-
-def _ptxas(ptx: str) -> str:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import gpu_gluon_attn as GA
-
-    return GA.ptxas_usage(ptx)
 
 
 FLAT = GP.ParkTile("flat_128x256_k32s4", 128, 128, 128, 4, 4, 8, persistent=True, group_m=8, bk=32, swz=False)
@@ -44,7 +34,7 @@ def test_every_park_tile_compiles_for_sm90_as_claimed(tile):
     # a K loop per segment, a k16 chain a step per accumulator
     assert ptx.count("wgmma.mma_async") == tile.segs * 2 * tile.bk // 16
     assert tile.shared_bytes <= k.metadata.shared <= GP.SHARED_LIMIT, (tile.shared_bytes, k.metadata.shared)
-    usage = _ptxas(ptx)
+    usage = ptxas_usage(ptx)
     assert "0 bytes spill stores" in usage and "C7512" not in usage, usage
     # the tree: (s0 + s1) and (hi + s3) and lo + that, per accumulator; nothing else touches the values
     adds = len(re.findall(r"= arith\.addf %\S+, %\S+ : tensor<\d+x\d+xf32", ttgir))

@@ -400,13 +400,10 @@ def launch(a, w, tile: ClusterTile, out=None, programs: int | None = None):
 
 def compile_sm90(tile: ClusterTile):
     """`tile`'s kernel compiled for sm_90 here, with no GPU: the CompiledKernel (tests, scripts)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from .gluon_checks import compile_sm90 as _compile_sm90
 
     a_lay, w_lay, const = _plan(tile)
     sig = {"a_desc": f"tensordesc<bf16[{tile.bm * tile.cm}, {BK}],{a_lay!r}>",
            "w_desc": f"tensordesc<bf16[{tile.bn * tile.cn}, {BK}],{w_lay!r}>",
            "c_ptr": "*bf16", "flags": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32", "step": "i32"}
-    sig.update({k: "constexpr" for k in const})
-    return triton.compile(GluonASTSource(_cluster_kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": tile.warps, "num_ctas": tile.ctas})
+    return _compile_sm90(_cluster_kernel, sig, const, num_warps=tile.warps, num_ctas=tile.ctas)

@@ -39,7 +39,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-from .gluon_checks import arch_reason, describe_checks, descriptor, first_use, gate_reason, switched_off
+from .gluon_checks import arch_reason, compile_sm90 as _compile_sm90, describe_checks, descriptor, first_use, \
+    gate_reason, switched_off
 from .launch import fast
 
 ENV = "RLKERNEL_GEMM_GLUON"
@@ -51,7 +52,6 @@ SEGMENTS = (4,)  # the segment counts measured (the canonical 4)
 PRODUCER_REGS = 40
 
 try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API is young, so any failure is a reason
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -75,8 +75,8 @@ class Tile:
     persistent: bool = False  # one program per SM walking the tiles (else one program per tile)
     group_m: int = 0  # the tile walk: 0 = M tiles fastest; g = groups of g M tiles (L2 locality; never a bit)
 
-    def __post_init__(self):
-        if self.segs > 1 and self.bn2 and type(self) is Tile:  # (gemm_park.ParkTile builds those)
+    def __post_init__(self):  # (gemm_park.ParkTile, which builds those, validates itself)
+        if self.segs > 1 and self.bn2:
             raise ValueError(f"{self.name}: segments over two accumulators need the tree's partials parked outside "
                              "the registers: gemm_park.ParkTile (this kernel folds one accumulator's segments)")
 
@@ -273,7 +273,7 @@ if _IMPORT_ERROR is None:
     _gemm_fast = fast(_gemm_kernel)  # launch.py's fast path: Triton's own run at a key's first call, then its kernel
 
 
-_LAYOUTS: dict = {}  # rows -> the NVMMA shared layout of a [rows, BK] bf16 box
+_LAYOUTS: dict = {}  # (rows, bk) -> the NVMMA shared layout of a [rows, bk] bf16 box
 _ARCH: dict = {}  # device index -> its architecture (golden.gpu_arch), asked once
 _SMS: dict = {}  # device index -> SM count
 _CHECKED: dict = {}  # (device index, tile name) -> None (bit-equal to the Triton kernel) or why this tile is off there
@@ -287,11 +287,17 @@ def off():
     return switched_off(sys.modules[__name__])
 
 
-def _layout(rows: int):
-    lay = _LAYOUTS.get(rows)
+def _layout(rows: int, bk: int = BK):
+    """The NVMMA shared layout of a [rows, bk] bf16 box (gemm_park's kernel takes 32-column steps too)."""
+    lay = _LAYOUTS.get((rows, bk))
     if lay is None:
-        lay = _LAYOUTS[rows] = gl.NVMMASharedLayout.get_default_for([rows, BK], gl.bfloat16)
+        lay = _LAYOUTS[(rows, bk)] = gl.NVMMASharedLayout.get_default_for([rows, bk], gl.bfloat16)
     return lay
+
+
+def _desc_sig(rows: int, bk: int = BK) -> str:
+    """The signature type of a [rows, bk] bf16 box's descriptor (compile_sm90)."""
+    return f"tensordesc<bf16[{rows}, {bk}],{_layout(rows, bk)!r}>"
 
 
 def _aligned(t) -> bool:
@@ -383,10 +389,10 @@ def self_check(device, tile: Tile) -> str | None:
     return why
 
 
-def _descriptor(t, rows: int, cols: int, block_rows: int):
-    """TensorDescriptor(t, [rows, cols], [t.stride(0), 1], [block_rows, BK], its layout) for a 2-D bf16 operand that
+def _descriptor(t, rows: int, cols: int, block_rows: int, bk: int = BK):
+    """TensorDescriptor(t, [rows, cols], [t.stride(0), 1], [block_rows, bk], its layout) for a 2-D bf16 operand that
     `choose` found loadable through TMA (`_aligned`), without the constructor's checks (gluon_checks.descriptor)."""
-    return descriptor(t, [rows, cols], [t.stride(0), 1], [block_rows, BK], _layout(block_rows))
+    return descriptor(t, [rows, cols], [t.stride(0), 1], [block_rows, bk], _layout(block_rows, bk))
 
 
 def _launch_args(a, w, tile: Tile, out, programs: int | None = None):
@@ -428,19 +434,11 @@ def verify(a, w, tile: Tile, out):
 def compile_sm90(tile: Tile):
     """`tile`'s kernel compiled for sm_90 here, with no GPU (Triton ships ptxas): the CompiledKernel (tests,
     scripts/gpu_gluon_gemm.py --compile-only)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    n2 = tile.bn2 or tile.bn1
-    sig = {"a_desc": f"tensordesc<bf16[{tile.bm}, {BK}],{_layout(tile.bm)!r}>",
-           "w1_desc": f"tensordesc<bf16[{tile.bn1}, {BK}],{_layout(tile.bn1)!r}>",
-           "w2_desc": f"tensordesc<bf16[{n2}, {BK}],{_layout(n2)!r}>",
-           "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32", "step": "i32",
-           **{k: "constexpr" for k in ("BM", "BN1", "BN2", "BK", "STAGES", "SEGS", "GROUP_M", "num_warps")}}
+    sig = {"a_desc": _desc_sig(tile.bm), "w1_desc": _desc_sig(tile.bn1), "w2_desc": _desc_sig(tile.bn2 or tile.bn1),
+           "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32", "step": "i32"}
     const = {"BM": tile.bm, "BN1": tile.bn1, "BN2": tile.bn2, "BK": BK, "STAGES": tile.stages, "SEGS": tile.segs,
              "GROUP_M": tile.group_m, "num_warps": tile.warps}
-    return triton.compile(GluonASTSource(_gemm_kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": tile.warps})
+    return _compile_sm90(_gemm_kernel, sig, const, num_warps=tile.warps)
 
 
 def describe() -> str:

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .gemm_gluon import PRODUCER_REGS, Tile, _IMPORT_ERROR, _sms
+from .gemm_gluon import PRODUCER_REGS, Tile, _IMPORT_ERROR, _desc_sig, _descriptor, _sms
 
 try:
     if _IMPORT_ERROR is not None:
         raise ImportError(_IMPORT_ERROR)
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
@@ -49,8 +48,7 @@ class ParkTile(Tile):
     park: int = 1  # 1: hi (s2) waits in a global slot; 0: in registers
     swz: bool = True  # the shared partial's layout: swizzled (else flat, session 32's)
 
-    def __post_init__(self):
-        super().__post_init__()
+    def __post_init__(self):  # (not Tile's: this kernel builds segments over two accumulators)
         if self.segs not in (1, 4) or not self.bn2 or self.bk not in (32, 64) or self.park not in (0, 1):
             raise ValueError(f"{self.name}: 4 segments (1: the diagnostic), two accumulators, bk 32 or 64 and park 0 "
                              "or 1, got "
@@ -176,15 +174,7 @@ if _PARK_IMPORT_ERROR is None:
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
 
 
-_LAYOUTS: dict = {}
 _SLOTS: dict = {}  # (device index, elements) -> the programs' fp32 slots
-
-
-def _layout(rows: int, bk: int):
-    lay = _LAYOUTS.get((rows, bk))
-    if lay is None:
-        lay = _LAYOUTS[(rows, bk)] = gl.NVMMASharedLayout.get_default_for([rows, bk], gl.bfloat16)
-    return lay
 
 
 def _check(a, w, tile: ParkTile) -> None:
@@ -203,8 +193,6 @@ def launch(a, w, tile: ParkTile, out=None, programs: int | None = None):
     programs walk the tiles (default: one per SM, at most one per tile)."""
     import torch
 
-    from .gluon_checks import descriptor
-
     _check(a, w, tile)
     M, K = a.shape
     N = w.shape[0]
@@ -216,11 +204,9 @@ def launch(a, w, tile: ParkTile, out=None, programs: int | None = None):
     slots = _SLOTS.get(key)
     if slots is None:
         slots = _SLOTS[key] = torch.empty(key[1], device=a.device, dtype=torch.float32)
-
-    def desc(t, rows, block_rows):
-        return descriptor(t, [rows, K], [t.stride(0), 1], [block_rows, tile.bk], _layout(block_rows, tile.bk))
-
-    _park_kernel[(grid,)](desc(a, M, tile.bm), desc(w, N, tile.bn1), desc(w, N, tile.bn2), out, slots, M, N, K,
+    bk = tile.bk
+    _park_kernel[(grid,)](_descriptor(a, M, K, tile.bm, bk), _descriptor(w, N, K, tile.bn1, bk),
+                          _descriptor(w, N, K, tile.bn2, bk), out, slots, M, N, K,
                           out.stride(0), grid, BM=tile.bm, BN1=tile.bn1, BN2=tile.bn2, BK=tile.bk, STAGES=tile.stages,
                           SEGS=tile.segs, GROUP_M=tile.group_m, PARK=tile.park, SWZ=tile.swz, num_warps=tile.warps)
     return out
@@ -230,19 +216,14 @@ def compile_sm90(tile: ParkTile):
     """`tile`'s kernel compiled for sm_90 here, with no GPU (Triton ships ptxas)."""
     if _PARK_IMPORT_ERROR is not None:
         raise RuntimeError(f"gemm_park unavailable: {_PARK_IMPORT_ERROR}")
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from .gluon_checks import compile_sm90 as _compile_sm90
 
-    sig = {"a_desc": f"tensordesc<bf16[{tile.bm}, {tile.bk}],{_layout(tile.bm, tile.bk)!r}>",
-           "w1_desc": f"tensordesc<bf16[{tile.bn1}, {tile.bk}],{_layout(tile.bn1, tile.bk)!r}>",
-           "w2_desc": f"tensordesc<bf16[{tile.bn2}, {tile.bk}],{_layout(tile.bn2, tile.bk)!r}>",
+    bk = tile.bk
+    sig = {"a_desc": _desc_sig(tile.bm, bk), "w1_desc": _desc_sig(tile.bn1, bk), "w2_desc": _desc_sig(tile.bn2, bk),
            "c_ptr": "*bf16", "park_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32",
-           "step": "i32",
-           **{k: "constexpr" for k in ("BM", "BN1", "BN2", "BK", "STAGES", "SEGS", "GROUP_M", "PARK", "SWZ",
-                                          "num_warps")}}
-    const = {"BM": tile.bm, "BN1": tile.bn1, "BN2": tile.bn2, "BK": tile.bk, "STAGES": tile.stages, "SEGS": tile.segs,
+           "step": "i32"}
+    const = {"BM": tile.bm, "BN1": tile.bn1, "BN2": tile.bn2, "BK": bk, "STAGES": tile.stages, "SEGS": tile.segs,
              "GROUP_M": tile.group_m, "PARK": tile.park, "SWZ": tile.swz, "num_warps": tile.warps}
     # c_ptr and park_ptr 16-byte aligned, as a launch specialises them (torch's allocations): vector stores
     attrs = {(3,): [["tt.divisibility", 16]], (4,): [["tt.divisibility", 16]]}
-    return triton.compile(GluonASTSource(_park_kernel, sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.warps})
+    return _compile_sm90(_park_kernel, sig, const, attrs, num_warps=tile.warps)

@@ -2,7 +2,7 @@
 asked once per device, and the first-use check's bookkeeping — run once per key outside a CUDA-graph capture, its
 outcome (None: bit-equal to the Triton kernel; else the reason the kernel stays off there) kept for the process and
 named in provenance. Each kernel keeps its own caches (the dicts passed in); tests read and set them. And their
-launches' host-side tensor descriptors (`descriptor`)."""
+launches' host-side tensor descriptors (`descriptor`) and their compile for sm_90 without a GPU (`compile_sm90`)."""
 from __future__ import annotations
 
 import contextlib
@@ -90,3 +90,15 @@ def describe_checks(cache: dict, label) -> str:
     """The checks so far for provenance: "; first-use checks: cuda:D <label(key)>: <outcome>; ..." or ""."""
     checks = "; ".join(f"cuda:{k[0]} {label(k)}: {why or 'bit-equal to Triton'}" for k, why in sorted(cache.items()))
     return f"; first-use checks: {checks}" if checks else ""
+
+
+def compile_sm90(kernel, sig: dict, const: dict, attrs: dict | None = None, **options):
+    """A Gluon kernel compiled for sm_90 here, with no GPU (Triton ships ptxas): `sig` its runtime arguments' types,
+    `const` its constexprs (typed "constexpr" in the signature), `attrs` Triton's argument attributes (alignment),
+    `options` the compile's (num_warps, num_ctas). The CompiledKernel (tests, the scripts' --compile-only)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    src = GluonASTSource(kernel, {**sig, **{k: "constexpr" for k in const}}, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
