@@ -31,7 +31,7 @@ def _arr(bar, n):
 
 
 @gluon.jit
-def _wt(bar, n, out_ptr):
+def _wt(bar, n):
     for i in range(n):
         mbarrier.wait(bar.index(i % 2), (i // 2) & 1)
 
@@ -42,10 +42,10 @@ def xcta_bar(out_ptr, n, WS: gl.constexpr):
     for i in gl.static_range(2):
         mbarrier.init(bar.index(i), count=1)
     if WS:
-        gl.warp_specialize([(_wt, (bar, n, out_ptr)), (_arr, (bar, n))], [1], [40])
+        gl.warp_specialize([(_wt, (bar, n)), (_arr, (bar, n))], [1], [40])
     else:
         _arr(bar, n)
-        _wt(bar, n, out_ptr)
+        _wt(bar, n)
 
 
 def main():
