@@ -18,8 +18,14 @@ Same arithmetic as gemm_gluon's consumer: each output accumulates in fp32 over K
 segment from zero; the partials fold by `ksegments`' tree. Where a partial waits — registers, shared memory, L2 —
 moves no bit.
 
-**Status (session 45): an experiment, not used by `gemm.matmul`.** `scripts/gpu_gemm_park.py` checks its bits and
-times it against cuBLAS and the library's seg4_128x128_p.
+**Status: an experiment that lost; `gemm.matmul` does not use it.** `scripts/gpu_gemm_park.py` checks its bits and
+times it against cuBLAS and the library's seg4_128x128_p. Session 46 (an H100,
+`benchmarks/H100_session46/call1`): every tile was bit-equal to the strict GEMM, with three programs and run to run.
+Every tile was also slower than seg4_128x128_p in every row. The best, seg4_128x256_k32s4, ran o 0.72-0.74x and
+down 0.82-0.86x cuBLAS at M >= 4,096, against 0.86-0.88x and 0.89-0.90x. The same ring without the parking
+(`plain_128x256_k32s4`, 0.91x) puts the parking's cost at 23 % of a tile at o (K = 4,096) and 11 % at down (K = 12,288).
+hi's L2 slot alone costs ~14 % at o (128 x 192: `_k32s6_pk` 0.670x against `_k32s6_swz` 0.778x): all 132 programs
+reach a boundary together and wait on L2.
 """
 from __future__ import annotations
 
