@@ -12,6 +12,8 @@ three programs walking every tile (the slots reused across tiles) and run to run
 (seeded inputs: comparable with benchmarks/H100_session43-44). Times: chain (a CUDA graph of 8 calls on 8 weights) in
 interleaved rounds; ratios are medians of the rounds' ratios. `plain_128x256_k32s4` (one chain over K, the same
 ring) is checked against the unsegmented strict GEMM: what the parking costs is its time against seg4_128x256_k32s4's.
+`seg2_128x256_k32s4` (2 canonical segments: `rlkernel.row_segments=2`) is checked against the strict GEMM at 2
+segments and timed beside gemm_gluon's kernel at 2 segments (`gluon_seg2_128x128_p`; the library takes 4 only).
 """
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ import gpu_gluon_gemm as GGS  # noqa: E402
 from rlkernel.backends.triton import gemm_gluon as GG  # noqa: E402
 from rlkernel.backends.triton import gemm_park as GP  # noqa: E402
 
+# gemm_gluon's persistent 128 x 128 tile at 2 canonical segments (the library takes 4 only): seg2_128x256's baseline
+SEG2_128x128 = GG.Tile("seg2_128x128_p", 128, 128, 0, 4, 2, 8, persistent=True, group_m=8)
+
 
 def _row(gname: str, M: int, variants: list, rounds: int) -> dict:
     import torch
@@ -45,26 +50,27 @@ def _row(gname: str, M: int, variants: list, rounds: int) -> dict:
     def bits(y):
         return y.view(torch.int16)
 
-    def strict(i):
+    def strict(segs):
         with GG.off():
-            return gemm.matmul(a, ws[i], k_segments=4, schedule="scratch")
+            return gemm.matmul(a, ws[0], k_segments=segs, schedule="scratch" if segs > 1 else None)
 
-    ref = strict(0)
-    ref_plain = None  # the unsegmented diagnostic's reference, made where a diagnostic runs
+    ref = strict(4)
+    refs = {4: ref}  # the strict GEMM's bits by segment count (1: the diagnostic's, 2: row_segments=2), made as needed
     row = {"gemm": gname, "M": M, "K": K, "N": N, "hashes": {"strict": GCS._sha(ref)}, "variants": {}}
     timers = {"cublas": lambda i: torch.nn.functional.linear(a, ws[i]),
               "gluon_seg4_128x128_p": lambda i: GG.launch(a, ws[i], GG.SEG_128x128),
               "plain_128x256_p": lambda i: GG.launch(a, ws[i], GG.VOCAB)}  # unsegmented: the ceiling, other bits
+    if any(GP.TILES[n].segs == 2 for n in variants):  # the library's kernel at 2 segments: what seg2 would replace
+        timers["gluon_seg2_128x128_p"] = lambda i: GG.launch(a, ws[i], SEG2_128x128)
     row["gluon_equal_to_strict"] = bool(torch.equal(bits(timers["gluon_seg4_128x128_p"](0)), bits(ref)))
     for name in variants:
         tile = GP.TILES[name]
         try:
             y = GP.launch(a, ws[0], tile)
             y3 = GP.launch(a, ws[0], tile, programs=3)
-            if tile.segs == 1 and ref_plain is None:
-                with GG.off():
-                    ref_plain = gemm.matmul(a, ws[0])
-            want = ref if tile.segs == 4 else ref_plain
+            if tile.segs not in refs:
+                refs[tile.segs] = strict(tile.segs)
+            want = refs[tile.segs]
             row["variants"][name] = {
                 "segments": tile.segs,
                 "equal_to_strict": bool(torch.equal(bits(y), bits(want))),
@@ -75,6 +81,10 @@ def _row(gname: str, M: int, variants: list, rounds: int) -> dict:
             timers[name] = lambda i, tile=tile: GP.launch(a, ws[i], tile)
         except Exception as e:  # noqa: BLE001 -- recorded; the other variants still run
             row["variants"][name] = {"error": f"{type(e).__name__}: {str(e)[:600]}"}
+    if "gluon_seg2_128x128_p" in timers:
+        if 2 not in refs:
+            refs[2] = strict(2)
+        row["gluon_seg2_equal_to_strict"] = bool(torch.equal(bits(timers["gluon_seg2_128x128_p"](0)), bits(refs[2])))
     ms = GGS.interleaved_ms(timers, rounds)
     row["times"] = {k: GGS.rounds_record(ms, k, ("cublas", "gluon_seg4_128x128_p")) for k in timers}
     return row

@@ -36,9 +36,9 @@ def test_every_park_tile_compiles_for_sm90_as_claimed(tile):
     assert tile.shared_bytes <= k.metadata.shared <= GP.SHARED_LIMIT, (tile.shared_bytes, k.metadata.shared)
     usage = ptxas_usage(ptx)
     assert "0 bytes spill stores" in usage and "C7512" not in usage, usage
-    # the tree: (s0 + s1) and (hi + s3) and lo + that, per accumulator; nothing else touches the values
+    # the tree, per accumulator: 4 segments (s0 + s1), (hi + s3) and lo + that; 2 segments s0 + s1; nothing else
     adds = len(re.findall(r"= arith\.addf %\S+, %\S+ : tensor<\d+x\d+xf32", ttgir))
-    assert adds == (6 if tile.segs == 4 else 0), adds
+    assert adds == {4: 6, 2: 2, 1: 0}[tile.segs], adds
     assert not re.search(r"= (arith\.mulf|math\.fma) .*tensor<\d+x\d+xf32", ttgir)
     assert not wgmma_scale_d_not_always_on(ptx)
     # hi through global memory only where parked: a thread's 64 + 64 (or 64 + 32) fp32, in 8-byte vectors
@@ -53,7 +53,7 @@ def test_every_park_tile_compiles_for_sm90_as_claimed(tile):
 
 
 def test_park_tiles_refuse_what_they_do_not_build():
-    for kw in ({"segs": 2}, {"bn2": 0}, {"bk": 128}, {"park": 2}):
+    for kw in ({"segs": 3}, {"segs": 8}, {"bn2": 0}, {"bk": 128}, {"park": 2}):
         args = dict(name="bad", bm=128, bn1=128, bn2=128, stages=2, segs=4, warps=8) | kw
         with pytest.raises(ValueError):
             GP.ParkTile(**args)
@@ -61,6 +61,8 @@ def test_park_tiles_refuse_what_they_do_not_build():
     a = torch.zeros(256, 4096, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="4 segments"):
         GP._check(a[:, :4000], torch.zeros(256, 4000, dtype=torch.bfloat16), tile)
+    with pytest.raises(ValueError, match="2 segments of whole 32-column"):  # 4,080 = 2 x 2,040, not whole steps
+        GP._check(a[:, :4080], torch.zeros(256, 4080, dtype=torch.bfloat16), GP.TILES["seg2_128x256_k32s4"])
     with pytest.raises(ValueError, match="bf16"):
         GP._check(a.float(), torch.zeros(256, 4096), tile)
     with pytest.raises(ValueError, match="bf16"):

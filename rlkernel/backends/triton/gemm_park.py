@@ -55,9 +55,9 @@ class ParkTile(Tile):
     swz: bool = True  # the shared partial's layout: swizzled (else flat, session 32's)
 
     def __post_init__(self):  # (not Tile's: this kernel builds segments over two accumulators)
-        if self.segs not in (1, 4) or not self.bn2 or self.bk not in (32, 64) or self.park not in (0, 1):
-            raise ValueError(f"{self.name}: 4 segments (1: the diagnostic), two accumulators, bk 32 or 64 and park 0 "
-                             "or 1, got "
+        if self.segs not in (1, 2, 4) or not self.bn2 or self.bk not in (32, 64) or self.park not in (0, 1):
+            raise ValueError(f"{self.name}: 4 or 2 segments (1: the diagnostic), two accumulators, bk 32 or 64 and "
+                             "park 0 or 1, got "
                              f"{self.segs}, bn2 {self.bn2}, bk {self.bk}, park {self.park}")
 
     @property
@@ -81,6 +81,9 @@ TILES = {t.name: t for t in (
     # program per SM either way, so the shared memory it does not hold changes no occupancy): what the parking costs
     # is its time against seg4_128x256_k32s4's
     ParkTile("plain_128x256_k32s4", 128, 128, 128, 4, 1, 8, persistent=True, group_m=8, bk=32, park=0),
+    # 2 canonical segments (rlkernel.row_segments=2: TP 1 or 2): the tree is s0 + s1, so only s0 waits, in shared
+    # memory, and nothing goes to L2. Its time against plain_128x256_k32s4 is the shared-memory partial's cost alone
+    ParkTile("seg2_128x256_k32s4", 128, 128, 128, 4, 2, 8, persistent=True, group_m=8, bk=32, park=0),
     # session 32's two-accumulator segmented tiles (gemm_gluon's kernel until session 45): hi in registers, lo in the
     # flat layout, 3 stages of 64-column steps; o / down 0.44-0.74x there (seg4_128x128_p 0.79-0.94x): 192 and 160 do
     # not divide N = 4,096 (22 / 26 N tiles, the last part empty), and the flat layout's 8-way bank conflicts
@@ -101,7 +104,8 @@ if _PARK_IMPORT_ERROR is None:
                        GROUP_M: gl.constexpr, SEGS: gl.constexpr, PARK: gl.constexpr, l1: gl.constexpr,
                        l2: gl.constexpr):
         """Per tile: 4 segments, each (acc, acc2) from zero over its K steps; s0 into lo_smem, s1's end lo_smem +=,
-        s2 waits (PARK 1: in this program's global slot, else in registers), s3's end: lo + (hi + s3), stored."""
+        s2 waits (PARK 1: in this program's global slot, else in registers), s3's end: lo + (hi + s3), stored.
+        2 segments: s0 into lo_smem, s1's end: s0 + s1, stored."""
         S: gl.constexpr = bufs_a.type.shape[0]
         BN: gl.constexpr = BN1 + BN2
         seg_steps = k_steps // SEGS
@@ -128,6 +132,9 @@ if _PARK_IMPORT_ERROR is None:
                 elif sg == 0:
                     lo_smem.store(acc)
                     lo2_smem.store(acc2)
+                elif SEGS == 2:
+                    lo = lo_smem.load(l1) + acc
+                    lo2 = lo2_smem.load(l2) + acc2
                 elif sg == 1:
                     lo_smem.store(lo_smem.load(l1) + acc)
                     lo2_smem.store(lo2_smem.load(l2) + acc2)
@@ -195,7 +202,7 @@ def _check(a, w, tile: ParkTile) -> None:
 
 
 def launch(a, w, tile: ParkTile, out=None, programs: int | None = None):
-    """a [M, K] @ w [N, K]^T -> out [M, N] bf16 with 4 canonical K segments through `tile`; `programs` sets how many
+    """a [M, K] @ w [N, K]^T -> out [M, N] bf16 with `tile.segs` canonical K segments through `tile`; `programs` sets how many
     programs walk the tiles (default: one per SM, at most one per tile)."""
     import torch
 
