@@ -202,8 +202,8 @@ def _check(a, w, tile: ParkTile) -> None:
 
 
 def launch(a, w, tile: ParkTile, out=None, programs: int | None = None):
-    """a [M, K] @ w [N, K]^T -> out [M, N] bf16 with `tile.segs` canonical K segments through `tile`; `programs` sets how many
-    programs walk the tiles (default: one per SM, at most one per tile)."""
+    """a [M, K] @ w [N, K]^T -> out [M, N] bf16 with `tile.segs` canonical K segments through `tile`; `programs`
+    sets how many programs walk the tiles (default: one per SM, at most one per tile)."""
     import torch
 
     _check(a, w, tile)
