@@ -262,7 +262,9 @@ def ptxas_usage(ptx: str) -> str:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
     import gpu_gluon_attn as GA
 
     return GA.ptxas_usage(ptx)
