@@ -98,6 +98,11 @@ STEPS: dict[str, tuple[int, str]] = {
                                      "triton_kernels*.json /tmp/km/ && ls -la /tmp/km && TRITON_CACHE_DIR=$(mktemp -d) "
                                      f"{_STRICT_VS_NATIVE} --tag h200_loop_grpo_qwen3_gpu_ahead --out {{out}} "
                                      "strict:trainer.kernel_manifest=/tmp/km/triton_kernels.json"),
+    # re-record the recipe's kernel seed (after loop_qwen3_native on this machine): the strict arm without the shipped
+    # seed, whose entries a seeded run would carry forward, stale ones too; then scripts/make_kernel_seed.py on the
+    # <tag>_kernel_manifests.json it brings back (session 47)
+    "loop_qwen3_strict_seed": (560, f"{_STRICT_VS_NATIVE} --tag h200_loop_grpo_qwen3_gpu_seed --out {{out}} "
+                                    "strict:trainer.kernel_manifest_seed=null"),
     # the strict arm at rlkernel.row_segments=1 (a TP=1 run's plain row-parallel GEMMs) against the native arm of a
     # previous call on this machine (loop_qwen3_native first)
     "loop_qwen3_strict_rs1": (560, f"{_STRICT_VS_NATIVE} --tag h200_loop_grpo_qwen3_gpu_rs1 --out {{out}} "

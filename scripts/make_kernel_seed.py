@@ -8,6 +8,12 @@ default strict) gives the trainer's manifest (triton_kernels.json) and the engin
 merged: every engine of a recipe runs the same kernels). TAG.json, the loop's report, says where they were recorded
 (device, code, recipe, overrides), kept in the seed verbatim. A recipe points `trainer.kernel_manifest_seed` at the
 result; a run merges it into its own manifests before the first step (a fresh machine then compiles ahead).
+
+Record from a run without a seed (`strict:trainer.kernel_manifest_seed=null`; `scripts/gpu_session.py
+loop_qwen3_strict_seed`): a seeded run's manifests hold every entry of the seed it merged, launched or not (a
+preloaded kernel's launches are invisible to Triton's compile hooks), so a seed re-recorded from one carries the old
+seed's stale entries forward (session 47: attention v1's SEG_CHUNKS 8 beside v2's 32). Such a run is refused unless
+--allow-seeded, and the seed then names the seed it inherited (`recorded.seeded_from`).
 """
 from __future__ import annotations
 
@@ -40,12 +46,21 @@ def seed_manifests(arm_files: dict) -> dict:
     return out
 
 
+def seeded_from(recipe: str, overrides: list | None) -> str | None:
+    """The kernel manifest seed the recorded run merged before its first step (its recipe and overrides), or None."""
+    from vime.config import load_config
+
+    return load_config(recipe, list(overrides or []))[0].trainer.kernel_manifest_seed
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("manifests", help="scripts/gpu_loop.py's <tag>_kernel_manifests.json")
     ap.add_argument("--report", required=True, help="the loop's <tag>.json (where the manifests were recorded)")
     ap.add_argument("--arm", default="strict")
     ap.add_argument("--out", required=True, help="the seed to write (.json.gz)")
+    ap.add_argument("--allow-seeded", action="store_true",
+                    help="accept manifests of a run that merged a seed (its entries, stale ones too, are carried forward)")
     args = ap.parse_args(argv)
     arms = json.loads(Path(args.manifests).read_text())
     if args.arm not in arms:
@@ -54,6 +69,14 @@ def main(argv=None) -> int:
     recorded = {"from": Path(args.manifests).name, "arm": args.arm,
                 **{k: report.get(k) for k in ("recipe", "device", "torch", "code")},
                 "overrides": (report.get("overrides") or {}).get(args.arm)}
+    inherited = seeded_from(report["recipe"], recorded["overrides"])
+    if inherited and not args.allow_seeded:
+        raise SystemExit(f"{args.report}: the {args.arm} arm ran with trainer.kernel_manifest_seed={inherited}, so its "
+                         "manifests hold that seed's entries too, stale ones included; record from a run with "
+                         f"{args.arm}:trainer.kernel_manifest_seed=null (gpu_session.py loop_qwen3_strict_seed), or pass "
+                         "--allow-seeded")
+    if inherited:
+        recorded["seeded_from"] = inherited
     counts = precompile.make_seed(args.out, seed_manifests(arms[args.arm]), recorded)
     print(json.dumps({"seed": args.out, "entries": counts, "recorded": recorded}))
     return 0

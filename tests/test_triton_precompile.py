@@ -382,6 +382,37 @@ def test_start_merges_the_seed_first_and_reports_it_in_the_stats(tmp_path):
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = old
 
 
+def test_a_seed_is_not_made_from_a_seeded_run_unless_asked(tmp_path):
+    """scripts/make_kernel_seed.py: a loop whose arm ran with the recipe's seed merged (grpo_qwen3_gpu's default) is
+    refused, naming the override that records a clean one; with that override the seed is written; with
+    --allow-seeded too, and it names the seed it inherited (session 47: a seeded run's manifests carry the old seed's
+    stale entries forward)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_kernel_seed as M
+
+    tv = triton.__version__
+    man = tmp_path / "t_kernel_manifests.json"
+    man.write_text(json.dumps({"strict": {"triton_kernels.json": _manifest(tv, "t1"),
+                                          "triton_kernels_vllm-0.json": _manifest(tv, "e1")}}))
+
+    def report(*overrides):
+        r = tmp_path / "t.json"
+        r.write_text(json.dumps({"recipe": "grpo_qwen3_gpu", "device": "x", "overrides": {"strict": list(overrides)}}))
+        return ["--report", str(r)]
+
+    out = tmp_path / "s.json.gz"
+    with pytest.raises(SystemExit, match=r"kernel_manifest_seed=kernel_manifests/grpo_qwen3_gpu\.json\.gz.*"
+                                         r"strict:trainer\.kernel_manifest_seed=null"):
+        M.main([str(man), *report("trainer.profile_update=10"), "--out", str(out)])
+    assert not out.exists()
+    assert M.main([str(man), *report("trainer.kernel_manifest_seed=null"), "--out", str(out)]) == 0
+    assert "seeded_from" not in P.load_seed(out)["recorded"]
+    assert M.main([str(man), *report(), "--out", str(out), "--allow-seeded"]) == 0
+    doc = P.load_seed(out)
+    assert doc["recorded"]["seeded_from"] == "kernel_manifests/grpo_qwen3_gpu.json.gz"
+    assert {r: len(m["entries"]) for r, m in doc["roles"].items()} == {"trainer": 1, "engine": 1}
+
+
 def test_the_shipped_seed_fits_this_checkout():
     """The GPU recipe's seed (recipes/kernel_manifests/grpo_qwen3_gpu.json.gz, recorded on an H100): both roles, sm_90,
     Triton 3.6; every entry names a kernel of this checkout whose parameters are the recorded signature's, and
