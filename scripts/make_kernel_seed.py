@@ -13,7 +13,9 @@ Record from a run without a seed (`strict:trainer.kernel_manifest_seed=null`; `s
 loop_qwen3_strict_seed`): a seeded run's manifests hold every entry of the seed it merged, launched or not (a
 preloaded kernel's launches are invisible to Triton's compile hooks), so a seed re-recorded from one carries the old
 seed's stale entries forward (session 47: attention v1's SEG_CHUNKS 8 beside v2's 32). Such a run is refused unless
---allow-seeded, and the seed then names the seed it inherited (`recorded.seeded_from`).
+--allow-seeded, and the seed then names the seed it inherited (`recorded.seeded_from`). Entries the contracts no
+longer launch (`precompile.contract_stale`: an attention kernel specialised for another KV split) are dropped and
+counted in the output's `dropped`.
 """
 from __future__ import annotations
 
@@ -44,6 +46,21 @@ def seed_manifests(arm_files: dict) -> dict:
         keys = {(e["kernel"], e["key"]) for e in have["entries"]}
         have["entries"] += [e for e in m["entries"] if (e["kernel"], e["key"]) not in keys]
     return out
+
+
+def drop_contract_stale(roles: dict) -> dict:
+    """Remove, in place, the entries the contracts no longer launch (`precompile.contract_stale`); {reason: n}."""
+    dropped: dict = {}
+    for m in roles.values():
+        kept = []
+        for e in m["entries"]:
+            why = precompile.contract_stale(e["data"])
+            if why is None:
+                kept.append(e)
+            else:
+                dropped[why] = dropped.get(why, 0) + 1
+        m["entries"] = kept
+    return dropped
 
 
 def seeded_from(recipe: str, overrides: list | None) -> str | None:
@@ -77,8 +94,10 @@ def main(argv=None) -> int:
                          "--allow-seeded")
     if inherited:
         recorded["seeded_from"] = inherited
-    counts = precompile.make_seed(args.out, seed_manifests(arms[args.arm]), recorded)
-    print(json.dumps({"seed": args.out, "entries": counts, "recorded": recorded}))
+    roles = seed_manifests(arms[args.arm])
+    dropped = drop_contract_stale(roles)
+    counts = precompile.make_seed(args.out, roles, recorded)
+    print(json.dumps({"seed": args.out, "entries": counts, "dropped": dropped, "recorded": recorded}))
     return 0
 
 

@@ -164,7 +164,8 @@ def _entries_for_sm90() -> dict:
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "bt_ptr": "*i32", "qs_ptr": "*i32",
              "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32", "po_ptr": "*fp32", "pml_ptr": "*fp32",
              "lse_ptr": "*fp32", "qk_scale": "fp32"}
-    const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=8, PAGED=False, SPLIT=False, PAGE=16, IEEE=False,
+    seg_chunks = A.C.ATTENTION.seg_keys // 64  # the contract's KV split (an entry with another is contract-stale)
+    const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=seg_chunks, PAGED=False, SPLIT=False, PAGE=16, IEEE=False,
                  STORE_LSE=True, NESTED=False, TMA=True)
     names = [p.name for p in A._attn_fwd.params]
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
@@ -178,7 +179,7 @@ def _entries_for_sm90() -> dict:
     if AG._IMPORT_ERROR is None:  # the Gluon prefill (its own source class; descriptors carry their shared layout)
         from triton.experimental.gluon import language as gl
         lay = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
-        gl_const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=8, STAGES=AG.STAGES, STORE_LSE=True, NFULL=1,
+        gl_const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=seg_chunks, STAGES=AG.STAGES, STORE_LSE=True, NFULL=1,
                         DIAG=0, SKIP=0, QREG=AG.QREG, QK_FIRST=AG.QK_FIRST, num_warps=4)
         gl_types = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "qs_ptr": "*i32", "ql_ptr": "*i32",
                     "kl_ptr": "*i32", "ks_ptr": "*i32", "qk_scale": "fp32",
@@ -413,10 +414,53 @@ def test_a_seed_is_not_made_from_a_seeded_run_unless_asked(tmp_path):
     assert {r: len(m["entries"]) for r, m in doc["roles"].items()} == {"trainer": 1, "engine": 1}
 
 
+def _with_constexpr(data: str, name: str, value) -> str:
+    obj = json.loads(data)
+    i = list(obj["signature"]).index(name)
+    obj["constant_vals"][obj["constant_keys"].index([i])] = value
+    return json.dumps(obj)
+
+
+def test_entries_the_contract_no_longer_launches_are_skipped_and_left_out_of_seeds(tmp_path):
+    """An attention entry specialised for another KV split than the contract's (attention v1's SEG_CHUNKS 8 x 64 keys
+    under v2's 2,048) is contract-stale: `usable` (what the workers and the preload compile) skips it with its reason,
+    a worker compiles nothing for it, and make_kernel_seed drops it and counts it. The same entry at the contract's
+    split, and a GEMM entry, are kept. Real entries: the shipped seed's."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import make_kernel_seed as M
+    from rlkernel.backends.triton.contracts import ATTENTION
+
+    entries = P.load_seed(ROOT / "recipes" / "kernel_manifests" / "grpo_qwen3_gpu.json.gz")["roles"]["trainer"]["entries"]
+    attn = next(e for e in entries if e["kernel"].endswith("._attn_fwd"))
+    gemm = next(e for e in entries if "SEG_CHUNKS" not in P.constexprs(e["data"]))
+    named = P.constexprs(attn["data"])
+    assert named["SEG_CHUNKS"] * named["BLOCK_N"] == ATTENTION.seg_keys and P.contract_stale(attn["data"]) is None
+    assert P.contract_stale(gemm["data"]) is None
+    stale = {**attn, "key": "stale", "data": _with_constexpr(attn["data"], "SEG_CHUNKS", 512 // named["BLOCK_N"])}
+    why = f"a 512-key KV split, the attention contract's is {ATTENTION.seg_keys}"
+    assert P.contract_stale(stale["data"]) == why
+    kept, skipped = P.usable([attn, stale, gemm], "sm90")
+    assert kept == [attn, gemm] and skipped == {why: 1}
+
+    man = tmp_path / "m.json"
+    man.write_text(json.dumps({"format": P.FORMAT, "triton": triton.__version__, "entries": [stale]}))
+    got = P.compile_share(man, "cuda:90:32", 0, 1)
+    assert got["compiled"] == 0 and got["skipped"] == {why: 1}
+
+    loop = tmp_path / "t_kernel_manifests.json"
+    loop.write_text(json.dumps({"strict": {"triton_kernels.json": {"format": P.FORMAT, "triton": triton.__version__,
+                                                                   "entries": [attn, stale, gemm]}}}))
+    report = tmp_path / "t.json"
+    report.write_text(json.dumps({"recipe": "grpo_qwen3_gpu", "overrides": {"strict": ["trainer.kernel_manifest_seed=null"]}}))
+    out = tmp_path / "s.json.gz"
+    assert M.main([str(loop), "--report", str(report), "--out", str(out)]) == 0
+    assert [e["key"] for e in P.load_seed(out)["roles"]["trainer"]["entries"]] == [attn["key"], gemm["key"]]
+
+
 def test_the_shipped_seed_fits_this_checkout():
     """The GPU recipe's seed (recipes/kernel_manifests/grpo_qwen3_gpu.json.gz, recorded on an H100): both roles, sm_90,
-    Triton 3.6; every entry names a kernel of this checkout whose parameters are the recorded signature's, and
-    deserialises as the preload does. A kernel renamed or re-parametrised since fails here: re-record the seed
+    Triton 3.6; every entry names a kernel of this checkout whose parameters are the recorded signature's, deserialises
+    as the preload does, and is one the contracts still launch (`contract_stale`). A kernel renamed or re-parametrised since fails here: re-record the seed
     (`scripts/gpu_loop.py` on a GPU, then `scripts/make_kernel_seed.py`), else a fresh machine compiles it cold."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -433,6 +477,7 @@ def test_the_shipped_seed_fits_this_checkout():
             assert fn is not None, why
             assert list(json.loads(e["data"])["signature"]) == [p.name for p in fn.params], e["kernel"]
             P._source(fn, e["data"], backend)  # raises where the recorded constexprs no longer fit
+            assert P.contract_stale(e["data"]) is None, (e["kernel"], P.contract_stale(e["data"]))
 
 
 _GROUP = """

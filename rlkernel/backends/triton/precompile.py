@@ -19,7 +19,8 @@ forward + backward, 114 s of first launches).
   share it. Which kernel runs, and so every bit, is still Triton's choice: a preloaded kernel is the one its own JIT
   compiles for that specialization (the same key; the session-25 check hashed the bits with and without). Entries that
   no longer fit (a kernel renamed or with another signature since, another Triton version, another GPU architecture:
-  `for_arch`) are skipped and counted with their reason, never fatal: they compile at first launch as before.
+  `for_arch`) are skipped and counted with their reason, never fatal: they compile at first launch as before. So are
+  those the contracts no longer launch (`contract_stale`: an attention kernel specialised for another KV split).
 
 - A seed (`make_seed` / `merge_seed`): the manifests of a recorded run, one per role ("trainer", "engine"), in one
   gzip'd JSON file that ships beside a recipe. `start(..., seed=, role=)` merges the role's entries into the run's
@@ -281,6 +282,46 @@ def for_arch(entries: list, arch: str) -> tuple[list, dict]:
     return mine, other
 
 
+def constexprs(data: str) -> dict:
+    """An entry's constexpr arguments by name (the kernel's top-level parameters only)."""
+    obj = json.loads(data)
+    names = list(obj.get("signature", {}))
+    return {names[k[0]]: v.get("constexpr", v) if isinstance(v, dict) else v
+            for k, v in zip(obj.get("constant_keys", []), obj.get("constant_vals", []))
+            if isinstance(k, list) and len(k) == 1 and k[0] < len(names)}
+
+
+def contract_stale(data: str) -> str | None:
+    """Why an entry's specialization can no longer be launched under this checkout's contracts, or None. The one
+    contract-derived constexpr: an attention kernel's SEG_CHUNKS x BLOCK_N is the contract's KV split (seg_keys), so an
+    entry recorded under another split (attention v1's 512 keys; v2 since session 42: 2,048) is never launched again:
+    it would compile ahead for nothing."""
+    try:
+        named = constexprs(data)
+    except (ValueError, AttributeError, TypeError):
+        return None
+    if isinstance(named.get("SEG_CHUNKS"), int) and isinstance(named.get("BLOCK_N"), int):
+        from .contracts import ATTENTION
+
+        keys = named["SEG_CHUNKS"] * named["BLOCK_N"]
+        if keys != ATTENTION.seg_keys:
+            return f"a {keys}-key KV split, the attention contract's is {ATTENTION.seg_keys}"
+    return None
+
+
+def usable(entries: list, arch: str) -> tuple[list, dict]:
+    """(the entries to compile for `arch`, {reason: n} for the others): `for_arch`'s, less the contract-stale ones."""
+    mine, skipped = for_arch(entries, arch)
+    kept = []
+    for e in mine:
+        why = contract_stale(e.get("data", ""))
+        if why is None:
+            kept.append(e)
+        else:
+            skipped[why] = skipped.get(why, 0) + 1
+    return kept, skipped
+
+
 def _resolve(full_name: str):
     """The JITFunction named `module.qualname` (the name Triton serialises), or a reason it is not one."""
     parts = full_name.split(".")
@@ -330,7 +371,7 @@ def compile_share(path: str | os.PathLike, target: str, worker: int, workers: in
     be, arch, warp = target.split(":")
     tgt = GPUTarget(be, int(arch) if arch.isdigit() else arch, int(warp))
     backend = make_backend(tgt)
-    entries, other = for_arch(load(path)["entries"], target_arch(tgt))
+    entries, other = usable(load(path)["entries"], target_arch(tgt))
     out = {"worker": worker, "compiled": 0, "skipped": other if worker == 0 else {}}  # the others: counted once
     for i in plan(entries, workers)[worker]:
         e = entries[i]
@@ -413,7 +454,7 @@ def compile_ahead(path: str | os.PathLike, threads: int | None = None, workers: 
     from triton.runtime.driver import driver
 
     t = driver.active.get_current_target()
-    entries, other = for_arch(entries, target_arch(t))  # the workers select the same entries for this target
+    entries, other = usable(entries, target_arch(t))  # the workers select the same entries for this target
     for reason, n in other.items():
         skip(reason, n)
     if not entries:
