@@ -49,17 +49,12 @@ def seed_manifests(arm_files: dict) -> dict:
 
 
 def drop_contract_stale(roles: dict) -> dict:
-    """Remove, in place, the entries the contracts no longer launch (`precompile.contract_stale`); {reason: n}."""
+    """Remove, in place, the entries the contracts no longer launch (`precompile.launchable`); {reason: n}."""
     dropped: dict = {}
     for m in roles.values():
-        kept = []
-        for e in m["entries"]:
-            why = precompile.contract_stale(e["data"])
-            if why is None:
-                kept.append(e)
-            else:
-                dropped[why] = dropped.get(why, 0) + 1
-        m["entries"] = kept
+        m["entries"], stale = precompile.launchable(m["entries"])
+        for why, n in stale.items():
+            dropped[why] = dropped.get(why, 0) + n
     return dropped
 
 

@@ -309,17 +309,23 @@ def contract_stale(data: str) -> str | None:
     return None
 
 
-def usable(entries: list, arch: str) -> tuple[list, dict]:
-    """(the entries to compile for `arch`, {reason: n} for the others): `for_arch`'s, less the contract-stale ones."""
-    mine, skipped = for_arch(entries, arch)
-    kept = []
-    for e in mine:
+def launchable(entries: list) -> tuple[list, dict]:
+    """(the entries the contracts still launch, {reason: n} for the contract-stale ones)."""
+    kept, stale = [], {}
+    for e in entries:
         why = contract_stale(e.get("data", ""))
         if why is None:
             kept.append(e)
         else:
-            skipped[why] = skipped.get(why, 0) + 1
-    return kept, skipped
+            stale[why] = stale.get(why, 0) + 1
+    return kept, stale
+
+
+def usable(entries: list, arch: str) -> tuple[list, dict]:
+    """(the entries to compile for `arch`, {reason: n} for the others): `for_arch`'s, less the contract-stale ones."""
+    mine, skipped = for_arch(entries, arch)
+    kept, stale = launchable(mine)
+    return kept, {**skipped, **stale}
 
 
 def _resolve(full_name: str):
