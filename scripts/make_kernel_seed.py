@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arm", default="strict")
     ap.add_argument("--out", required=True, help="the seed to write (.json.gz)")
     ap.add_argument("--allow-seeded", action="store_true",
-                    help="accept manifests of a run that merged a seed (its entries, stale ones too, are carried forward)")
+                    help="accept manifests of a run that merged a seed (its entries, stale ones too, are carried "
+                         "forward)")
     args = ap.parse_args(argv)
     arms = json.loads(Path(args.manifests).read_text())
     if args.arm not in arms:
@@ -85,8 +86,8 @@ def main(argv=None) -> int:
     if inherited and not args.allow_seeded:
         raise SystemExit(f"{args.report}: the {args.arm} arm ran with trainer.kernel_manifest_seed={inherited}, so its "
                          "manifests hold that seed's entries too, stale ones included; record from a run with "
-                         f"{args.arm}:trainer.kernel_manifest_seed=null (gpu_session.py loop_qwen3_strict_seed), or pass "
-                         "--allow-seeded")
+                         f"{args.arm}:trainer.kernel_manifest_seed=null (gpu_session.py loop_qwen3_strict_seed), or "
+                         "pass --allow-seeded")
     if inherited:
         recorded["seeded_from"] = inherited
     roles = seed_manifests(arms[args.arm])

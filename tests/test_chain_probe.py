@@ -34,7 +34,8 @@ def test_without_the_hand_off_the_slices_are_not_the_gemm():
         sys.path.insert(0, "scripts")
         import gpu_chain_probe as P
         g = torch.Generator().manual_seed(0)
-        a, w = torch.randint(-3, 4, (33, 256), generator=g).float(), torch.randint(-3, 4, (64, 256), generator=g).float()
+        a = torch.randint(-3, 4, (33, 256), generator=g).float()
+        w = torch.randint(-3, 4, (64, 256), generator=g).float()
         ref = (a.double() @ w.double().T).float()
         acc = None
         for ar, wr in P.slices(a, w, 4):

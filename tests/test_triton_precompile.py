@@ -165,8 +165,8 @@ def _entries_for_sm90() -> dict:
              "ql_ptr": "*i32", "kl_ptr": "*i32", "ks_ptr": "*i32", "po_ptr": "*fp32", "pml_ptr": "*fp32",
              "lse_ptr": "*fp32", "qk_scale": "fp32"}
     seg_chunks = A.C.ATTENTION.seg_keys // 64  # the contract's KV split (an entry with another is contract-stale)
-    const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=seg_chunks, PAGED=False, SPLIT=False, PAGE=16, IEEE=False,
-                 STORE_LSE=True, NESTED=False, TMA=True)
+    const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=seg_chunks, PAGED=False, SPLIT=False, PAGE=16,
+                 IEEE=False, STORE_LSE=True, NESTED=False, TMA=True)
     names = [p.name for p in A._attn_fwd.params]
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
     cx = {(names.index(n),): v for n, v in const.items()}
@@ -179,8 +179,8 @@ def _entries_for_sm90() -> dict:
     if AG._IMPORT_ERROR is None:  # the Gluon prefill (its own source class; descriptors carry their shared layout)
         from triton.experimental.gluon import language as gl
         lay = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
-        gl_const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=seg_chunks, STAGES=AG.STAGES, STORE_LSE=True, NFULL=1,
-                        DIAG=0, SKIP=0, QREG=AG.QREG, QK_FIRST=AG.QK_FIRST, num_warps=4)
+        gl_const = dict(G=4, BLOCK_M=64, BLOCK_N=64, D=128, SEG_CHUNKS=seg_chunks, STAGES=AG.STAGES, STORE_LSE=True,
+                        NFULL=1, DIAG=0, SKIP=0, QREG=AG.QREG, QK_FIRST=AG.QK_FIRST, num_warps=4)
         gl_types = {"q_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "qs_ptr": "*i32", "ql_ptr": "*i32",
                     "kl_ptr": "*i32", "ks_ptr": "*i32", "qk_scale": "fp32",
                     "k_desc": f"tensordesc<bf16[64, 128],{lay!r}>", "v_desc": f"tensordesc<bf16[64, 128],{lay!r}>"}
@@ -430,7 +430,8 @@ def test_entries_the_contract_no_longer_launches_are_skipped_and_left_out_of_see
     import make_kernel_seed as M
     from rlkernel.backends.triton.contracts import ATTENTION
 
-    entries = P.load_seed(ROOT / "recipes" / "kernel_manifests" / "grpo_qwen3_gpu.json.gz")["roles"]["trainer"]["entries"]
+    seed = P.load_seed(ROOT / "recipes" / "kernel_manifests" / "grpo_qwen3_gpu.json.gz")
+    entries = seed["roles"]["trainer"]["entries"]
     attn = next(e for e in entries if e["kernel"].endswith("._attn_fwd"))
     gemm = next(e for e in entries if "SEG_CHUNKS" not in P.constexprs(e["data"]))
     named = P.constexprs(attn["data"])
@@ -451,7 +452,8 @@ def test_entries_the_contract_no_longer_launches_are_skipped_and_left_out_of_see
     loop.write_text(json.dumps({"strict": {"triton_kernels.json": {"format": P.FORMAT, "triton": triton.__version__,
                                                                    "entries": [attn, stale, gemm]}}}))
     report = tmp_path / "t.json"
-    report.write_text(json.dumps({"recipe": "grpo_qwen3_gpu", "overrides": {"strict": ["trainer.kernel_manifest_seed=null"]}}))
+    report.write_text(json.dumps({"recipe": "grpo_qwen3_gpu",
+                                  "overrides": {"strict": ["trainer.kernel_manifest_seed=null"]}}))
     out = tmp_path / "s.json.gz"
     assert M.main([str(loop), "--report", str(report), "--out", str(out)]) == 0
     assert [e["key"] for e in P.load_seed(out)["roles"]["trainer"]["entries"]] == [attn["key"], gemm["key"]]
@@ -460,8 +462,9 @@ def test_entries_the_contract_no_longer_launches_are_skipped_and_left_out_of_see
 def test_the_shipped_seed_fits_this_checkout():
     """The GPU recipe's seed (recipes/kernel_manifests/grpo_qwen3_gpu.json.gz, recorded on an H100): both roles, sm_90,
     Triton 3.6; every entry names a kernel of this checkout whose parameters are the recorded signature's, deserialises
-    as the preload does, and is one the contracts still launch (`contract_stale`). A kernel renamed or re-parametrised since fails here: re-record the seed
-    (`scripts/gpu_loop.py` on a GPU, then `scripts/make_kernel_seed.py`), else a fresh machine compiles it cold."""
+    as the preload does, and is one the contracts still launch (`contract_stale`). A kernel renamed or re-parametrised
+    since fails here: re-record the seed (`gpu_session.py loop_qwen3_native loop_qwen3_strict_seed` on a GPU, then
+    `scripts/make_kernel_seed.py`), else a fresh machine compiles it cold."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
 
