@@ -103,10 +103,15 @@ STEPS: dict[str, tuple[int, str]] = {
     # <tag>_kernel_manifests.json it brings back (session 47)
     "loop_qwen3_strict_seed": (560, f"{_STRICT_VS_NATIVE} --tag h200_loop_grpo_qwen3_gpu_seed --out {{out}} "
                                     "strict:trainer.kernel_manifest_seed=null"),
-    # the strict arm at rlkernel.row_segments=1 (a TP=1 run's plain row-parallel GEMMs) against the native arm of a
-    # previous call on this machine (loop_qwen3_native first)
+    # the strict arm at rlkernel.row_segments=1 (a TP=1 run's plain row-parallel GEMMs; since session 48 the default
+    # auto gives a TP=1 run 1, so this is loop_qwen3_strict again) against the native arm of a previous call on this
+    # machine (loop_qwen3_native first)
     "loop_qwen3_strict_rs1": (560, f"{_STRICT_VS_NATIVE} --tag h200_loop_grpo_qwen3_gpu_rs1 --out {{out}} "
                                    "strict:rlkernel.row_segments=1 trainer.profile_update=10"),
+    # the strict arm with 4 canonical segments pinned (rlkernel.row_segments=4: bits comparable with TP 2 and 4 runs; the
+    # default before session 48) against the native arm of a previous call on this machine
+    "loop_qwen3_strict_rs4": (560, f"{_STRICT_VS_NATIVE} --tag h200_loop_grpo_qwen3_gpu_rs4 --out {{out}} "
+                                   "strict:rlkernel.row_segments=4 trainer.profile_update=10"),
     # the same with FA3 as the strict arm's attention (the opt-in contract): benchmarks/h200_loop_grpo_qwen3_gpu.json
     "loop_qwen3_strict_fa3": (560, f"{_STRICT_VS_NATIVE} --out {{out}} strict:rlkernel.ops.attention=fa3"),
     # both arms at once on two GPUs (x2), one arm per GPU: production native vs strict, and vs strict with FA3 attention
@@ -307,6 +312,9 @@ STEPS: dict[str, tuple[int, str]] = {
     # after a change that keeps the bits (session 25: the packed prefill's K / V through TMA): the committed golden bits
     # checked, then issue 10's timing and train ratios, then the 1,000,000-token parity (hash 04f49fb5e81035b6 under
     # attention v2, session 42; 8f3204762ef5c300 under v1), merged into the harness JSON
+    # the whole harness in one process on one card (every section from this code, no merge): golden bits, kernels,
+    # the 1M-token parity, the native control, the ratios, and `targets` (issue 10's verdicts, session 48)
+    "harness": (590, "python3 -m rlkernel.golden --check-gpu && python3 scripts/gpu_strict_parity.py --out {out}"),
     "strict_recheck": (590, "python3 -m rlkernel.golden --check-gpu && python3 scripts/gpu_strict_parity.py --only "
                             "timing,train,parity --merge benchmarks/h200_strict_parity.json --out {out}"),
     # the GEMM + SwiGLU epilogue (gemm.matmul_swiglu; off in the engine since session 12, contracts.gpu.SWIGLU_EPILOGUE) vs

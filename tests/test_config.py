@@ -85,11 +85,43 @@ def test_row_segments_reach_both_engines_and_bound_the_tp_size():
     size that does not divide it is refused at load, naming the key and the fix."""
     cfg, plain = load_config("grpo_tiny", ["rlkernel.row_segments=1"])
     assert cfg.rlkernel.row_segments == 1 and plain["rlkernel"]["row_segments"] == 1
-    assert load_config("grpo_tiny")[0].rlkernel.row_segments == 4  # the default: TP invariant up to TP=4
+    cfg, plain = load_config("grpo_tiny", ["rlkernel.row_segments=4"])
+    assert cfg.rlkernel.row_segments == 4 and plain["rlkernel"]["row_segments"] == 4
     with pytest.raises(Exception, match=r"trainer\.tp.*rlkernel\.row_segments=1"):
         load_config("grpo_tiny", ["rlkernel.row_segments=1", "trainer.tp=2", "run.executor=ray"])
     with pytest.raises(Exception, match=r"rollout\.tp.*rlkernel\.row_segments=2"):
         load_config("grpo_tiny", ["rlkernel.row_segments=2", "rollout.tp=4"])
+
+
+@pytest.mark.parametrize("overrides,segments", [
+    ([], 1),  # TP=1 on both sides: no tree, plain GEMMs
+    (["rollout.tp=2"], 2),
+    (["trainer.tp=2", "run.executor=ray"], 2),
+    (["trainer.tp=4", "rollout.tp=2", "run.executor=ray"], 4),
+    (["trainer.tp=2", "rollout.tp=8", "run.executor=ray"], 8),
+    (["rlkernel.row_segments=auto", "rollout.tp=4"], 4),
+])
+def test_row_segments_auto_is_the_largest_tp_size(overrides, segments):
+    """rlkernel.row_segments=auto (the default) resolves at load to the smallest power of two every TP size of the run
+    divides, so each rank of the engine with the most ranks holds one canonical segment. The config object carries the
+    number (what the roles pass both engines); the plain config keeps what was asked (provenance's record), and every
+    TP size divides the number (the check a pinned value must pass)."""
+    cfg, plain = load_config("grpo_tiny", overrides)
+    assert cfg.rlkernel.row_segments == segments and plain["rlkernel"]["row_segments"] == "auto"
+    assert cfg.rlkernel.row_segments % cfg.trainer.tp == cfg.rlkernel.row_segments % cfg.rollout.tp == 0
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["rollout.tp=3"], r"rollout\.tp: rlkernel\.row_segments=auto needs power-of-two TP sizes.*got 3.*set rollout\.tp to 1, 2, 4"),
+    (["trainer.tp=6", "run.executor=ray"], r"trainer\.tp: rlkernel\.row_segments=auto needs power-of-two TP sizes.*got 6"),
+    (["rlkernel.row_segments=3"], r"rlkernel\.row_segments: must be auto or a power of two from 1 to 64, got 3"),
+    (["rlkernel.row_segments=128"], r"rlkernel\.row_segments: must be auto or a power of two.*got 128"),
+    (["rlkernel.row_segments=true"], r"rlkernel\.row_segments: must be auto or a power of two.*got True"),
+    (["rlkernel.row_segments=fast"], r"rlkernel\.row_segments: must be auto or a power of two.*got 'fast'"),
+])
+def test_row_segments_bad_values_are_refused_with_the_fix(overrides, match):
+    with pytest.raises(Exception, match=match):
+        load_config("grpo_tiny", overrides)
 
 
 def test_gpu_preflight_refuses_a_head_dim_the_triton_attention_cannot_tile():
@@ -119,3 +151,24 @@ def test_qwen3_8b_recipe_fails_early_with_reasons():
     assert "trainer.cp" not in msg  # CP=2 scores like CP=1 on two H200s (benchmarks/h200x2_tp_cp.json: 0 of 63,217 tokens differ)
     assert "trainer.tp" not in msg  # TP=2 training on two H200s updates bitwise like TP=1 (benchmarks/h200x2_tp_update.json)
     assert "rollout.tp" not in msg  # vLLM at TP=4 runs (the strict model shards like the trainer)
+
+
+def test_a_runs_row_segments_are_what_its_trainer_ran(tmp_path):
+    """vime replay / diagnose rebuild a run's trainer at the segment count it ran: the trainer's provenance first (the
+    controller checked the engine's against it), else the config's number, auto resolved from the config's TP sizes,
+    else the default of runs before the key (4)."""
+    import json
+
+    from vime.replay import run_row_segments
+
+    def run(config, trainer=None):
+        d = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "provenance.json").write_text(json.dumps({"config": config, "trainer": trainer or {}}))
+        return d
+
+    tps = {"trainer": {"tp": 2}, "rollout": {"tp": 1}}
+    assert run_row_segments(run({"rlkernel": {"row_segments": "auto"}, **tps}, {"row_segments": 8})) == 8
+    assert run_row_segments(run({"rlkernel": {"row_segments": "auto"}, **tps})) == 2
+    assert run_row_segments(run({"rlkernel": {"row_segments": 1}, **tps})) == 1
+    assert run_row_segments(run({"rlkernel": {}, **tps})) == 4

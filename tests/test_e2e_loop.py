@@ -44,8 +44,10 @@ from vime.records import read_records
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-# run A and run B: 3 steps, a checkpoint after each, a reward that differs within every group
-RESUMABLE = ("trainer.total_steps=3", "run.save_every=1", "reward.fn=faulty_rewards:digit_share")
+# run A and run B: 3 steps, a checkpoint after each, a reward that differs within every group; 4 canonical K segments
+# pinned (rlkernel.row_segments=auto would give a TP=1 run 1 and a TP=2 run 2, another sum order), so the TP=2 and CP=2
+# runs below are compared with run A bit for bit
+RESUMABLE = ("trainer.total_steps=3", "run.save_every=1", "reward.fn=faulty_rewards:digit_share", "rlkernel.row_segments=4")
 
 
 def _overrides(tmp, out, *extra):
@@ -458,18 +460,20 @@ def test_native_loop_mismatches(tmp):
 
 
 def test_inprocess_executor_and_plot(tmp):
-    """The same roles without Ray (debugging executor), then `vime plot` draws the curves. This run also takes
-    rlkernel.row_segments=1 (plain GEMMs in the row-parallel layers instead of 4 canonical segments: another sum order,
-    tests/test_models.py): both engines report it and still agree bit for bit; and trainer.profile_update=1."""
+    """The same roles without Ray (debugging executor), then `vime plot` draws the curves. This run keeps the default
+    rlkernel.row_segments=auto, which at TP=1 on both sides is 1 (plain GEMMs in the row-parallel layers; run A pins
+    4 canonical segments, another sum order, tests/test_models.py): both engines report 1 and still agree bit for bit,
+    and provenance keeps what was asked; and trainer.profile_update=1."""
     from collections import Counter
 
     out = tmp / "inprocess"
     rows = _train(tmp, out, "trainer.total_steps=2", "run.executor=inprocess", "logging.wandb=false",
-                  "reward.fn=faulty_rewards:by_truth", "reward.timeout_s=0.5", "rlkernel.row_segments=1",
+                  "reward.fn=faulty_rewards:by_truth", "reward.timeout_s=0.5",
                   "trainer.profile_update=1", "algorithm.mask_truncated=true", "rollout.max_tokens=2")
     assert [m["mismatch_count"] for m in rows] == [0, 0] and all(m["compared_tokens"] > 0 for m in rows)
     run = json.loads((out / "provenance.json").read_text())
     assert run["rollout"]["rlkernel"]["row_segments"] == run["trainer"]["row_segments"] == 1
+    assert run["config"]["rlkernel"]["row_segments"] == "auto"
     # trainer.profile_update=1: step 1's update under torch.profiler, summarised beside the run (and only that step)
     assert [p.name for p in (out / "profile").iterdir()] == ["update_step_000001.json"]
     prof = json.loads((out / "profile" / "update_step_000001.json").read_text())

@@ -55,6 +55,7 @@ def test_strict_rollout_matches_scorer_before_and_after_weight_update(models):
     r = _parity(models["qwen3-tied"], "--num-prompts", "64", "--max-tokens", "24", "--max-num-seqs", "4", "--max-num-batched-tokens", "40",
                 "--block-size", "16", "--temperature", "0.8", "--dtype", "bfloat16", "--update-weights")
     assert set(r["phases"]) == {"v0", "v1"} and r["cuda_graphs"] is False  # auto: eager on the CPU, as `vime train`
+    assert r["row_segments"] == r["engine_row_segments"] == 1  # auto at --tp 1, as `vime train` resolves it
     _assert_strict(r, 2 * 64 * 6)
 
 
@@ -68,8 +69,10 @@ def test_strict_rollout_matches_scorer_odd_models(models, name, dtype):
 def test_strict_rollout_at_tp2_matches_the_tp1_scorer(models):
     """vLLM's tensor parallelism with the strict model (rollout TP=2: two worker processes, heads and MLP rows split,
     the row-parallel linears merged by the canonical segment tree, gathered by vLLM's TP communicator) against the TP=1 scorer, on
-    odd dimensions in bf16, before and after a weight update pushed to both workers: 0 mismatches."""
+    odd dimensions in bf16, before and after a weight update pushed to both workers: 0 mismatches. The segment count is
+    the default auto's, 2 at --tp 2: each worker holds one segment, the TP=1 scorer sums both by the tree."""
     report = _parity(models["qwen3-untied-odd"], "--tp", "2", "--dtype", "bfloat16", "--update-weights")
+    assert report["row_segments"] == report["engine_row_segments"] == 2
     assert report["engine_tp"] == 2 and report["engine_tp_ranks"] == [[0, 2], [1, 2]]  # the strict model, sharded, in both workers
     assert report["engine_tp_gathers"] == ["vllm"]  # the merges gather through vLLM's own TP communicator (both workers)
     _assert_strict(report, 100)
@@ -91,14 +94,15 @@ def test_engine_behaviour_alone_vs_batch_and_versions(models):
 
 def test_vllm_strict_rollout_matches_megatron_scoring(models):
     """`vime parity --scorer megatron`: vLLM rollout vs the Megatron-core engine, before and after an update; with
-    `--row-segments 1` (rlkernel.row_segments=1, plain GEMMs in the row-parallel layers: another sum order than the
-    default 4 segments, tests/test_models.py) reaching the engine's strict model (its worker reports it) and the
-    trainer alike. The default 4 runs in the loop tests (tests/test_e2e_loop.py)."""
+    `--row-segments 4` (rlkernel.row_segments=4, 4 canonical K segments in the row-parallel layers at TP=1, what a run
+    pins to compare bits across TP sizes: another sum order than the default auto's 1 here, tests/test_models.py)
+    reaching the engine's strict model (its worker reports it) and the trainer alike. Auto's 1 runs in the other
+    parity tests and in tests/test_e2e_loop.py::test_inprocess_executor_and_plot."""
     r = _parity(models["qwen3-tied"], "--scorer", "megatron", "--num-prompts", "64", "--max-tokens", "12", "--max-num-seqs", "4",
-                "--max-num-batched-tokens", "32", "--dtype", "bfloat16", "--update-weights", "--row-segments", "1",
+                "--max-num-batched-tokens", "32", "--dtype", "bfloat16", "--update-weights", "--row-segments", "4",
                 "--check-weights")
     assert r["scorer"] == "megatron" and set(r["phases"]) == {"v0", "v1"}
-    assert r["row_segments"] == r["engine_row_segments"] == 1
+    assert r["row_segments"] == r["engine_row_segments"] == 4
     _assert_strict(r, 2 * 64 * 3)
     for name, phase in r["phases"].items():  # --check-weights: both sides hold the sent weights, bit for bit
         for side in ("engine", "scorer"):

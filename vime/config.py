@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")  # what vime.data.prompts reads
@@ -311,17 +311,21 @@ class RlkernelSection:
     # no rlkernel code in vLLM — the drift users see in production) or "rlkernel" (the plugin with rlkernel's native ops)
     native_rollout: str = "stock"
     # both engines: the canonical K segments of the row-parallel layers (o, down) and of the column-parallel input
-    # gradient, the largest power of two <= this that divides K (rlkernel.ops.linear.canonical_segments). What makes the
-    # strict path TP invariant: runs at TP sizes dividing it are bitwise equal. 1: plain GEMMs there (faster), TP=1 only
-    # on both sides; runs with different values are not bitwise comparable
-    row_segments: int = 4
+    # gradient, the largest power of two <= this that divides K (rlkernel.ops.linear.canonical_segments), merged by one
+    # tree. Runs at every TP size dividing it are bitwise equal. "auto" (the default): the run's largest TP size
+    # (auto_row_segments: the smallest power of two every trainer.tp and rollout.tp divides), so each rank of the
+    # engine with the most ranks holds one segment and runs plain GEMMs, and a TP=1 run has none; an engine with fewer
+    # ranks sums its rank's segments by the tree. A number pins it: runs of different layouts with the same value are
+    # bitwise comparable (4: TP 1, 2 and 4); runs with different values are not (another sum order)
+    row_segments: Any = "auto"
 
     def __post_init__(self):
         _choice("rlkernel.mode", self.mode, ("strict", "native"))
         _choice("rlkernel.native_rollout", self.native_rollout, ("stock", "rlkernel"))
         s = self.row_segments
-        _require(isinstance(s, int) and 1 <= s <= 64 and not s & (s - 1), "rlkernel.row_segments",
-                 f"must be a power of two from 1 to 64, got {s!r}", "set rlkernel.row_segments=4 (the default)")
+        _require(s == "auto" or (isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= 64 and not s & (s - 1)),
+                 "rlkernel.row_segments", f"must be auto or a power of two from 1 to 64, got {s!r}",
+                 "set rlkernel.row_segments=auto (the default), or 4 to compare bits across TP sizes 1, 2 and 4")
 
     def rollout_engine(self) -> str:
         """"stock" when the rollout runs no strict op and native_rollout=stock; otherwise "rlkernel" (the plugin)."""
@@ -441,6 +445,8 @@ class VimeConfig:
             _require(r.max_model_len <= self.model.tiny.max_position_embeddings, "rollout.max_model_len",
                      f"{r.max_model_len} exceeds the tiny model's max_position_embeddings={self.model.tiny.max_position_embeddings}",
                      f"set rollout.max_model_len<={self.model.tiny.max_position_embeddings}")
+        if self.rlkernel.row_segments == "auto":  # resolved here, once: every reader of the config sees the number
+            self.rlkernel.row_segments = auto_row_segments(**{"trainer.tp": t.tp, "rollout.tp": r.tp})
         for key, v in (("trainer.tp", t.tp), ("rollout.tp", r.tp)):  # a TP size must divide the canonical segment count
             _require(self.rlkernel.row_segments % v == 0, key, f"{v} does not divide rlkernel.row_segments="
                      f"{self.rlkernel.row_segments}: each rank must hold whole canonical segments",
@@ -487,6 +493,18 @@ def _register() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="vime_schema", node=VimeConfig)
+
+
+def auto_row_segments(**tp_sizes: int) -> int:
+    """rlkernel.row_segments=auto: the smallest power of two that every TP size of the run divides (its largest TP
+    size when all are powers of two). Each rank of the engine with the most ranks then holds exactly one canonical
+    segment: its row-parallel GEMM is a plain one and the tree runs across ranks; at TP=1 on both sides there is no
+    tree at all. A TP size that is not a power of two has no such count (the tree's segments halve)."""
+    for key, v in tp_sizes.items():  # key: where the size was set (trainer.tp, rollout.tp, --tp)
+        _require(isinstance(v, int) and v >= 1 and not v & (v - 1), key,
+                 f"rlkernel.row_segments=auto needs power-of-two TP sizes (the canonical segments halve), got {v!r}",
+                 f"set {key} to 1, 2, 4 or 8")
+    return max(tp_sizes.values())
 
 
 def load_config(name: str, overrides: list[str] | None = None, recipes: Path = RECIPES) -> tuple[VimeConfig, dict]:

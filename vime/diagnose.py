@@ -374,7 +374,7 @@ def diagnose(args) -> tuple[dict, list[str]]:
         if device == "cuda" and not torch.cuda.is_available():
             raise SystemExit("vime diagnose: --trainer-device cuda needs a CUDA GPU")
         dg = Diagnosis(model, dtype=dtype, temperature=temperature, seed=seed, version=version, sched=sched, sides=sides,
-                       row_segments=run_row_segments(config) if args.run_dir else None, trainer_device=device)
+                       row_segments=run_row_segments(args.run_dir) if args.run_dir else None, trainer_device=device)
         where += f"; Megatron on {device}"
         try:
             if args.run_dir:

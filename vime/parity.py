@@ -143,6 +143,12 @@ def run(args) -> dict:
     from .records import SamplingSpec
     from .rollout import TP_GRAPHS_ENV, RolloutConfig, VLLMRollout, graphs_proved, tp_graphs_experiment
 
+    if args.row_segments is None:  # auto, as `vime train` resolves it: the engine's TP size (the scorer runs at TP=1)
+        from .config import ConfigError, auto_row_segments
+        try:
+            args.row_segments = auto_row_segments(**{"--tp": args.tp})
+        except ConfigError as e:
+            raise SystemExit(f"vime parity: {e}") from None
     rs = args.row_segments
     if not (1 <= rs <= 64 and not rs & (rs - 1)) or rs % args.tp:
         raise SystemExit(f"vime parity: --row-segments must be a power of two from 1 to 64 that --tp={args.tp} divides, got {rs}")
@@ -228,8 +234,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=["strict", "fa3"], default="strict",
                    help="fa3: both sides' attention by FlashAttention 3 (vLLM's build, one KV split; GPU, bf16; checked at load)")
     p.add_argument("--tp", type=int, default=1, help="the engine's tensor parallelism (the scorer stays at TP=1)")
-    p.add_argument("--row-segments", type=int, default=4,
-                   help="canonical K segments of the row-parallel layers, both sides (rlkernel.row_segments; the TP size must divide it)")
+    p.add_argument("--row-segments", type=int, default=None,
+                   help="canonical K segments of the row-parallel layers, both sides (rlkernel.row_segments; the TP size must "
+                        "divide it). Default: auto, as vime train resolves it (--tp: one segment a rank, plain GEMMs)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="the scorer's device (auto: cuda where there is one, as vLLM does); both sides must share a contract family")
     p.add_argument("--num-prompts", type=int, default=16)

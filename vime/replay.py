@@ -44,12 +44,23 @@ def side_policy(config: dict, side: str) -> tuple[str, dict]:
     return rl.get("mode", "strict"), ops
 
 
-def run_row_segments(config: dict) -> int:
-    """The canonical K-segment count both engines of a run used (rlkernel.row_segments; runs before the key: the
-    default)."""
+def run_row_segments(run_dir: Path) -> int:
+    """The canonical K-segment count both engines of a run used: what its trainer reported (provenance; the controller
+    checked the engine's against it), else its config's number (rlkernel.row_segments=auto resolved by today's rule,
+    vime.config.auto_row_segments), else the default of runs before the key (4)."""
     from rlkernel.models import ROW_SEGMENTS
 
-    return int((config.get("rlkernel") or {}).get("row_segments", ROW_SEGMENTS))
+    from .config import auto_row_segments
+
+    prov = json.loads((Path(run_dir) / "provenance.json").read_text())
+    ran = (prov.get("trainer") or {}).get("row_segments")
+    if ran is not None:
+        return int(ran)
+    config = prov["config"]
+    value = (config.get("rlkernel") or {}).get("row_segments", ROW_SEGMENTS)
+    if value == "auto":
+        return auto_row_segments(**{f"{side}.tp": int((config.get(side) or {}).get("tp", 1)) for side in ("trainer", "rollout")})
+    return int(value)
 
 
 def apply_overrides(mode: str, ops: dict, overrides: list[str], side: str) -> tuple[str, dict]:
@@ -111,7 +122,7 @@ def replay(run_dir: Path, step: int, overrides: list[str], threads: int | None =
         ckpt = version_checkpoint(run_dir, version, Path(tmp) / "hf")
         trainer = MegatronTrainer(TrainerConfig(mode=mode, ops=ops, dtype=config["model"]["dtype"], seed=config["run"]["seed"],
                                                 threads=threads or run_threads(config, "trainer"),
-                                                row_segments=run_row_segments(config)))
+                                                row_segments=run_row_segments(run_dir)))
         try:
             trainer.load_hf(ckpt)
             trainer.weight_version = version  # the weights loaded are that version's
