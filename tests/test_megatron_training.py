@@ -182,7 +182,12 @@ def test_strict_scores_do_not_depend_on_the_micro_batches(checkpoint):
 def test_micro_batches_accumulate_the_batch_update(checkpoint, strict_run):
     """An update in micro-batches of at most 50 tokens (three backward passes, gradients accumulated; every mean over
     tokens divided by the whole batch's count) is deterministic run to run, bit for bit, and is the whole-batch update
-    up to the order its gradients are summed in: losses, metrics, grad norms and weights within float32 rounding."""
+    up to the order its gradients are summed in: losses, metrics and grad norms within float32 rounding, and every
+    weight but a rare few. AdamW steps each element by m / sqrt(v), whatever the gradient's size: an element whose
+    gradient cancels to the rounding floor (seen on an AMD EPYC: embedding element (15, 47), gradient ~1e-9 against a
+    median of 5e-5, the two sum orders 5 % apart) moves by an amount the sum order decides, up to lr a step. So at
+    most one element in 10,000 of a tensor may leave float32 rounding, none by more than 2 lr a step; a micro-batch
+    whose gradient were lost or doubled would move thousands."""
     with threads(2):
         a, b = _train(checkpoint, micro_batch_tokens=50), _train(checkpoint, micro_batch_tokens=50)
     _equal_runs(a, b)
@@ -190,11 +195,16 @@ def test_micro_batches_accumulate_the_batch_update(checkpoint, strict_run):
         for k in ("loss", "grad_norm", "kl", "entropy", "clip_fraction", "approx_kl_old", "tis_weight_mean", "ratio_max"):
             assert abs(whole[k] - parts[k]) <= 1e-5 * max(1.0, abs(whole[k])), (k, whole[k], parts[k])
         assert parts["tokens"] == whole["tokens"] and (parts["micro_batches"], whole["micro_batches"]) == (3, 1)
-    moved = 0
+    moved = floor = 0
     for name, w in strict_run["weights"].items():
-        assert torch.allclose(w, a["weights"][name], rtol=1e-4, atol=1e-6), name
-        moved += int(not torch.equal(w, a["weights"][name]))
-    print("tensors whose bits differ from the whole-batch update:", moved, "of", len(strict_run["weights"]))
+        v = a["weights"][name]
+        beyond = int((~torch.isclose(w, v, rtol=1e-4, atol=1e-6)).sum())
+        assert beyond <= max(1, w.numel() // 10_000), (name, beyond, w.numel())
+        assert float((w - v).abs().max()) <= 2 * 1e-3 * STEPS, name  # lr 1e-3 (_train)
+        moved += int(not torch.equal(w, v))
+        floor += beyond
+    print("tensors whose bits differ from the whole-batch update:", moved, "of", len(strict_run["weights"]),
+          "; elements beyond float32 rounding (gradients at the rounding floor):", floor)
 
 
 def test_bf16_updates_go_through_float32_master_weights(checkpoint):
