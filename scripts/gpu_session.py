@@ -309,12 +309,12 @@ STEPS: dict[str, tuple[int, str]] = {
     # in fresh processes; then two processes as a TP group (precompile.start_group: rank 0 compiles, both preload); bits
     # hashed in each
     "precompile_check": (580, "python3 scripts/gpu_precompile_check.py --out {out}"),
-    # after a change that keeps the bits (session 25: the packed prefill's K / V through TMA): the committed golden bits
-    # checked, then issue 10's timing and train ratios, then the 1,000,000-token parity (hash 04f49fb5e81035b6 under
-    # attention v2, session 42; 8f3204762ef5c300 under v1), merged into the harness JSON
     # the whole harness in one process on one card (every section from this code, no merge): golden bits, kernels,
     # the 1M-token parity, the native control, the ratios, and `targets` (issue 10's verdicts, session 48)
     "harness": (590, "python3 -m rlkernel.golden --check-gpu && python3 scripts/gpu_strict_parity.py --out {out}"),
+    # after a change that keeps the bits (session 25: the packed prefill's K / V through TMA): the committed golden bits
+    # checked, then issue 10's timing and train ratios, then the 1,000,000-token parity (hash 04f49fb5e81035b6 under
+    # attention v2, session 42; 8f3204762ef5c300 under v1), merged into the harness JSON
     "strict_recheck": (590, "python3 -m rlkernel.golden --check-gpu && python3 scripts/gpu_strict_parity.py --only "
                             "timing,train,parity --merge benchmarks/h200_strict_parity.json --out {out}"),
     # the GEMM + SwiGLU epilogue (gemm.matmul_swiglu; off in the engine since session 12, contracts.gpu.SWIGLU_EPILOGUE) vs
