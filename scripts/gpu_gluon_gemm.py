@@ -83,7 +83,21 @@ TILES = {t.name: t for t in (
     # session 34, a probe for the attention prefill (its q.k^T is an m64n64 wgmma chain with both operands in shared
     # memory): the same GEMM with 64-column tiles (m64n64k16, as q.k^T) beside 128x128_p (m64n128k16): the rate of
     # the narrow wgmma; timing only (unsegmented: other bits than the o layer's segments)
-    _t("128x64_p_s6", 128, 64, 0, 6, 1, 8, persistent=True, group_m=8))}
+    _t("128x64_p_s6", 128, 64, 0, 6, 1, 8, persistent=True, group_m=8),
+    # session 49, the column-parallel rows at M = 256 that miss 0.90x on an H100 (qkv 0.880, gate_up 0.886x in
+    # session 48's harness; the H200 read 0.93 / 0.91x): a second K step of wgmmas in flight (`depth`), and
+    # programmatic dependent launch (`pdl`: 1 every load after griddepcontrol.wait, 2 the first stages of W before it
+    # — an experiment only, gemm_gluon.PDL_MODES), on the library's tiles and their neighbours. Same arithmetic.
+    _t("64x192_s4", 64, 128, 64, 4, 1, 4),
+    _t("64x192_s6_d2", 64, 128, 64, 6, 1, 4, depth=2), _t("64x192_s7_d2", 64, 128, 64, 7, 1, 4, depth=2),
+    _t("64x192_s6_pdl1", 64, 128, 64, 6, 1, 4, pdl=1), _t("64x192_s6_pdl2", 64, 128, 64, 6, 1, 4, pdl=2),
+    _t("64x192_s6_d2_pdl1", 64, 128, 64, 6, 1, 4, depth=2, pdl=1),
+    _t("128x96_s7_pdl1", 128, 64, 32, 7, 1, 8, pdl=1),
+    _t("128x192_s5_d2", 128, 128, 64, 5, 1, 8, depth=2), _t("128x192_s5_pdl1", 128, 128, 64, 5, 1, 8, pdl=1),
+    _t("128x192_s5_pdl2", 128, 128, 64, 5, 1, 8, pdl=2),
+    _t("128x192_s5_p_pdl1", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, pdl=1),
+    _t("128x192_s5_p_d2_pdl1", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, depth=2, pdl=1),
+    _t("128x128_pdl1", 128, 128, 0, 4, 1, 8, pdl=1))}
 # (a 64 x 256 segmented tile spills on sm_90: 3 live accumulators of 128 registers a thread)
 # which tiles each shape tries (segments: the row-parallel layers). Session 29 call 2 timed 128x96 s5-s8, 64x192 s5 /
 # s6, 128x192 s4 / s5 at qkv and gate_up, and seg4_64x128 / seg4_128x128 (one program a tile) / _p / 128x128_p at o /
@@ -179,9 +193,18 @@ def main(argv=None) -> int:
     ap.add_argument("--gemms", default="qkv,gate_up,o,down,lm_head", help="which of PLAN's GEMMs")
     ap.add_argument("--rounds", type=int, default=3, help="timing rounds, every timer in each")
     ap.add_argument("--seg-ms", default="256,512,1024,4096,16384", help="rows for o / down (4 segments)")
+    ap.add_argument("--plan", default="", help="GEMM=tile,tile;GEMM=...: these tiles instead of PLAN's for each GEMM named")
+    ap.add_argument("--device-us", action="store_true",
+                    help="each row also records every timer's kernels and device microseconds (torch.profiler)")
     args = ap.parse_args(argv)
+    plan = dict(PLAN)
+    for part in filter(None, args.plan.split(";")):
+        g, _, names = part.partition("=")
+        if g not in PLAN or not names or any(n not in TILES for n in names.split(",")):
+            ap.error(f"--plan {part!r}: GEMM one of {sorted(PLAN)}, tiles of {sorted(TILES)}")
+        plan[g] = names.split(",")
     res = {"triton": triton.__version__, "compiled_sm90": {}}
-    wanted = {t for g in args.gemms.split(",") for t in PLAN.get(g, [])}
+    wanted = {t for g in args.gemms.split(",") for t in plan.get(g, [])}
     names = [n for n in TILES if n in wanted or args.compile_only]  # only the rows' tiles (each compile ~2 s here)
     record_compiles(names, lambda n: facts(compile_sm90(n)), res["compiled_sm90"])
     if not args.compile_only and gpu_header(res):
@@ -191,7 +214,7 @@ def main(argv=None) -> int:
         from rlkernel.backends.triton import gemm, ops
 
         t0 = time.time()
-        for gname, tiles in PLAN.items():
+        for gname, tiles in plan.items():
             if gname not in args.gemms.split(","):
                 continue
             K, N = GEMMS[gname]
@@ -248,6 +271,9 @@ def main(argv=None) -> int:
                     if name in ms:
                         row["tiles"][name].update(rec(name))
                 row["strict_vs_cublas"] = rec("strict")["vs_cublas"]
+                if args.device_us:  # what each timer launches and its device time, one call at a time (no graph)
+                    from gpu_cublas_probe import kernels_of
+                    row["device_us"] = {k: kernels_of(lambda fn=fn: fn(0)) for k, fn in timers.items()}
                 res["rows"].append(row)
                 print(f"[{time.time() - t0:6.1f}s]", json.dumps(row), flush=True)
     out = Path(args.out)

@@ -50,6 +50,11 @@ TESTED_TRITON = ("3.6",)  # Gluon is experimental: the Triton minor versions thi
 MIN_K = 4096  # the shortest K measured (the 8B widths); shorter K keeps the Triton kernel
 SEGMENTS = (4,)  # the segment counts measured (the canonical 4)
 PRODUCER_REGS = 40
+# Programmatic dependent launch (a launch attribute; the kernel's griddepcontrol.wait blocks until the kernel before it
+# in the stream has finished and its writes are visible): the launch, the barriers' set-up and (2) the weight's first
+# stages overlap the previous kernel's tail. 2 loads W before the wait, so it is only for weights that the kernel just
+# before does not write: an experiment (scripts/gpu_gemm_m256.py), never picked by the library.
+PDL_MODES = {0: "off", 1: "every load after the wait", 2: "the first stages of W before the wait (experiment)"}
 
 try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API is young, so any failure is a reason
     from triton.experimental import gluon
@@ -74,8 +79,14 @@ class Tile:
     warps: int  # the consumer warpgroups' warps (the default partition)
     persistent: bool = False  # one program per SM walking the tiles (else one program per tile)
     group_m: int = 0  # the tile walk: 0 = M tiles fastest; g = groups of g M tiles (L2 locality; never a bit)
+    depth: int = 1  # K steps of wgmma in flight behind the one issued (a stage is freed `depth` steps later; no bit)
+    pdl: int = 0  # programmatic dependent launch: 0 off; 1 every load after griddepcontrol.wait (PDL_WAIT)
 
     def __post_init__(self):  # (gemm_park.ParkTile, which builds those, validates itself)
+        if self.depth < 1 or (self.depth > 1 and self.segs > 1):
+            raise ValueError(f"{self.name}: depth {self.depth}: 1, or more on an unsegmented tile")
+        if self.pdl not in PDL_MODES:
+            raise ValueError(f"{self.name}: pdl {self.pdl} is not one of {sorted(PDL_MODES)}")
         if self.segs > 1 and self.bn2:
             raise ValueError(f"{self.name}: segments over two accumulators need the tree's partials parked outside "
                              "the registers: gemm_park.ParkTile (this kernel folds one accumulator's segments)")
@@ -144,29 +155,57 @@ if _IMPORT_ERROR is None:
         return pm * BM, pn * BN
 
     @gluon.jit
+    def _gdc_wait():
+        """griddepcontrol.wait: until the grids this one depends on (programmatic dependent launch) have completed
+        and their memory is visible; at once where the launch had no such dependency."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _gdc_launch_dependents():
+        """griddepcontrol.launch_dependents: the next kernel (if launched with PDL) may be scheduled now."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
     def _producer(a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n, k_steps,
                   step, BM: gl.constexpr, BK: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr,
-                  GROUP_M: gl.constexpr):
+                  GROUP_M: gl.constexpr, PDL: gl.constexpr = 0):
         """One warp: every step of this program's tiles (A box, W boxes of BN1 rows then BN2) into stage g % S (g:
-        the program's step count over its tiles) once the consumer freed it."""
+        the program's step count over its tiles) once the consumer freed it. PDL (PDL_MODES): 1 waits before the
+        first load; 2 loads the first tile's first S steps of W, waits, then their A (k_steps >= S)."""
         S: gl.constexpr = bufs_a.type.shape[0]
+        if BN2 > 0:
+            nbytes: gl.constexpr = a_desc.block_type.nbytes + w1_desc.block_type.nbytes + w2_desc.block_type.nbytes
+        else:
+            nbytes: gl.constexpr = a_desc.block_type.nbytes + w1_desc.block_type.nbytes
+        first = 0
+        if PDL == 2:
+            off_m, off_n = _origin(gl.program_id(0), num_pid_m, num_pid_n, BM, BN1 + BN2, GROUP_M)
+            for j in gl.static_range(S):  # fresh stages: nothing to wait for
+                mbarrier.expect(ready.index(j), nbytes)
+                tma.async_copy_global_to_shared(w1_desc, [off_n, j * BK], ready.index(j), bufs_w1.index(j))
+                if BN2 > 0:
+                    tma.async_copy_global_to_shared(w2_desc, [off_n + BN1, j * BK], ready.index(j), bufs_w2.index(j))
+            _gdc_wait()
+            for j in gl.static_range(S):
+                tma.async_copy_global_to_shared(a_desc, [off_m, j * BK], ready.index(j), bufs_a.index(j))
+            first = S
+        elif PDL == 1:
+            _gdc_wait()
         g = 0
         for t in range(gl.program_id(0), num_pid_m * num_pid_n, step):
             off_m, off_n = _origin(t, num_pid_m, num_pid_n, BM, BN1 + BN2, GROUP_M)
-            for i in range(k_steps):
+            for i in range(first, k_steps):
                 gi = g + i
                 s = gi % S
                 mbarrier.wait(empty.index(s), ((gi // S) & 1) ^ 1)  # a fresh barrier counts as released once
-                if BN2 > 0:
-                    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w1_desc.block_type.nbytes +
-                                    w2_desc.block_type.nbytes)
-                else:
-                    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w1_desc.block_type.nbytes)
+                mbarrier.expect(ready.index(s), nbytes)
                 tma.async_copy_global_to_shared(a_desc, [off_m, i * BK], ready.index(s), bufs_a.index(s))
                 tma.async_copy_global_to_shared(w1_desc, [off_n, i * BK], ready.index(s), bufs_w1.index(s))
                 if BN2 > 0:
                     tma.async_copy_global_to_shared(w2_desc, [off_n + BN1, i * BK], ready.index(s), bufs_w2.index(s))
             g += k_steps
+            first = 0
 
     @gluon.jit
     def _store(c_ptr, acc, off_m, col0, M, N, stride_cm, BM: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
@@ -176,31 +215,38 @@ if _IMPORT_ERROR is None:
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @gluon.jit
-    def _k_step(bufs_a, bufs_w1, bufs_w2, ready, empty, gi, release, acc, acc2, BN2: gl.constexpr):
+    def _k_step(bufs_a, bufs_w1, bufs_w2, ready, empty, gi, release, acc, acc2, BN2: gl.constexpr,
+                DEPTH: gl.constexpr = 1):
         """K step gi: wait for its stage, its wgmma onto acc (and acc2 where BN2 > 0; else acc2 comes back as given),
-        then at most this step's wgmmas in flight, so step gi - 1's stage is released (where `release`)."""
+        then at most DEPTH steps' wgmmas in flight (this one's included), so step gi - DEPTH's stage is released (where
+        `release`). Wgmmas onto one accumulator run in issue order, so DEPTH moves no arithmetic."""
         S: gl.constexpr = bufs_a.type.shape[0]
         s = gi % S
         mbarrier.wait(ready.index(s), (gi // S) & 1)
         acc = warpgroup_mma(bufs_a.index(s), bufs_w1.index(s).permute((1, 0)), acc, is_async=True)
         if BN2 > 0:
             acc2 = warpgroup_mma(bufs_a.index(s), bufs_w2.index(s).permute((1, 0)), acc2, is_async=True)
-            acc, acc2 = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc2))
+            acc, acc2 = warpgroup_mma_wait(num_outstanding=2 * DEPTH, deps=(acc, acc2))
         else:
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        mbarrier.arrive(empty.index((gi + S - 1) % S), count=1, pred=release)  # step gi - 1 is free
+            acc = warpgroup_mma_wait(num_outstanding=DEPTH, deps=(acc,))
+        mbarrier.arrive(empty.index((gi + S - DEPTH) % S), count=1, pred=release)  # step gi - DEPTH is free
         return acc, acc2
 
     @gluon.jit
     def _consumer(bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n, k_steps, step, c_ptr, M, N, stride_cm,
                   BM: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr, SEGS: gl.constexpr, GROUP_M: gl.constexpr,
-                  l1: gl.constexpr, l2: gl.constexpr):
+                  l1: gl.constexpr, l2: gl.constexpr, DEPTH: gl.constexpr = 1, PDL: gl.constexpr = 0):
         """Per tile of this program: acc (+ acc2) += A_k @ W_k^T, one wgmma chain per accumulator, K in order, one
         step in flight; SEGS > 1: each of SEGS equal K segments from zero, folded into the balanced tree as it ends.
         (Issuing a segment's first wgmma before the previous segment's fold, session 29: ptxas serialises the wgmmas
         and spills 512 bytes at 64 x 128 and 128 x 128 — so does peeling a segment's first step without the overlap;
-        and nothing to win: the same tile unsegmented, with no drains at all, ran no faster (call 2). Not kept.)"""
+        and nothing to win: the same tile unsegmented, with no drains at all, ran no faster (call 2). Not kept.)
+        DEPTH (unsegmented): steps in flight (`_k_step`). PDL: the next kernel may be scheduled at once, and nothing is
+        stored before the kernel this one depends on has finished."""
         S: gl.constexpr = bufs_a.type.shape[0]
+        if PDL > 0:
+            _gdc_launch_dependents()
+            _gdc_wait()
         seg_steps = k_steps // SEGS
         g = 0
         for t in range(gl.program_id(0), num_pid_m * num_pid_n, step):
@@ -223,13 +269,15 @@ if _IMPORT_ERROR is None:
                 else:
                     acc2 = acc  # (unused)
                 for i in range(k_steps):
-                    acc, acc2 = _k_step(bufs_a, bufs_w1, bufs_w2, ready, empty, g + i, i > 0, acc, acc2, BN2)
+                    acc, acc2 = _k_step(bufs_a, bufs_w1, bufs_w2, ready, empty, g + i, i >= DEPTH, acc, acc2, BN2,
+                                        DEPTH)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 _store(c_ptr, acc, off_m, off_n, M, N, stride_cm, BM, BN1, l1)
                 if BN2 > 0:
                     acc2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc2,))
                     _store(c_ptr, acc2, off_m, off_n + BN1, M, N, stride_cm, BM, BN2, l2)
-            mbarrier.arrive(empty.index((g + k_steps + S - 1) % S), count=1)  # the tile's last step is free
+            for d in gl.static_range(DEPTH):  # the tile's last DEPTH steps are free
+                mbarrier.arrive(empty.index((g + k_steps + S - 1 - d) % S), count=1)
             g += k_steps
 
     @gluon.jit
@@ -246,7 +294,8 @@ if _IMPORT_ERROR is None:
     @gluon.jit
     def _gemm_kernel(a_desc, w1_desc, w2_desc, c_ptr, M, N, K, stride_cm, step, BM: gl.constexpr,
                      BN1: gl.constexpr, BN2: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                     SEGS: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
+                     SEGS: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr, DEPTH: gl.constexpr = 1,
+                     PDL: gl.constexpr = 0):
         """C = A [M, K] @ W [N, K]^T in tiles of [BM, BN1 + BN2]: program p takes tiles p, p + step, ... in the walk
         `_origin` names (step = the tile count: one tile a program; = the grid: persistent)."""
         l1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -265,9 +314,9 @@ if _IMPORT_ERROR is None:
         num_pid_n = gl.cdiv(N, BN1 + BN2)  # a last partial N tile: TMA fills zeros past N, the store masks
         gl.warp_specialize([
             (_consumer, (bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n, k_steps, step, c_ptr, M, N,
-                         stride_cm, BM, BN1, BN2, SEGS, GROUP_M, l1, l2)),
+                         stride_cm, BM, BN1, BN2, SEGS, GROUP_M, l1, l2, DEPTH, PDL)),
             (_producer, (a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n,
-                         k_steps, step, BM, BK, BN1, BN2, GROUP_M)),
+                         k_steps, step, BM, BK, BN1, BN2, GROUP_M, PDL)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
 
     _gemm_fast = fast(_gemm_kernel)  # launch.py's fast path: Triton's own run at a key's first call, then its kernel
@@ -408,7 +457,19 @@ def _launch_args(a, w, tile: Tile, out, programs: int | None = None):
     grid = programs or (min(tiles, _sms(a.device)) if tile.persistent else tiles)
     return ((grid,), (a_desc, w1, w2, out, M, N, K, out.stride(0), grid),
             dict(BM=tile.bm, BN1=tile.bn1, BN2=tile.bn2, BK=BK, STAGES=tile.stages, SEGS=tile.segs,
-                 GROUP_M=tile.group_m, num_warps=tile.warps))
+                 GROUP_M=tile.group_m, num_warps=tile.warps, **_knobs(tile)))
+
+
+def _knobs(tile: Tile) -> dict:
+    """The constexprs and launch option of `depth` / `pdl`, only where they are not the defaults (so a default tile's
+    specialization, and a recorded kernel manifest's entry of it, stay as they were)."""
+    k = {}
+    if tile.depth != 1:
+        k["DEPTH"] = tile.depth
+    if tile.pdl:
+        k["PDL"] = tile.pdl
+        k["launch_pdl"] = True
+    return k
 
 
 def launch(a, w, tile: Tile, out=None, programs: int | None = None):
@@ -438,7 +499,8 @@ def compile_sm90(tile: Tile):
            "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32", "step": "i32"}
     const = {"BM": tile.bm, "BN1": tile.bn1, "BN2": tile.bn2, "BK": BK, "STAGES": tile.stages, "SEGS": tile.segs,
              "GROUP_M": tile.group_m, "num_warps": tile.warps}
-    return _compile_sm90(_gemm_kernel, sig, const, num_warps=tile.warps)
+    const.update(DEPTH=tile.depth, PDL=tile.pdl)  # (an ASTSource takes no defaults: every constexpr named)
+    return _compile_sm90(_gemm_kernel, sig, const, num_warps=tile.warps, launch_pdl=bool(tile.pdl))
 
 
 def describe() -> str:
