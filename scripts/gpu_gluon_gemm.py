@@ -50,10 +50,11 @@ def _t(name, *a, **k):
 # also timed a variant loading A into registers once for both accumulators (`_areg`): other bits, no faster — dropped
 # (its records: benchmarks/h200_session28/call2); call 2 ran this script's own copy of the kernel (ed941ed).
 TILES = {t.name: t for t in (
-    GG.ONE_WAVE, GG.TWO_WAVES, GG.SEG_64x128, GG.SEG_128x128,  # the library's (64x192_s6, 128x192_s5, ...)
+    GG.ONE_WAVE, GG.TWO_WAVES, GG.SEG_64x128, GG.SEG_128x128,  # the library's (64x192_s7, 128x192_s5_p, ...)
+    _t("64x192_s6", 64, 128, 64, 6, 1, 4), _t("128x192_s5", 128, 128, 64, 5, 1, 8),  # the library's to session 48
     _t("128x96", 128, 64, 32, 5, 1, 8), _t("128x96_s4", 128, 64, 32, 4, 1, 8), _t("128x96_s6", 128, 64, 32, 6, 1, 8),
     _t("128x96_s7", 128, 64, 32, 7, 1, 8), _t("128x96_s8", 128, 64, 32, 8, 1, 8), _t("64x96", 64, 64, 32, 6, 1, 4),
-    _t("64x192", 64, 128, 64, 5, 1, 4), _t("64x192_s7", 64, 128, 64, 7, 1, 4), _t("128x192", 128, 128, 64, 4, 1, 8),
+    _t("64x192", 64, 128, 64, 5, 1, 4), _t("128x192", 128, 128, 64, 4, 1, 8),
     _t("128x128", 128, 128, 0, 4, 1, 8),
     _t("64x128", 64, 128, 0, 6, 1, 4), _t("seg4_128x64", 128, 64, 0, 6, 4, 8),
     # session 29: the tile walk in groups of 8 M tiles (L2 reuse at M = 16,384, where A alone is 128-400 MB), one
@@ -65,7 +66,6 @@ TILES = {t.name: t for t in (
     _t("128x128_p", 128, 128, 0, 4, 1, 8, persistent=True, group_m=8),
     # session 29 call 5: lm_head (N = 151,936 = 128 x 1,187: no 192- or 256-column tile divides it; the last N tile
     # partial) at M = 256, where the Triton table reads 0.86x
-    _t("128x192_s5_p", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8),
     _t("128x256", 128, 128, 128, 4, 1, 8), _t("128x256_p", 128, 128, 128, 4, 1, 8, persistent=True, group_m=8),
     _t("64x192_s6_p", 64, 128, 64, 6, 1, 4, persistent=True, group_m=8),
     # after session 29's device time (compiled for sm_90 on the CPU: no spills, 216 KB of shared memory): segments

@@ -28,13 +28,13 @@ def test_the_rule_picks_the_measured_tiles_only():
         t = GG.pick(m, kn[1], kn[0], segs, sms)
         return t and t.name
 
-    assert name(256, QKV) == "64x192_s6" and name(200, QKV) == "64x192_s6"
-    assert name(512, QKV) == name(1024, QKV) == name(256, GATE_UP) == "128x192_s5"
+    assert name(256, QKV) == "64x192_s7" and name(200, QKV) == "64x192_s7"
+    assert name(512, QKV) == name(1024, QKV) == name(256, GATE_UP) == "128x192_s5_p"
     assert name(4096, QKV) is None and name(1024, GATE_UP) is None and name(4096, GATE_UP) is None
     assert name(256, O) is None and name(256, DOWN) is None  # no segments at widths no tile divides: Triton
     assert name(128, QKV) is None and name(64, QKV) is None  # decode sizes: not raced
     assert name(256, (2048, 6144)) is None  # K below the measured 4,096
-    assert name(256, QKV, sms=78) == "128x192_s5"  # fewer SMs: 64 x 192's 128 tiles are more than a wave
+    assert name(256, QKV, sms=78) == "128x192_s5_p"  # fewer SMs: 64 x 192's 128 tiles are more than a wave
     for kn in (O, DOWN):
         assert name(129, kn, 4) == name(256, kn, 4) == "seg4_64x128"
         assert name(257, kn, 4) == name(512, kn, 4) == name(4096, kn, 4) == name(16384, kn, 4) == "seg4_128x128_p"

@@ -96,8 +96,11 @@ class Tile:
         return self.bn1 + self.bn2
 
 
-ONE_WAVE = Tile("64x192_s6", 64, 128, 64, 6, 1, 4)  # the tile where one wave covers the GEMM (session 28: 128 x 96)
-TWO_WAVES = Tile("128x192_s5", 128, 128, 64, 5, 1, 8)
+# session 49 (an H100, 7 interleaved rounds): 7 stages over 6 at qkv M = 256 0.903 / 0.856x cuBLAS (the H200 in
+# session 29: 0.935 / 0.925x); the two-wave tile persistent at gate_up M = 256 0.895 / 0.854x, qkv M = 1,024 0.865 /
+# 0.854x (benchmarks/H100_session49)
+ONE_WAVE = Tile("64x192_s7", 64, 128, 64, 7, 1, 4)  # the tile where one wave covers the GEMM (session 28: 128 x 96)
+TWO_WAVES = Tile("128x192_s5_p", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8)
 SEG_64x128 = Tile("seg4_64x128", 64, 128, 0, 6, 4, 4)
 SEG_128x128 = Tile("seg4_128x128_p", 128, 128, 0, 4, 4, 8, persistent=True, group_m=8)
 VOCAB = Tile("128x256_p", 128, 128, 128, 4, 1, 8, persistent=True, group_m=8)  # vocabulary-wide N at small M
