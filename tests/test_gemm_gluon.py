@@ -84,6 +84,45 @@ def test_every_tile_compiles_for_sm90_as_claimed(tile):
     assert wgmma_scale_d_not_always_on(ptx.replace(fixed.group(0), f"setp.eq.s32 {fixed.group(1)}, %r1, 0;"))
 
 
+def test_depth_and_pdl_move_no_arithmetic_and_stay_off_the_library_tiles():
+    """Session 49's two knobs (scripts/gpu_gluon_gemm.py timed them on an H100: no gain, so no library tile takes
+    them). `depth` only moves when a stage is freed: the wgmma wait lets 2 x depth groups stay in flight (two
+    accumulators) and the wgmma chains, their widths and every add are as at depth 1; `pdl` adds griddepcontrol
+    (wait before any load, launch_dependents) and the launch attribute, nothing in the arithmetic. A default tile
+    compiles without either (its specialization, and the recipe seed's entries of it, as before). Bad values refused."""
+    pytest.importorskip("triton.experimental.gluon")
+    if GG._IMPORT_ERROR is not None:
+        pytest.skip(GG._IMPORT_ERROR)
+    with pytest.raises(ValueError, match="depth"):
+        GG.Tile("seg_d2", 128, 128, 0, 4, 4, 8, depth=2)  # the segment fold waits for each segment's chain
+    with pytest.raises(ValueError, match="depth"):
+        GG.Tile("d0", 64, 128, 64, 7, 1, 4, depth=0)
+    with pytest.raises(ValueError, match="pdl"):
+        GG.Tile("p3", 64, 128, 64, 7, 1, 4, pdl=3)
+    assert all(t.depth == 1 and t.pdl == 0 for t in GG.TILES)
+    assert GG._knobs(GG.ONE_WAVE) == {} and GG._knobs(GG.Tile("x", 64, 128, 64, 7, 1, 4, depth=2, pdl=1)) == \
+        {"DEPTH": 2, "PDL": 1, "launch_pdl": True}
+
+    def waits(ptx):
+        return sorted({int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)})
+
+    base = _compiled(GG.ONE_WAVE)
+    deep = _compiled(GG.Tile("64x192_s7_d2", 64, 128, 64, 7, 1, 4, depth=2))
+    pdl = _compiled(GG.Tile("64x192_s7_pdl1", 64, 128, 64, 7, 1, 4, pdl=1))
+    assert waits(base.asm["ptx"]) == [0, 2] and waits(deep.asm["ptx"]) == [0, 4]  # two accumulators a step
+    assert "griddepcontrol" not in base.asm["ptx"] and not base.metadata.launch_pdl
+    assert pdl.asm["ptx"].count("griddepcontrol.wait") == 2 and "griddepcontrol.launch_dependents" in pdl.asm["ptx"]
+    assert pdl.metadata.launch_pdl
+
+    def arith(k):  # the wgmma chains and every fp32 op on the accumulators, in program order
+        return (re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+", k.asm["ptx"]),
+                re.findall(r"= (?:arith|math)\.\w+ %\S+(?:, %\S+)* : tensor<\d+x\d+xf32", k.asm["ttgir"]))
+
+    assert arith(deep) == arith(base) == arith(pdl)
+    assert len(arith(base)[0]) == 8 and len(arith(base)[1]) == 2  # 4 k16 steps x 2 widths; the two bf16 roundings
+    assert waits(pdl.asm["ptx"]) == waits(base.asm["ptx"])  # the control: the wait is what depth changes
+
+
 def test_choose_and_its_reasons_on_what_it_was_not_checked_on():
     """Every refusal is named before any device query; on a CPU tensor `choose` serves nothing."""
     a, w = torch.zeros(256, 4096, dtype=torch.bfloat16), torch.zeros(6144, 4096, dtype=torch.bfloat16)

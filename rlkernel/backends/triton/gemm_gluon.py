@@ -25,7 +25,11 @@ Triton kernel 0.68-0.69x; 128 x 96 0.79-0.82x); 128 x 192 (5 stages) qkv M = 512
 gate_up M = 256 0.88-0.91x; 4 segments: o / down M = 256 64 x 128 0.95 / 0.88x (scratch 0.67 / 0.76x), from M = 512
 128 x 128 persistent 0.84 / 0.87-0.91x, M = 1,024 0.79-0.82 / 0.85-0.88x, M = 4,096 0.86-0.87 / 0.90x, M = 16,384
 0.89 / 0.92x (scratch 0.57-0.65 / 0.76-0.79x); lm_head M = 256 128 x 256 persistent 0.93x (the Triton table
-0.86-0.88x). Where the rule below does not pick a tile (M <= 128, other widths, more tiles than about two waves, K
+0.86-0.88x). On an H100 (session 49, benchmarks/H100_session49; 7-9 interleaved rounds): 64 x 192 with 7 stages
+0.903-0.914x at qkv M = 256 (6 stages 0.856-0.878x), 128 x 192 persistent 0.894-0.895x at gate_up M = 256 (one
+program a tile 0.851-0.854x; that GEMM runs at the card's 700 W cap, where cuBLAS's 1 x 2-cluster kernel multicasts
+W); a second step of wgmmas in flight and programmatic dependent launch lost everywhere (knobs `depth` / `pdl`, kept
+for the record). Where the rule below does not pick a tile (M <= 128, other widths, more tiles than about two waves, K
 below 4,096) the Triton kernel runs: nothing else was measured.
 
 Used by `gemm.matmul` (a weight [N, K], the contract's tiles: config None, bf16 in and out, TMA-loadable operands)
@@ -111,8 +115,9 @@ TILES = (ONE_WAVE, TWO_WAVES, SEG_64x128, SEG_128x128, VOCAB)
 def pick(m: int, n: int, k: int, segments: int, sms: int) -> Tile | None:
     """The tile for an [m, k] x [n, k]^T GEMM with `segments` canonical K segments on a GPU of `sms` SMs, or None
     (the Triton kernel). Sessions 28-29's measurements (module docstring) and nothing beyond them:
-    - no segments: 64 x 192 (6 stages) where its tiles fit one wave (qkv at M = 256: 4 x 32 = 128 tiles on 132 SMs),
-      else 128 x 192 (5 stages) where its tiles fit two waves (qkv M = 512 / 1,024: 128 / 256; gate_up M = 256: 256);
+    - no segments: 64 x 192 (7 stages since session 49; 6 before) where its tiles fit one wave (qkv at M = 256:
+      4 x 32 = 128 tiles on 132 SMs), else 128 x 192 (5 stages; persistent since session 49, one program per SM
+      walking the tiles) where its tiles fit two waves (qkv M = 512 / 1,024: 128 / 256; gate_up M = 256: 256);
       above that (M = 4,096, gate_up M >= 512) the Triton table's tiles were as fast or faster. A vocabulary-wide N
       (>= 65,536: lm_head's 151,936, no 192-column tile divides it) up to 256 rows: 128 x 256 persistent in groups of
       8 M tiles (session 29 call 5, lm_head M = 256: 0.93x cuBLAS, the Triton table 0.86-0.88x, 128 x 192 s5
