@@ -312,6 +312,12 @@ STEPS: dict[str, tuple[int, str]] = {
     # the whole harness in one process on one card (every section from this code, no merge): golden bits, kernels,
     # the 1M-token parity, the native control, the ratios, and `targets` (issue 10's verdicts, session 48)
     "harness": (590, "python3 -m rlkernel.golden --check-gpu && python3 scripts/gpu_strict_parity.py --out {out}"),
+    # session 49: the column-parallel rows at M = 256 (the library's tiles and their predecessors in 9 interleaved
+    # rounds, bits checked), then why chained and one-at-a-time times differ (a sleep between calls, one weight, NVML
+    # clock and power): on an H100 gate_up there runs at the 700 W cap
+    "gemm_m256": (300, "python3 scripts/gpu_gluon_gemm.py --out {out}/m256 --gemms qkv,gate_up --ms 256 --rounds 9 "
+                       "--device-us --plan 'qkv=64x192_s7,64x192_s6;gate_up=128x192_s5_p,128x192_s5' && "
+                       "python3 scripts/gpu_chain_gap.py --out {out}/gap --tiles 64x192_s7,128x192_s5_p"),
     # after a change that keeps the bits (session 25: the packed prefill's K / V through TMA): the committed golden bits
     # checked, then issue 10's timing and train ratios, then the 1,000,000-token parity (hash 04f49fb5e81035b6 under
     # attention v2, session 42; 8f3204762ef5c300 under v1), merged into the harness JSON
