@@ -3,10 +3,12 @@
 kernel ran 89.8 us alone (torch.profiler, one call at a time) against cuBLAS's 88.7, yet 98.0 against 84.6 us a call
 in the harness's chain (a CUDA graph of 8 calls on 8 weights, back to back). Per GEMM and timer:
 - `chain_us`: the harness's chain (scripts/gpu_gemm_sweep.chain_ms);
-- `spaced_us`: the same chain with a ~`--gap-us` sleep kernel before each call, less the sleeps' own chain: the call
-  without its neighbour's tail or launch overlapping it (what the profiler's one-at-a-time reading sees);
+- `spaced_us`: the same chain with a sleep kernel of ~`--gap-us` before each call, less the sleeps' own chain
+  (`sleep_chain_us`, the gap as it ran): the call without its neighbour's tail or launch overlapping it (what the
+  profiler's one-at-a-time reading sees);
 - `same_weight_us`: the chain on one weight (L2 keeps none of 50-200 MB; a control for the 8 weights);
-- `clock_mhz` / `power_w`: the SM clock and board power sampled (NVML, through torch.cuda) during a long chain.
+- `clock_mhz` / `power_w`: the SM clock and board power sampled (NVML, through torch.cuda) during ~1.5 s of calls
+  (eager, 64 at a time on the 8 weights).
 
     python3 scripts/gpu_chain_gap.py --out DIR      # a CUDA machine; writes DIR/chain_gap.json
 """
@@ -74,8 +76,11 @@ def main(argv=None) -> int:
         from rlkernel.backends.triton import gemm
 
         res["device"] = torch.cuda.get_device_name()
-        cycles = int(args.gap_us * torch.cuda.clock_rate())  # the sleep kernel counts SM clocks (MHz = per us)
-        res["gap"] = {"us": args.gap_us, "cycles": cycles}
+        # the sleep kernel counts SM clocks, and the clock moves with load: calibrated in a chain of sleeps (session
+        # 49's call took NVML's idle clock for the rate and slept ~6 us, not the 30 asked)
+        probe = 100_000
+        cycles = int(probe * args.gap_us / (1000 * chain_ms(lambda i: torch.cuda._sleep(probe))))
+        res["gap"] = {"us_asked": args.gap_us, "cycles": cycles}
         for case in args.cases.split(","):
             gname, m = case.split(":")
             K, N = GEMMS[gname]
