@@ -100,6 +100,9 @@ def test_depth_and_pdl_move_no_arithmetic_and_stay_off_the_library_tiles():
     with pytest.raises(ValueError, match="pdl"):
         GG.Tile("p3", 64, 128, 64, 7, 1, 4, pdl=3)
     assert all(t.depth == 1 and t.pdl == 0 for t in GG.TILES)
+    short = torch.zeros(64, 6 * GG.BK, dtype=torch.bfloat16)  # pdl 2's prologue needs K >= stages x BK
+    with pytest.raises(ValueError, match="pdl 2"):
+        GG._launch_args(short, short, GG.Tile("p2", 64, 128, 64, 7, 1, 4, pdl=2), short)
     assert GG._knobs(GG.ONE_WAVE) == {} and GG._knobs(GG.Tile("x", 64, 128, 64, 7, 1, 4, depth=2, pdl=1)) == \
         {"DEPTH": 2, "PDL": 1, "launch_pdl": True}
 

@@ -57,7 +57,7 @@ PRODUCER_REGS = 40
 # Programmatic dependent launch (a launch attribute; the kernel's griddepcontrol.wait blocks until the kernel before it
 # in the stream has finished and its writes are visible): the launch, the barriers' set-up and (2) the weight's first
 # stages overlap the previous kernel's tail. 2 loads W before the wait, so it is only for weights that the kernel just
-# before does not write: an experiment (scripts/gpu_gemm_m256.py), never picked by the library.
+# before does not write. Both lost on an H100 (session 49, scripts/gpu_gluon_gemm.py): no library tile takes them.
 PDL_MODES = {0: "off", 1: "every load after the wait", 2: "the first stages of W before the wait (experiment)"}
 
 try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API is young, so any failure is a reason
@@ -84,7 +84,7 @@ class Tile:
     persistent: bool = False  # one program per SM walking the tiles (else one program per tile)
     group_m: int = 0  # the tile walk: 0 = M tiles fastest; g = groups of g M tiles (L2 locality; never a bit)
     depth: int = 1  # K steps of wgmma in flight behind the one issued (a stage is freed `depth` steps later; no bit)
-    pdl: int = 0  # programmatic dependent launch: 0 off; 1 every load after griddepcontrol.wait (PDL_WAIT)
+    pdl: int = 0  # programmatic dependent launch (PDL_MODES); 2 needs K >= stages x BK (its first-tile prologue)
 
     def __post_init__(self):  # (gemm_park.ParkTile, which builds those, validates itself)
         if self.depth < 1 or (self.depth > 1 and self.segs > 1):
@@ -457,6 +457,8 @@ def _launch_args(a, w, tile: Tile, out, programs: int | None = None):
     check) sets how many programs walk the tiles."""
     M, K = a.shape
     N = w.shape[0]
+    if tile.pdl == 2 and K < tile.stages * BK:
+        raise ValueError(f"{tile.name}: pdl 2 loads the first {tile.stages} K steps ahead; K = {K} has fewer")
     n2 = tile.bn2 or tile.bn1
     a_desc = _descriptor(a, M, K, tile.bm)
     w1 = _descriptor(w, N, K, tile.bn1)
@@ -469,8 +471,8 @@ def _launch_args(a, w, tile: Tile, out, programs: int | None = None):
 
 
 def _knobs(tile: Tile) -> dict:
-    """The constexprs and launch option of `depth` / `pdl`, only where they are not the defaults (so a default tile's
-    specialization, and a recorded kernel manifest's entry of it, stay as they were)."""
+    """The constexprs and launch option of `depth` / `pdl`, passed only where they are not the kernel's defaults: a
+    default tile launches with the arguments it had before the knobs (its PTX is unchanged but for line numbers)."""
     k = {}
     if tile.depth != 1:
         k["DEPTH"] = tile.depth
