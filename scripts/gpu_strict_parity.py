@@ -668,6 +668,7 @@ def main(argv=None):
         return 0
     import triton
     import rlkernel as rk
+    from rlkernel.backends.triton import gemm_gluon
     res = json.loads(Path(args.merge).read_text()) if args.merge else {}
     res.pop("skipped", None)
     res.update({"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
@@ -687,6 +688,7 @@ def main(argv=None):
             res.setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
             log(f"{name} FAILED: {type(e).__name__}: {e}")
         res["elapsed_s"] = round(time.time() - T0, 1)
+        res["gemm_gluon"] = gemm_gluon.describe()  # the Gluon GEMM tiles this run could take, their first-use checks
         res["targets"] = targets(res)
         path.write_text(json.dumps(res, indent=1))
     print(json.dumps({k: res.get(k) for k in ("parity", "native", "errors")}, indent=1))
