@@ -193,7 +193,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gemms", default="qkv,gate_up,o,down,lm_head", help="which of PLAN's GEMMs")
     ap.add_argument("--rounds", type=int, default=3, help="timing rounds, every timer in each")
     ap.add_argument("--seg-ms", default="256,512,1024,4096,16384", help="rows for o / down (4 segments)")
-    ap.add_argument("--plan", default="", help="GEMM=tile,tile;GEMM=...: these tiles instead of PLAN's for each GEMM named")
+    ap.add_argument("--plan", default="",
+                    help="GEMM=tile,tile;GEMM=...: these tiles instead of PLAN's for each GEMM named")
     ap.add_argument("--device-us", action="store_true",
                     help="each row also records every timer's kernels and device microseconds (torch.profiler)")
     args = ap.parse_args(argv)
