@@ -64,18 +64,18 @@ def main(argv=None) -> int:
     ap.add_argument("--gap-us", type=float, default=30.0)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    import torch
+    from gpu_gluon_gemm import gpu_header, run
 
     res: dict = {"rows": []}
-    if not torch.cuda.is_available():
-        res["skipped"] = "no CUDA device"
-    else:
+    if gpu_header(res):  # the device, or "skipped" without CUDA
+        import torch
+
         from gpu_gemm_sweep import chain_ms
-        from gpu_gluon_gemm import run
         from gpu_strict_parity import GEMMS
         from rlkernel.backends.triton import gemm
 
-        res["device"] = torch.cuda.get_device_name()
+        res["timer"] = ("us per call; chain_us: a CUDA graph of 8 calls on 8 weights (gpu_gemm_sweep.chain_ms); "
+                        "spaced_us / same_weight_us: the docstring's variants")
         # the sleep kernel counts SM clocks, and the clock moves with load: calibrated in a chain of sleeps (session
         # 49's call took NVML's idle clock for the rate and slept ~6 us, not the 30 asked)
         probe = 100_000
