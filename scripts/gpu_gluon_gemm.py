@@ -97,7 +97,14 @@ TILES = {t.name: t for t in (
     _t("128x192_s5_pdl2", 128, 128, 64, 5, 1, 8, pdl=2),
     _t("128x192_s5_p_pdl1", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, pdl=1),
     _t("128x192_s5_p_d2_pdl1", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, depth=2, pdl=1),
-    _t("128x128_pdl1", 128, 128, 0, 4, 1, 8, pdl=1))}
+    _t("128x128_pdl1", 128, 128, 0, 4, 1, 8, pdl=1),
+    # session 50, gate_up at M = 256 at the H100's power cap (session 49: cuBLAS's 1 x 2 cluster shares W's boxes
+    # between the two M tiles): one CTA over both M tiles — 256 x 192 with two consumer warpgroups, each 128 rows of
+    # 192 accumulator registers (ptxas: no spills, unlike session 49's four warpgroups at 120 registers), one wave of
+    # 128 tiles and W through L2 once; and the two-wave tile with 4 stages (fewer shared-memory bytes in flight)
+    _t("256x192_s4_p", 256, 128, 64, 4, 1, 8, persistent=True, group_m=8),
+    _t("256x192_s3_p", 256, 128, 64, 3, 1, 8, persistent=True, group_m=8),
+    _t("128x192_s4_p", 128, 128, 64, 4, 1, 8, persistent=True, group_m=8))}
 # (a 64 x 256 segmented tile spills on sm_90: 3 live accumulators of 128 registers a thread)
 # which tiles each shape tries (segments: the row-parallel layers). Session 29 call 2 timed 128x96 s5-s8, 64x192 s5 /
 # s6, 128x192 s4 / s5 at qkv and gate_up, and seg4_64x128 / seg4_128x128 (one program a tile) / _p / 128x128_p at o /
