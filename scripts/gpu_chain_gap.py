@@ -3,9 +3,12 @@
 kernel ran 89.8 us alone (torch.profiler, one call at a time) against cuBLAS's 88.7, yet 98.0 against 84.6 us a call
 in the harness's chain (a CUDA graph of 8 calls on 8 weights, back to back). Per GEMM and timer:
 - `chain_us`: the harness's chain (scripts/gpu_gemm_sweep.chain_ms);
-- `spaced_us`: the same chain with a sleep kernel of ~`--gap-us` before each call, less the sleeps' own chain
+- `spaced_us`: the same chain with a gap kernel of `--gap-us` before each call, less the gaps' own chain
   (`sleep_chain_us`, the gap as it ran): the call without its neighbour's tail or launch overlapping it (what the
-  profiler's one-at-a-time reading sees);
+  profiler's one-at-a-time reading sees); `spaced_clock_mhz` / `spaced_power_w` sampled during it. The gap kernel
+  spins on %globaltimer (wall time). Sessions 49-50 used torch.cuda._sleep, which counts SM clocks: calibrated
+  alone, at the idle card's clock, it ran longer beside a GEMM that holds the clock down at the power cap, so their
+  `spaced_us` at gate_up M = 256 (power-bound) are not the call's time;
 - `same_weight_us`: the chain on one weight (L2 keeps none of 50-200 MB; a control for the 8 weights);
 - `clock_mhz` / `power_w`: the SM clock and board power sampled (NVML, through torch.cuda) during ~1.5 s of calls
   (eager, 64 at a time on the 8 weights).
@@ -56,6 +59,23 @@ def sampled(fn, seconds: float) -> dict:
             "samples": len(clocks)}
 
 
+def wall_sleep():
+    """A one-warp Triton kernel that spins until `ns` nanoseconds of %globaltimer have passed: a gap of wall time,
+    whatever the SM clock (torch.cuda._sleep counts clocks). Built here so that the script imports without Triton."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _wall_sleep(ns):
+        t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        t = t0
+        while t - t0 < ns:
+            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                          pack=1)
+
+    return _wall_sleep
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
@@ -76,11 +96,12 @@ def main(argv=None) -> int:
 
         res["timer"] = ("us per call; chain_us: a CUDA graph of 8 calls on 8 weights (gpu_gemm_sweep.chain_ms); "
                         "spaced_us / same_weight_us: the docstring's variants")
-        # the sleep kernel counts SM clocks, and the clock moves with load: calibrated in a chain of sleeps (session
-        # 49's call took NVML's idle clock for the rate and slept ~6 us, not the 30 asked)
-        probe = 100_000
-        cycles = int(probe * args.gap_us / (1000 * chain_ms(lambda i: torch.cuda._sleep(probe))))
-        res["gap"] = {"us_asked": args.gap_us, "cycles": cycles}
+        kern, ns = wall_sleep(), int(args.gap_us * 1000)
+
+        def gap():
+            kern[(1,)](ns, num_warps=1)
+        gap()  # compiled outside the graphs
+        res["gap"] = {"us_asked": args.gap_us, "kernel": "spin on %globaltimer"}
         for case in args.cases.split(","):
             gname, m = case.split(":")
             K, N = GEMMS[gname]
@@ -94,18 +115,20 @@ def main(argv=None) -> int:
             row = {"gemm": gname, "M": M, "timers": {}}
             sleep_us = []
             for _ in range(args.rounds):
-                sleep_us.append(1000 * chain_ms(lambda i: torch.cuda._sleep(cycles)))
+                sleep_us.append(1000 * chain_ms(lambda i: gap()))
             row["sleep_chain_us"] = round(statistics.median(sleep_us), 2)
             got = {k: {"chain": [], "spaced": [], "same_weight": []} for k in timers}
             for _ in range(args.rounds):
                 for k, fn in timers.items():
                     got[k]["chain"].append(1000 * chain_ms(fn))
-                    got[k]["spaced"].append(1000 * chain_ms(lambda i, fn=fn: (torch.cuda._sleep(cycles), fn(i))[1])
+                    got[k]["spaced"].append(1000 * chain_ms(lambda i, fn=fn: (gap(), fn(i))[1])
                                             - row["sleep_chain_us"])
                     got[k]["same_weight"].append(1000 * chain_ms(lambda i, fn=fn: fn(0)))
             for k, fn in timers.items():
                 rec = {f"{t}_us": round(statistics.median(v), 2) for t, v in got[k].items()}
                 rec.update(sampled(lambda fn=fn: [fn(i % 8) for i in range(64)], 1.5))
+                spaced = sampled(lambda fn=fn: [(gap(), fn(i % 8)) for i in range(64)], 1.5)
+                rec.update(spaced_clock_mhz=spaced["clock_mhz"], spaced_power_w=spaced["power_w"])
                 row["timers"][k] = rec
             for t in ("chain", "spaced", "same_weight"):
                 row[f"library_vs_cublas_{t}"] = round(row["timers"]["cublas"][f"{t}_us"]

@@ -303,3 +303,34 @@ def test_descriptors_built_without_the_constructor_are_the_constructors():
             GG._descriptor(torch.zeros(8, 4097, dtype=torch.bfloat16), 8, 4097, 64)
     finally:
         GC._TD[1] = saved
+
+
+def test_chain_gap_script_gap_kernel_counts_wall_time(tmp_path):
+    """scripts/gpu_chain_gap.py's gap kernel spins on %globaltimer (wall time), not SM clocks (torch.cuda._sleep, whose
+    calibration broke beside a power-capped GEMM in sessions 49-50): compiled for sm_90 here, its loop re-reads the
+    global timer and no clock register; without CUDA the script writes its JSON with the reason and no rows."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "scripts"))
+    import gpu_chain_gap
+
+    kernel = compile_sm90_or_skip(lambda: triton.compile(ASTSource(gpu_chain_gap.wall_sleep(), {"ns": "i64"}),
+                                                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 1}))
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("%globaltimer") == 2 and "bra" in ptx  # the start, and the re-read in the loop
+    assert "%clock" not in ptx and "nanosleep" not in ptx
+    if torch.cuda.is_available():
+        return
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "gpu_chain_gap.py"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads((tmp_path / "chain_gap.json").read_text())
+    assert res["rows"] == [] and "CUDA" in res["skipped"]
