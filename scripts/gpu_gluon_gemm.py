@@ -101,7 +101,10 @@ TILES = {t.name: t for t in (
     # session 50, gate_up at M = 256 at the H100's power cap (session 49: cuBLAS's 1 x 2 cluster shares W's boxes
     # between the two M tiles): one CTA over both M tiles — 256 x 192 with two consumer warpgroups, each 128 rows of
     # 192 accumulator registers (ptxas: no spills, unlike session 49's four warpgroups at 120 registers), one wave of
-    # 128 tiles and W through L2 once; and the two-wave tile with 4 stages (fewer shared-memory bytes in flight)
+    # 128 tiles and W through L2 once; and the two-wave tile with 4 stages (fewer shared-memory bytes in flight).
+    # All lost (an H100, 7 rounds): gate_up M = 256 256x192 s4 / s3 0.867 / 0.804, 128x192 s4 p 0.819 against the
+    # library's 0.875-0.887x; 256 x 192 ran at 1,500 MHz against 1,380 at the same 700 W and no faster
+    # (benchmarks/H100_session50/CALLS.md)
     _t("256x192_s4_p", 256, 128, 64, 4, 1, 8, persistent=True, group_m=8),
     _t("256x192_s3_p", 256, 128, 64, 3, 1, 8, persistent=True, group_m=8),
     _t("128x192_s4_p", 128, 128, 64, 4, 1, 8, persistent=True, group_m=8))}
