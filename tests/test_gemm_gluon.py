@@ -126,6 +126,36 @@ def test_depth_and_pdl_move_no_arithmetic_and_stay_off_the_library_tiles():
     assert waits(pdl.asm["ptx"]) == waits(base.asm["ptx"])  # the control: the wait is what depth changes
 
 
+def test_l2_prefetch_knob_adds_hints_and_no_arithmetic():
+    """Session 50's `prefetch` (untimed when written): the producer warp asks L2 for W's next PREFETCH_STEPS steps of
+    each tile row ahead of its TMA loads — cp.async.bulk.prefetch.L2 of 512 bytes, one a lane, (bn1 + bn2) / 32 a
+    round — and nothing else moves: the wgmma chains and every fp32 op are the default tile's. No library tile takes
+    it; bad values, and a W whose rows are not of stride K, are refused."""
+    pytest.importorskip("triton.experimental.gluon")
+    if GG._IMPORT_ERROR is not None:
+        pytest.skip(GG._IMPORT_ERROR)
+    for bad in (-4, 3, 6):
+        with pytest.raises(ValueError, match="prefetch"):
+            GG.Tile("pf", 128, 128, 64, 5, 1, 8, prefetch=bad)
+    assert all(t.prefetch == 0 for t in GG.TILES)
+    tile = GG.Tile("128x192_s5_p_pf8", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, prefetch=8)
+    assert GG._knobs(tile) == {"PREFETCH": 8} and "PREFETCH" not in GG._knobs(GG.TWO_WAVES)
+    wide = torch.zeros(256, 2 * 4096, dtype=torch.bfloat16)[:, :4096]  # rows of stride 8,192, not K
+    with pytest.raises(ValueError, match="stride"):
+        GG._launch_args(wide, wide, tile, wide)
+
+    base, pf = _compiled(GG.TWO_WAVES), _compiled(tile)
+    hints = re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (\d+);", pf.asm["ptx"])
+    assert hints == ["512"] * 6 and "prefetch" not in base.asm["ptx"]  # the control: the default tile has none
+
+    def arith(k):
+        return (re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+", k.asm["ptx"]),
+                re.findall(r"= (?:arith|math)\.\w+ %\S+(?:, %\S+)* : tensor<\d+x\d+xf32", k.asm["ttgir"]))
+
+    assert arith(pf) == arith(base) and len(arith(base)[0]) == 8
+    assert re.search(r"\b0 bytes spill stores", ptxas_usage(pf.asm["ptx"]))
+
+
 def test_choose_and_its_reasons_on_what_it_was_not_checked_on():
     """Every refusal is named before any device query; on a CPU tensor `choose` serves nothing."""
     a, w = torch.zeros(256, 4096, dtype=torch.bfloat16), torch.zeros(6144, 4096, dtype=torch.bfloat16)
@@ -192,6 +222,11 @@ cgrid, cargs, _ = GG._launch_args(a, w, GG.ONE_WAVE, out, programs=2)  # the fir
 assert cgrid == (2,) and cargs[-1] == 2, (cgrid, cargs[-1])
 cache, keys, _, _, binder = GG._gemm_kernel.device_caches[0]
 _, spec, options = binder(*args, **kwargs, debug=False, instrumentation_mode="")
+pf = GG.Tile("pf", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, prefetch=8)
+_, fargs, fkw = GG._launch_args(a, w, pf, out)  # the L2 prefetch's W: a pointer argument beside the descriptors
+assert fkw["w_ptr"] is w and fkw["PREFETCH"] == 8 and "w_ptr" not in kwargs, (sorted(fkw), sorted(kwargs))
+_, fspec, _ = binder(*fargs, **fkw, debug=False, instrumentation_mode="")
+assert len(fspec) == len(spec) and fspec != spec, (fspec, spec)
 cache[compute_cache_key(keys, spec, options)] = Kernel()
 assert launch._fast_ok() and isinstance(GG._gemm_fast, launch.FastKernel) and GG._gemm_fast.fn is GG._gemm_kernel
 for _ in range(3):

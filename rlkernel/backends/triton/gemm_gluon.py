@@ -59,6 +59,12 @@ PRODUCER_REGS = 40
 # stages overlap the previous kernel's tail. 2 loads W before the wait, so it is only for weights that the kernel just
 # before does not write. Both lost on an H100 (session 49, scripts/gpu_gluon_gemm.py): no library tile takes them.
 PDL_MODES = {0: "off", 1: "every load after the wait", 2: "the first stages of W before the wait (experiment)"}
+# An L2 prefetch of W ahead of the operand ring (session 50's experiment, untimed when written): every PREFETCH_STEPS K
+# steps the producer warp asks L2 for the next PREFETCH_STEPS x BK columns of each of the tile's W rows, `prefetch`
+# steps ahead of its TMA loads (cp.async.bulk.prefetch.L2: a hint, no register, no shared memory, no bit). Below the
+# power cap gate_up at M = 256 streams W ~9 % slower than cuBLAS (benchmarks/H100_session50/CALLS.md, call 14); one
+# 512-byte request a row instead of four 128-byte TMA rows is what the prefetch tries.
+PREFETCH_STEPS = 4
 
 try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API is young, so any failure is a reason
     from triton.experimental import gluon
@@ -85,12 +91,16 @@ class Tile:
     group_m: int = 0  # the tile walk: 0 = M tiles fastest; g = groups of g M tiles (L2 locality; never a bit)
     depth: int = 1  # K steps of wgmma in flight behind the one issued (a stage is freed `depth` steps later; no bit)
     pdl: int = 0  # programmatic dependent launch (PDL_MODES); 2 needs K >= stages x BK (its first-tile prologue)
+    prefetch: int = 0  # K steps ahead of the producer's loads that W is prefetched into L2 (0: none; no bit)
 
     def __post_init__(self):  # (gemm_park.ParkTile, which builds those, validates itself)
         if self.depth < 1 or (self.depth > 1 and self.segs > 1):
             raise ValueError(f"{self.name}: depth {self.depth}: 1, or more on an unsegmented tile")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"{self.name}: pdl {self.pdl} is not one of {sorted(PDL_MODES)}")
+        if self.prefetch < 0 or self.prefetch % PREFETCH_STEPS or (self.bn1 + self.bn2) % 32:
+            raise ValueError(f"{self.name}: prefetch {self.prefetch}: 0 or a multiple of {PREFETCH_STEPS} K steps, "
+                             "over a tile of a multiple of 32 W rows")
         if self.segs > 1 and self.bn2:
             raise ValueError(f"{self.name}: segments over two accumulators need the tree's partials parked outside "
                              "the registers: gemm_park.ParkTile (this kernel folds one accumulator's segments)")
@@ -149,6 +159,7 @@ def pick(m: int, n: int, k: int, segments: int, sms: int) -> Tile | None:
 if _IMPORT_ERROR is None:
     _PRODUCER_WARPS = gl.constexpr(1)
     _PRODUCER_REGS = gl.constexpr(PRODUCER_REGS)
+    _PREFETCH_STEPS = gl.constexpr(PREFETCH_STEPS)
 
     @gluon.jit
     def _origin(t, num_pid_m, num_pid_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
@@ -175,12 +186,25 @@ if _IMPORT_ERROR is None:
                                   is_pure=False, pack=1)
 
     @gluon.jit
+    def _prefetch_w(w_ptr, off_n, N, K, k0, ROWS: gl.constexpr, NBYTES: gl.constexpr):
+        """One warp: W rows off_n .. off_n + ROWS - 1 (clamped to N - 1), NBYTES from column k0 (clamped inside the
+        row), into L2 — 32 rows a request round, one row a lane."""
+        lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        col = gl.minimum(k0, K - NBYTES // 2)
+        for c in gl.static_range(ROWS // 32):
+            row = gl.minimum(off_n + c * 32 + lane, N - 1)
+            gl.inline_asm_elementwise(f"cp.async.bulk.prefetch.L2.global [$1], {NBYTES}; // $0", "=r,l",
+                                      [w_ptr + row.to(gl.int64) * K + col], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _producer(a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n, k_steps,
                   step, BM: gl.constexpr, BK: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr,
-                  GROUP_M: gl.constexpr, PDL: gl.constexpr = 0):
+                  GROUP_M: gl.constexpr, PDL: gl.constexpr = 0, w_ptr=None, N=0, K=0, PREFETCH: gl.constexpr = 0):
         """One warp: every step of this program's tiles (A box, W boxes of BN1 rows then BN2) into stage g % S (g:
         the program's step count over its tiles) once the consumer freed it. PDL (PDL_MODES): 1 waits before the
-        first load; 2 loads the first tile's first S steps of W, waits, then their A (k_steps >= S)."""
+        first load; 2 loads the first tile's first S steps of W, waits, then their A (k_steps >= S). PREFETCH > 0:
+        each PREFETCH_STEPS steps, W's next PREFETCH_STEPS steps' columns PREFETCH steps ahead into L2 (W rows of
+        stride K)."""
         S: gl.constexpr = bufs_a.type.shape[0]
         if BN2 > 0:
             nbytes: gl.constexpr = a_desc.block_type.nbytes + w1_desc.block_type.nbytes + w2_desc.block_type.nbytes
@@ -206,6 +230,10 @@ if _IMPORT_ERROR is None:
             for i in range(first, k_steps):
                 gi = g + i
                 s = gi % S
+                if PREFETCH > 0:
+                    if i % _PREFETCH_STEPS == 0:
+                        if i + PREFETCH < k_steps:
+                            _prefetch_w(w_ptr, off_n, N, K, (i + PREFETCH) * BK, BN1 + BN2, _PREFETCH_STEPS * BK * 2)
                 mbarrier.wait(empty.index(s), ((gi // S) & 1) ^ 1)  # a fresh barrier counts as released once
                 mbarrier.expect(ready.index(s), nbytes)
                 tma.async_copy_global_to_shared(a_desc, [off_m, i * BK], ready.index(s), bufs_a.index(s))
@@ -303,9 +331,10 @@ if _IMPORT_ERROR is None:
     def _gemm_kernel(a_desc, w1_desc, w2_desc, c_ptr, M, N, K, stride_cm, step, BM: gl.constexpr,
                      BN1: gl.constexpr, BN2: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                      SEGS: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr, DEPTH: gl.constexpr = 1,
-                     PDL: gl.constexpr = 0):
+                     PDL: gl.constexpr = 0, w_ptr=None, PREFETCH: gl.constexpr = 0):
         """C = A [M, K] @ W [N, K]^T in tiles of [BM, BN1 + BN2]: program p takes tiles p, p + step, ... in the walk
-        `_origin` names (step = the tile count: one tile a program; = the grid: persistent)."""
+        `_origin` names (step = the tile count: one tile a program; = the grid: persistent). w_ptr (W itself, rows of
+        stride K): only with PREFETCH."""
         l1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BN1, 16])
         l2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -324,7 +353,7 @@ if _IMPORT_ERROR is None:
             (_consumer, (bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n, k_steps, step, c_ptr, M, N,
                          stride_cm, BM, BN1, BN2, SEGS, GROUP_M, l1, l2, DEPTH, PDL)),
             (_producer, (a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n,
-                         k_steps, step, BM, BK, BN1, BN2, GROUP_M, PDL)),
+                         k_steps, step, BM, BK, BN1, BN2, GROUP_M, PDL, w_ptr, N, K, PREFETCH)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
 
     _gemm_fast = fast(_gemm_kernel)  # launch.py's fast path: Triton's own run at a key's first call, then its kernel
@@ -459,26 +488,35 @@ def _launch_args(a, w, tile: Tile, out, programs: int | None = None):
     N = w.shape[0]
     if tile.pdl == 2 and K < tile.stages * BK:
         raise ValueError(f"{tile.name}: pdl 2 loads the first {tile.stages} K steps ahead; K = {K} has fewer")
+    if tile.prefetch and (w.stride(0) != K or K < PREFETCH_STEPS * BK):
+        raise ValueError(f"{tile.name}: the L2 prefetch reads W as rows of stride K >= {PREFETCH_STEPS * BK} "
+                         f"(stride {w.stride(0)}, K = {K})")
     n2 = tile.bn2 or tile.bn1
     a_desc = _descriptor(a, M, K, tile.bm)
     w1 = _descriptor(w, N, K, tile.bn1)
     w2 = w1 if n2 == tile.bn1 else _descriptor(w, N, K, n2)
     tiles = -(-M // tile.bm) * -(-N // tile.bn)
     grid = programs or (min(tiles, _sms(a.device)) if tile.persistent else tiles)
+    knobs = _knobs(tile)
+    if tile.prefetch:
+        knobs["w_ptr"] = w
     return ((grid,), (a_desc, w1, w2, out, M, N, K, out.stride(0), grid),
             dict(BM=tile.bm, BN1=tile.bn1, BN2=tile.bn2, BK=BK, STAGES=tile.stages, SEGS=tile.segs,
-                 GROUP_M=tile.group_m, num_warps=tile.warps, **_knobs(tile)))
+                 GROUP_M=tile.group_m, num_warps=tile.warps, **knobs))
 
 
 def _knobs(tile: Tile) -> dict:
-    """The constexprs and launch option of `depth` / `pdl`, passed only where they are not the kernel's defaults: a
-    default tile launches with the arguments it had before the knobs (its PTX is unchanged but for line numbers)."""
+    """The constexprs and launch option of `depth` / `pdl` / `prefetch`, passed only where they are not the kernel's
+    defaults: a default tile launches with the arguments it had before the knobs (its PTX is unchanged but for line
+    numbers). (`prefetch` also passes W itself as w_ptr: `_launch_args`.)"""
     k = {}
     if tile.depth != 1:
         k["DEPTH"] = tile.depth
     if tile.pdl:
         k["PDL"] = tile.pdl
         k["launch_pdl"] = True
+    if tile.prefetch:
+        k["PREFETCH"] = tile.prefetch
     return k
 
 
@@ -509,7 +547,11 @@ def compile_sm90(tile: Tile):
            "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_cm": "i32", "step": "i32"}
     const = {"BM": tile.bm, "BN1": tile.bn1, "BN2": tile.bn2, "BK": BK, "STAGES": tile.stages, "SEGS": tile.segs,
              "GROUP_M": tile.group_m, "num_warps": tile.warps}
-    const.update(DEPTH=tile.depth, PDL=tile.pdl)  # (an ASTSource takes no defaults: every constexpr named)
+    const.update(DEPTH=tile.depth, PDL=tile.pdl, PREFETCH=tile.prefetch)  # (an ASTSource takes no defaults)
+    if tile.prefetch:
+        sig["w_ptr"] = "*bf16"
+    else:
+        const["w_ptr"] = None
     return _compile_sm90(_gemm_kernel, sig, const, num_warps=tile.warps, launch_pdl=bool(tile.pdl))
 
 
