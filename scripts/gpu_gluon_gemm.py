@@ -110,11 +110,13 @@ TILES = {t.name: t for t in (
     _t("128x192_s4_p", 128, 128, 64, 4, 1, 8, persistent=True, group_m=8),
     # after session 50's device time (untimed): below the power cap, gate_up at M = 256 streams W ~9 % slower than
     # cuBLAS (call 14). An L2 prefetch of W's next 4 K steps (512 bytes a row), 4 / 8 / 16 steps ahead of the ring's
-    # TMA loads (gemm_gluon `prefetch`: a hint, no bit; `gpu_session.py gemm_prefetch`)
+    # TMA loads (gemm_gluon `prefetch`: a hint, no bit; `gpu_session.py gemm_prefetch`); and 256 x 192 (W through L2
+    # once: 1,500 MHz at the cap, session 50) with it
     _t("128x192_s5_p_pf4", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, prefetch=4),
     _t("128x192_s5_p_pf8", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, prefetch=8),
     _t("128x192_s5_p_pf16", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, prefetch=16),
-    _t("64x192_s7_pf8", 64, 128, 64, 7, 1, 4, prefetch=8))}
+    _t("64x192_s7_pf8", 64, 128, 64, 7, 1, 4, prefetch=8),
+    _t("256x192_s4_p_pf8", 256, 128, 64, 4, 1, 8, persistent=True, group_m=8, prefetch=8))}
 # (a 64 x 256 segmented tile spills on sm_90: 3 live accumulators of 128 registers a thread)
 # which tiles each shape tries (segments: the row-parallel layers). Session 29 call 2 timed 128x96 s5-s8, 64x192 s5 /
 # s6, 128x192 s4 / s5 at qkv and gate_up, and seg4_64x128 / seg4_128x128 (one program a tile) / _p / 128x128_p at o /
