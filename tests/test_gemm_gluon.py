@@ -49,6 +49,13 @@ def _compiled(tile):
     return compile_sm90_or_skip(lambda: GG.compile_sm90(tile))
 
 
+def _arith(k):
+    """A compiled kernel's wgmma chains and every fp32 op on its accumulators, in program order (what the knobs must
+    leave as the default tile has them)."""
+    return (re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+", k.asm["ptx"]),
+            re.findall(r"= (?:arith|math)\.\w+ %\S+(?:, %\S+)* : tensor<\d+x\d+xf32", k.asm["ttgir"]))
+
+
 def test_segments_over_two_accumulators_are_gemm_parks():
     """This kernel folds one accumulator's segments in registers; two accumulators' tree partials must wait outside
     them (gemm_park's kernel, tests/test_gemm_park.py): such a Tile is refused here, not compiled into spills."""
@@ -117,12 +124,8 @@ def test_depth_and_pdl_move_no_arithmetic_and_stay_off_the_library_tiles():
     assert pdl.asm["ptx"].count("griddepcontrol.wait") == 2 and "griddepcontrol.launch_dependents" in pdl.asm["ptx"]
     assert pdl.metadata.launch_pdl
 
-    def arith(k):  # the wgmma chains and every fp32 op on the accumulators, in program order
-        return (re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+", k.asm["ptx"]),
-                re.findall(r"= (?:arith|math)\.\w+ %\S+(?:, %\S+)* : tensor<\d+x\d+xf32", k.asm["ttgir"]))
-
-    assert arith(deep) == arith(base) == arith(pdl)
-    assert len(arith(base)[0]) == 8 and len(arith(base)[1]) == 2  # 4 k16 steps x 2 widths; the two bf16 roundings
+    assert _arith(deep) == _arith(base) == _arith(pdl)
+    assert len(_arith(base)[0]) == 8 and len(_arith(base)[1]) == 2  # 4 k16 steps x 2 widths; the two bf16 roundings
     assert waits(pdl.asm["ptx"]) == waits(base.asm["ptx"])  # the control: the wait is what depth changes
 
 
@@ -148,11 +151,7 @@ def test_l2_prefetch_knob_adds_hints_and_no_arithmetic():
     hints = re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (\d+);", pf.asm["ptx"])
     assert hints == ["512"] * 6 and "prefetch" not in base.asm["ptx"]  # the control: the default tile has none
 
-    def arith(k):
-        return (re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+", k.asm["ptx"]),
-                re.findall(r"= (?:arith|math)\.\w+ %\S+(?:, %\S+)* : tensor<\d+x\d+xf32", k.asm["ttgir"]))
-
-    assert arith(pf) == arith(base) and len(arith(base)[0]) == 8
+    assert _arith(pf) == _arith(base) and len(_arith(base)[0]) == 8
     assert re.search(r"\b0 bytes spill stores", ptxas_usage(pf.asm["ptx"]))
 
 

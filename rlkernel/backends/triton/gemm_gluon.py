@@ -230,10 +230,9 @@ if _IMPORT_ERROR is None:
             for i in range(first, k_steps):
                 gi = g + i
                 s = gi % S
-                if PREFETCH > 0:
-                    if i % _PREFETCH_STEPS == 0:
-                        if i + PREFETCH < k_steps:
-                            _prefetch_w(w_ptr, off_n, N, K, (i + PREFETCH) * BK, BN1 + BN2, _PREFETCH_STEPS * BK * 2)
+                if PREFETCH > 0:  # (a constexpr: default tiles compile without it)
+                    if (i % _PREFETCH_STEPS == 0) & (i + PREFETCH < k_steps):
+                        _prefetch_w(w_ptr, off_n, N, K, (i + PREFETCH) * BK, BN1 + BN2, _PREFETCH_STEPS * BK * 2)
                 mbarrier.wait(empty.index(s), ((gi // S) & 1) ^ 1)  # a fresh barrier counts as released once
                 mbarrier.expect(ready.index(s), nbytes)
                 tma.async_copy_global_to_shared(a_desc, [off_m, i * BK], ready.index(s), bufs_a.index(s))
