@@ -129,30 +129,67 @@ def test_depth_and_pdl_move_no_arithmetic_and_stay_off_the_library_tiles():
     assert waits(pdl.asm["ptx"]) == waits(base.asm["ptx"])  # the control: the wait is what depth changes
 
 
-def test_l2_prefetch_knob_adds_hints_and_no_arithmetic():
-    """Session 50's `prefetch` (untimed when written): the producer warp asks L2 for W's next PREFETCH_STEPS steps of
-    each tile row ahead of its TMA loads — cp.async.bulk.prefetch.L2 of 512 bytes, one a lane, (bn1 + bn2) / 32 a
-    round — and nothing else moves: the wgmma chains and every fp32 op are the default tile's. No library tile takes
-    it; bad values, and a W whose rows are not of stride K, are refused."""
+def test_l2_prefetch_knob_adds_one_tensor_hint_a_round_and_no_arithmetic():
+    """`prefetch` (an experiment): one lane of the producer warp asks L2 for the tile's W rows x the next
+    PREFETCH_STEPS steps' columns ahead of its TMA loads — one cp.async.bulk.prefetch.tensor a round through W's own
+    tensor map, behind one tensormap-proxy fence — and nothing else moves: the wgmma chains and every fp32 op are the
+    default tile's. No library tile takes it; bad values are refused. (Session 50's version, one 512-byte
+    cp.async.bulk.prefetch.L2 a W row, ran ~2x slower on an H100: its PTX must not come back.)"""
     pytest.importorskip("triton.experimental.gluon")
     if GG._IMPORT_ERROR is not None:
         pytest.skip(GG._IMPORT_ERROR)
     for bad in (-4, 3, 6):
         with pytest.raises(ValueError, match="prefetch"):
             GG.Tile("pf", 128, 128, 64, 5, 1, 8, prefetch=bad)
+    with pytest.raises(ValueError, match="256 W rows"):  # a tensor map's box holds at most 256 rows
+        GG.Tile("pf", 128, 256, 64, 4, 1, 8, prefetch=8)
     assert all(t.prefetch == 0 for t in GG.TILES)
     tile = GG.Tile("128x192_s5_p_pf8", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, prefetch=8)
     assert GG._knobs(tile) == {"PREFETCH": 8} and "PREFETCH" not in GG._knobs(GG.TWO_WAVES)
-    wide = torch.zeros(256, 2 * 4096, dtype=torch.bfloat16)[:, :4096]  # rows of stride 8,192, not K
-    with pytest.raises(ValueError, match="stride"):
-        GG._launch_args(wide, wide, tile, wide)
 
     base, pf = _compiled(GG.TWO_WAVES), _compiled(tile)
-    hints = re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (\d+);", pf.asm["ptx"])
-    assert hints == ["512"] * 6 and "prefetch" not in base.asm["ptx"]  # the control: the default tile has none
-
+    ptx = pf.asm["ptx"]
+    hints = re.findall(r"@(%?\w+) cp\.async\.bulk\.prefetch\.tensor\.2d\.L2\.global\.tile \[%rd\d+, \{%r\d+, %r\d+\}\];", ptx)
+    assert len(hints) == 1, hints  # one request a round, predicated ...
+    assert re.search(r"mov\.u32 \w+, %laneid;\s*setp\.eq\.u32 " + re.escape(hints[0]) + r", \w+, 0;", ptx)  # ... on lane 0
+    assert len(re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.gpu \[%rd\d+\], 128;", ptx)) == 1
+    assert "cp.async.bulk.prefetch.L2" not in ptx  # session 50's per-row requests are gone
+    assert "prefetch" not in base.asm["ptx"] and "tensormap::" not in base.asm["ptx"]  # the control: none by default
     assert _arith(pf) == _arith(base) and len(_arith(base)[0]) == 8
-    assert re.search(r"\b0 bytes spill stores", ptxas_usage(pf.asm["ptx"]))
+    assert re.search(r"\b0 bytes spill stores", ptxas_usage(ptx))
+
+
+def test_l2_prefetch_tensor_map_is_encoded_over_w_as_stored():
+    """The prefetch's tensor map: cuTensorMapEncodeTiled (libcuda, absent here, so its arguments are what is checked)
+    over W [N, K] as it lies — dims (K, N), row stride in bytes, a box of PREFETCH_STEPS x BK columns x the tile's rows,
+    bf16, no swizzle — and the 128 bytes it writes are the map; a failing encode and a W a map cannot describe are
+    refused with their reasons."""
+    import ctypes
+
+    seen = {}
+
+    def encode(ref, dtype, rank, addr, dims, strides, box, estrides, interleave, swizzle, l2, oob):
+        seen.update(dtype=dtype.value, rank=rank.value, addr=addr.value, dims=list(dims), strides=list(strides),
+                    box=list(box), estrides=list(estrides), modes=(interleave.value, swizzle.value, l2.value, oob.value))
+        ctypes.cast(ref, ctypes.POINTER(ctypes.c_uint64 * 16)).contents[:] = list(range(100, 116))
+        return 0
+
+    w = torch.zeros(24576, 4096, dtype=torch.bfloat16)
+    raw = GG.prefetch_map_bytes(w, 192, encode)
+    assert seen == dict(dtype=9, rank=2, addr=w.data_ptr(), dims=[4096, 24576], strides=[8192],
+                        box=[GG.PREFETCH_STEPS * GG.BK, 192], estrides=[1, 1], modes=(0, 0, 3, 0))
+    assert raw == bytes((ctypes.c_uint64 * 16)(*range(100, 116)))
+    sliced = torch.zeros(512, 2 * 4096, dtype=torch.bfloat16)[:, :4096]  # rows of stride 8,192 elements
+    GG.prefetch_map_bytes(sliced, 128, encode)
+    assert seen["dims"] == [4096, 512] and seen["strides"] == [16384]
+    with pytest.raises(RuntimeError, match="CUresult 1"):
+        GG.prefetch_map_bytes(w, 192, lambda *a: 1)
+    for bad, rows in ((torch.zeros(64, 4100, dtype=torch.bfloat16), 64),  # a row of 8,200 bytes: not 16's multiple
+                      (torch.zeros(64, 4096, dtype=torch.float32), 64), (w, 257), (w.t(), 64)):
+        with pytest.raises(ValueError, match="tensor map"):
+            GG.prefetch_map_bytes(bad, rows, encode)
+    m = GG.prefetch_map(w, 192, encode)
+    assert m.dtype == torch.uint8 and bytes(m.tolist()) == raw and GG.prefetch_map(w, 192) is m  # cached
 
 
 def test_choose_and_its_reasons_on_what_it_was_not_checked_on():
@@ -222,8 +259,9 @@ assert cgrid == (2,) and cargs[-1] == 2, (cgrid, cargs[-1])
 cache, keys, _, _, binder = GG._gemm_kernel.device_caches[0]
 _, spec, options = binder(*args, **kwargs, debug=False, instrumentation_mode="")
 pf = GG.Tile("pf", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, prefetch=8)
-_, fargs, fkw = GG._launch_args(a, w, pf, out)  # the L2 prefetch's W: a pointer argument beside the descriptors
-assert fkw["w_ptr"] is w and fkw["PREFETCH"] == 8 and "w_ptr" not in kwargs, (sorted(fkw), sorted(kwargs))
+pf_map = GG.prefetch_map(w, pf.bn, encode=lambda *a: 0)  # (libcuda's encoder is absent here: zero bytes)
+_, fargs, fkw = GG._launch_args(a, w, pf, out)  # the L2 prefetch's map: a pointer argument beside the descriptors
+assert fkw["pf_map"] is pf_map and fkw["PREFETCH"] == 8 and "pf_map" not in kwargs, (sorted(fkw), sorted(kwargs))
 _, fspec, _ = binder(*fargs, **fkw, debug=False, instrumentation_mode="")
 assert len(fspec) == len(spec) and fspec != spec, (fspec, spec)
 cache[compute_cache_key(keys, spec, options)] = Kernel()

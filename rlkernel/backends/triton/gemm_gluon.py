@@ -59,11 +59,13 @@ PRODUCER_REGS = 40
 # stages overlap the previous kernel's tail. 2 loads W before the wait, so it is only for weights that the kernel just
 # before does not write. Both lost on an H100 (session 49, scripts/gpu_gluon_gemm.py): no library tile takes them.
 PDL_MODES = {0: "off", 1: "every load after the wait", 2: "the first stages of W before the wait (experiment)"}
-# An L2 prefetch of W ahead of the operand ring (session 50's experiment, untimed when written): every PREFETCH_STEPS K
-# steps the producer warp asks L2 for the next PREFETCH_STEPS x BK columns of each of the tile's W rows, `prefetch`
-# steps ahead of its TMA loads (cp.async.bulk.prefetch.L2: a hint, no register, no shared memory, no bit). Below the
-# power cap gate_up at M = 256 streams W ~9 % slower than cuBLAS (benchmarks/H100_session50/CALLS.md, call 14); one
-# 512-byte request a row instead of four 128-byte TMA rows is what the prefetch tries.
+# An L2 prefetch of W ahead of the operand ring (experiment, no library tile): every PREFETCH_STEPS K steps one lane of
+# the producer warp asks L2 for the tile's W rows x the next PREFETCH_STEPS x BK columns, `prefetch` steps ahead of its
+# TMA loads (a hint: no register, no shared memory, no bit). Below the power cap gate_up at M = 256 streams W ~9 %
+# slower than cuBLAS (benchmarks/H100_session50/CALLS.md, call 14). Session 50's version issued one 512-byte
+# cp.async.bulk.prefetch.L2 a W row (192 requests a round) and ran 1.6-2.2x slower on an H100 (session 51, call 3: the
+# cost grew with the rounds, not the distance, so the requests themselves); this one issues one
+# cp.async.bulk.prefetch.tensor a round through its own tensor map (`prefetch_map`: box rows x PREFETCH_STEPS x BK).
 PREFETCH_STEPS = 4
 
 try:  # Gluon ships with Triton >= 3.5 as `triton.experimental.gluon`; its API is young, so any failure is a reason
@@ -98,9 +100,9 @@ class Tile:
             raise ValueError(f"{self.name}: depth {self.depth}: 1, or more on an unsegmented tile")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"{self.name}: pdl {self.pdl} is not one of {sorted(PDL_MODES)}")
-        if self.prefetch < 0 or self.prefetch % PREFETCH_STEPS or (self.bn1 + self.bn2) % 32:
+        if self.prefetch < 0 or self.prefetch % PREFETCH_STEPS or (self.prefetch and self.bn1 + self.bn2 > 256):
             raise ValueError(f"{self.name}: prefetch {self.prefetch}: 0 or a multiple of {PREFETCH_STEPS} K steps, "
-                             "over a tile of a multiple of 32 W rows")
+                             "over a tile of at most 256 W rows (a tensor map's box)")
         if self.segs > 1 and self.bn2:
             raise ValueError(f"{self.name}: segments over two accumulators need the tree's partials parked outside "
                              "the registers: gemm_park.ParkTile (this kernel folds one accumulator's segments)")
@@ -186,25 +188,31 @@ if _IMPORT_ERROR is None:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _prefetch_w(w_ptr, off_n, N, K, k0, ROWS: gl.constexpr, NBYTES: gl.constexpr):
-        """One warp: W rows off_n .. off_n + ROWS - 1 (clamped to N - 1), NBYTES from column k0 (clamped inside the
-        row), into L2 — 32 rows a request round, one row a lane."""
-        lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
-        col = gl.minimum(k0, K - NBYTES // 2)
-        for c in gl.static_range(ROWS // 32):
-            row = gl.minimum(off_n + c * 32 + lane, N - 1)
-            gl.inline_asm_elementwise(f"cp.async.bulk.prefetch.L2.global [$1], {NBYTES}; // $0", "=r,l",
-                                      [w_ptr + row.to(gl.int64) * K + col], dtype=gl.int32, is_pure=False, pack=1)
+    def _prefetch_w(pf_map, off_n, k0):
+        """Lane 0 of the calling warp: one cp.async.bulk.prefetch.tensor of `pf_map`'s box (W rows off_n.., columns
+        k0..; TMA drops what lies outside W) into L2. pf_map: the global address of the tensor map
+        (`prefetch_map`)."""
+        gl.inline_asm_elementwise(
+            "{ .reg .pred pfp; .reg .b32 pfl; mov.u32 pfl, %laneid; setp.eq.u32 pfp, pfl, 0; "
+            "@pfp cp.async.bulk.prefetch.tensor.2d.L2.global.tile [$1, {$2, $3}]; } // $0",
+            "=r,l,r,r", [pf_map, k0, off_n], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _tensormap_acquire(pf_map):
+        """fence.proxy.tensormap::generic.acquire of the 128-byte tensor map at pf_map: the map was written through the
+        generic proxy (a copy from the host), TMA reads it through the tensormap proxy."""
+        gl.inline_asm_elementwise("fence.proxy.tensormap::generic.acquire.gpu [$1], 128; // $0", "=r,l", [pf_map],
+                                  dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _producer(a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n, k_steps,
                   step, BM: gl.constexpr, BK: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr,
-                  GROUP_M: gl.constexpr, PDL: gl.constexpr = 0, w_ptr=None, N=0, K=0, PREFETCH: gl.constexpr = 0):
+                  GROUP_M: gl.constexpr, PDL: gl.constexpr = 0, pf_map=None, PREFETCH: gl.constexpr = 0):
         """One warp: every step of this program's tiles (A box, W boxes of BN1 rows then BN2) into stage g % S (g:
         the program's step count over its tiles) once the consumer freed it. PDL (PDL_MODES): 1 waits before the
         first load; 2 loads the first tile's first S steps of W, waits, then their A (k_steps >= S). PREFETCH > 0:
-        each PREFETCH_STEPS steps, W's next PREFETCH_STEPS steps' columns PREFETCH steps ahead into L2 (W rows of
-        stride K)."""
+        each PREFETCH_STEPS steps, the tile's W rows x the next PREFETCH_STEPS steps' columns, PREFETCH steps ahead,
+        into L2 (one request through pf_map)."""
         S: gl.constexpr = bufs_a.type.shape[0]
         if BN2 > 0:
             nbytes: gl.constexpr = a_desc.block_type.nbytes + w1_desc.block_type.nbytes + w2_desc.block_type.nbytes
@@ -224,6 +232,8 @@ if _IMPORT_ERROR is None:
             first = S
         elif PDL == 1:
             _gdc_wait()
+        if PREFETCH > 0:
+            _tensormap_acquire(pf_map)
         g = 0
         for t in range(gl.program_id(0), num_pid_m * num_pid_n, step):
             off_m, off_n = _origin(t, num_pid_m, num_pid_n, BM, BN1 + BN2, GROUP_M)
@@ -232,7 +242,7 @@ if _IMPORT_ERROR is None:
                 s = gi % S
                 if PREFETCH > 0:  # (a constexpr: default tiles compile without it)
                     if (i % _PREFETCH_STEPS == 0) & (i + PREFETCH < k_steps):
-                        _prefetch_w(w_ptr, off_n, N, K, (i + PREFETCH) * BK, BN1 + BN2, _PREFETCH_STEPS * BK * 2)
+                        _prefetch_w(pf_map, off_n, (i + PREFETCH) * BK)
                 mbarrier.wait(empty.index(s), ((gi // S) & 1) ^ 1)  # a fresh barrier counts as released once
                 mbarrier.expect(ready.index(s), nbytes)
                 tma.async_copy_global_to_shared(a_desc, [off_m, i * BK], ready.index(s), bufs_a.index(s))
@@ -330,10 +340,10 @@ if _IMPORT_ERROR is None:
     def _gemm_kernel(a_desc, w1_desc, w2_desc, c_ptr, M, N, K, stride_cm, step, BM: gl.constexpr,
                      BN1: gl.constexpr, BN2: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                      SEGS: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr, DEPTH: gl.constexpr = 1,
-                     PDL: gl.constexpr = 0, w_ptr=None, PREFETCH: gl.constexpr = 0):
+                     PDL: gl.constexpr = 0, pf_map=None, PREFETCH: gl.constexpr = 0):
         """C = A [M, K] @ W [N, K]^T in tiles of [BM, BN1 + BN2]: program p takes tiles p, p + step, ... in the walk
-        `_origin` names (step = the tile count: one tile a program; = the grid: persistent). w_ptr (W itself, rows of
-        stride K): only with PREFETCH."""
+        `_origin` names (step = the tile count: one tile a program; = the grid: persistent). pf_map (W's prefetch
+        tensor map, `prefetch_map`): only with PREFETCH."""
         l1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, BN1, 16])
         l2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -352,7 +362,7 @@ if _IMPORT_ERROR is None:
             (_consumer, (bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n, k_steps, step, c_ptr, M, N,
                          stride_cm, BM, BN1, BN2, SEGS, GROUP_M, l1, l2, DEPTH, PDL)),
             (_producer, (a_desc, w1_desc, w2_desc, bufs_a, bufs_w1, bufs_w2, ready, empty, num_pid_m, num_pid_n,
-                         k_steps, step, BM, BK, BN1, BN2, GROUP_M, PDL, w_ptr, N, K, PREFETCH)),
+                         k_steps, step, BM, BK, BN1, BN2, GROUP_M, PDL, pf_map, PREFETCH)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
 
     _gemm_fast = fast(_gemm_kernel)  # launch.py's fast path: Triton's own run at a key's first call, then its kernel
@@ -480,6 +490,52 @@ def _descriptor(t, rows: int, cols: int, block_rows: int, bk: int = BK):
     return descriptor(t, [rows, cols], [t.stride(0), 1], [block_rows, bk], _layout(block_rows, bk))
 
 
+# cuTensorMapEncodeTiled's enums (cuda.h): bf16, no interleave, no swizzle, L2 promotion to 256 B, no NaN fill
+_TMAP_BF16, _TMAP_L2_256B = 9, 3
+_PREFETCH_MAPS: dict = {}  # (W's address, shape, stride, box rows, device) -> the map's 128 bytes on that device
+
+
+def prefetch_map_bytes(w, rows: int, encode=None) -> bytes:
+    """The 128-byte CUtensorMap over W [N, K] (bf16, rows of stride w.stride(0)) with a box of `rows` rows x
+    PREFETCH_STEPS x BK columns, no swizzle (a prefetch only names bytes): cuTensorMapEncodeTiled through ctypes from
+    libcuda (`encode`: that function, for a test). Refuses what a tensor map cannot describe."""
+    import ctypes
+
+    N, K = w.shape
+    if w.dtype.itemsize != 2 or w.stride(1) != 1 or (w.stride(0) * 2) % 16 or w.data_ptr() % 16 or not 0 < rows <= 256:
+        raise ValueError(f"the L2 prefetch's tensor map needs W as 2-byte rows of unit column stride, a row stride of "
+                         f"16 bytes' multiple, 16-byte aligned, a box of 1-256 rows (W {tuple(w.shape)} "
+                         f"{w.dtype}, strides {tuple(w.stride())}, rows {rows})")
+    if encode is None:
+        encode = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    buf = (ctypes.c_uint64 * 16)()  # CUtensorMap: 128 bytes, 64-byte aligned (ctypes gives 16: copied out below)
+    u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
+    rc = encode(ctypes.byref(buf), ctypes.c_int(_TMAP_BF16), ctypes.c_uint32(2), ctypes.c_void_p(w.data_ptr()),
+                u64x2(K, N), (ctypes.c_uint64 * 1)(w.stride(0) * 2), u32x2(PREFETCH_STEPS * BK, rows), u32x2(1, 1),
+                ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(_TMAP_L2_256B), ctypes.c_int(0))
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled returned CUresult {rc} for the L2 prefetch's map of W "
+                           f"{tuple(w.shape)} (box {rows} x {PREFETCH_STEPS * BK})")
+    return bytes(buf)
+
+
+def prefetch_map(w, rows: int, encode=None):
+    """W's prefetch tensor map (`prefetch_map_bytes`) as a 128-byte uint8 tensor on W's device (the kernel reads it by
+    its global address), cached per (address, shape, row stride, rows, device) — all a map holds, so a tensor later
+    at the same address gets the same map. An experiment's cache, at most 64 maps; build it before a CUDA graph's
+    capture (a copy to the device)."""
+    import torch
+
+    key = (w.data_ptr(), tuple(w.shape), w.stride(0), rows, str(w.device))
+    m = _PREFETCH_MAPS.get(key)
+    if m is None:
+        if len(_PREFETCH_MAPS) >= 64:
+            _PREFETCH_MAPS.clear()
+        m = torch.frombuffer(bytearray(prefetch_map_bytes(w, rows, encode)), dtype=torch.uint8).to(w.device)
+        _PREFETCH_MAPS[key] = m
+    return m
+
+
 def _launch_args(a, w, tile: Tile, out, programs: int | None = None):
     """(grid, args, kwargs) of one launch of `tile` for a [M, K] @ w [N, K]^T into out; `programs` (the first-use
     check) sets how many programs walk the tiles."""
@@ -487,9 +543,6 @@ def _launch_args(a, w, tile: Tile, out, programs: int | None = None):
     N = w.shape[0]
     if tile.pdl == 2 and K < tile.stages * BK:
         raise ValueError(f"{tile.name}: pdl 2 loads the first {tile.stages} K steps ahead; K = {K} has fewer")
-    if tile.prefetch and (w.stride(0) != K or K < PREFETCH_STEPS * BK):
-        raise ValueError(f"{tile.name}: the L2 prefetch reads W as rows of stride K >= {PREFETCH_STEPS * BK} "
-                         f"(stride {w.stride(0)}, K = {K})")
     n2 = tile.bn2 or tile.bn1
     a_desc = _descriptor(a, M, K, tile.bm)
     w1 = _descriptor(w, N, K, tile.bn1)
@@ -498,7 +551,7 @@ def _launch_args(a, w, tile: Tile, out, programs: int | None = None):
     grid = programs or (min(tiles, _sms(a.device)) if tile.persistent else tiles)
     knobs = _knobs(tile)
     if tile.prefetch:
-        knobs["w_ptr"] = w
+        knobs["pf_map"] = prefetch_map(w, tile.bn)
     return ((grid,), (a_desc, w1, w2, out, M, N, K, out.stride(0), grid),
             dict(BM=tile.bm, BN1=tile.bn1, BN2=tile.bn2, BK=BK, STAGES=tile.stages, SEGS=tile.segs,
                  GROUP_M=tile.group_m, num_warps=tile.warps, **knobs))
@@ -507,7 +560,7 @@ def _launch_args(a, w, tile: Tile, out, programs: int | None = None):
 def _knobs(tile: Tile) -> dict:
     """The constexprs and launch option of `depth` / `pdl` / `prefetch`, passed only where they are not the kernel's
     defaults: a default tile launches with the arguments it had before the knobs (its PTX is unchanged but for line
-    numbers). (`prefetch` also passes W itself as w_ptr: `_launch_args`.)"""
+    numbers). (`prefetch` also passes W's prefetch tensor map as pf_map: `_launch_args`.)"""
     k = {}
     if tile.depth != 1:
         k["DEPTH"] = tile.depth
@@ -548,9 +601,9 @@ def compile_sm90(tile: Tile):
              "GROUP_M": tile.group_m, "num_warps": tile.warps}
     const.update(DEPTH=tile.depth, PDL=tile.pdl, PREFETCH=tile.prefetch)  # (an ASTSource takes no defaults)
     if tile.prefetch:
-        sig["w_ptr"] = "*bf16"
+        sig["pf_map"] = "*u8"
     else:
-        const["w_ptr"] = None
+        const["pf_map"] = None
     return _compile_sm90(_gemm_kernel, sig, const, num_warps=tile.warps, launch_pdl=bool(tile.pdl))
 
 
