@@ -115,6 +115,7 @@ TILES = {t.name: t for t in (
     _t("128x192_s5_p_pf4", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, prefetch=4),
     _t("128x192_s5_p_pf8", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, prefetch=8),
     _t("128x192_s5_p_pf16", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, prefetch=16),
+    _t("128x192_s5_p_pf32", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, prefetch=32),
     _t("64x192_s7_pf8", 64, 128, 64, 7, 1, 4, prefetch=8),
     _t("256x192_s4_p_pf8", 256, 128, 64, 4, 1, 8, persistent=True, group_m=8, prefetch=8))}
 # (a 64 x 256 segmented tile spills on sm_90: 3 live accumulators of 128 registers a thread)

@@ -318,13 +318,14 @@ STEPS: dict[str, tuple[int, str]] = {
     "gemm_m256": (300, "python3 scripts/gpu_gluon_gemm.py --out {out}/m256 --gemms qkv,gate_up --ms 256 --rounds 9 "
                        "--device-us --plan 'qkv=64x192_s7,64x192_s6;gate_up=128x192_s5_p,128x192_s5' && "
                        "python3 scripts/gpu_chain_gap.py --out {out}/gap --tiles 64x192_s7,128x192_s5_p"),
-    # session 50's L2 prefetch of W (untimed when written) at the M = 256 / 1,024 column-parallel rows, interleaved with
-    # the library's tiles, then the chain gap (wall-time gap: below and at the power cap) with the best guess beside
+    # the L2 prefetch of W (session 51: one cp.async.bulk.prefetch.tensor a round through W's own tensor map; session
+    # 50's per-row requests lost ~2x) at the M = 256 / 1,024 column-parallel rows beside the library's tiles, then the
+    # chain gap (wall-time gap: below and at the power cap)
     "gemm_prefetch": (300, "python3 scripts/gpu_gluon_gemm.py --out {out}/pf --gemms qkv,gate_up --ms 256,1024 --rounds 7 "
                            "--plan 'qkv=64x192_s7,64x192_s7_pf8,128x192_s5_p,128x192_s5_p_pf8;gate_up=128x192_s5_p,"
-                           "128x192_s5_p_pf4,128x192_s5_p_pf8,128x192_s5_p_pf16,256x192_s4_p,256x192_s4_p_pf8' && "
-                           "python3 scripts/gpu_chain_gap.py --out {out}/gap --cases gate_up:256,qkv:1024 "
-                           "--tiles 128x192_s5_p_pf8"),
+                           "128x192_s5_p_pf4,128x192_s5_p_pf8,128x192_s5_p_pf16,128x192_s5_p_pf32,256x192_s4_p,"
+                           "256x192_s4_p_pf8' && python3 scripts/gpu_chain_gap.py --out {out}/gap --cases "
+                           "gate_up:256,qkv:1024 --tiles 128x192_s5_p_pf4,128x192_s5_p_pf8,128x192_s5_p_pf16"),
     # after a change that keeps the bits (session 25: the packed prefill's K / V through TMA): the committed golden bits
     # checked, then issue 10's timing and train ratios, then the 1,000,000-token parity (hash 04f49fb5e81035b6 under
     # attention v2, session 42; 8f3204762ef5c300 under v1), merged into the harness JSON
