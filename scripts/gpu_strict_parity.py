@@ -24,7 +24,8 @@ implementation under the GPU contracts (rlkernel/contracts/gpu.py):
   layouts  which piece of the engine layout (or which op) makes the rollout differ from packed scoring: the rollout
            in each layout, and every site's rows rollout vs packed (not in the default list)
 
-Writes DIR/h200_strict_parity.json (DIR: $OUT, else benchmarks/). Without CUDA it writes
+Writes DIR/<card>_strict_parity.json (DIR: $OUT, else benchmarks/; <card>: the GPU's model from its name, h100 or
+h200, else "gpu"; until session 51 every card wrote h200_). Without CUDA it writes gpu_strict_parity.json
 {"skipped": reason} and exits 0.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ import itertools
 import json
 import os
 import random
+import re
 import sys
 import time
 import traceback
@@ -642,6 +644,13 @@ def targets(res: dict) -> dict:
     }
 
 
+def card_name(device_name: str) -> str:
+    """The result file's prefix: the GPU's model in its name, lower case ("NVIDIA H100 80GB HBM3" -> h100,
+    "NVIDIA H200" -> h200), else "gpu"."""
+    m = re.search(r"\b([A-Z]{1,3}\d{2,4})[A-Z]?\b", device_name)
+    return m.group(1).lower() if m else "gpu"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
@@ -653,15 +662,17 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks"))
     ap.add_argument("--merge", default=None, help="a previous call's JSON: keep its sections, add or replace these")
     ap.add_argument("--dims", choices=sorted(DIMS), default="qwen3_8b",
-                    help="the model width (default Qwen3-8B's); another writes h200_strict_parity_DIMS.json")
+                    help="the model width (default Qwen3-8B's); another writes <card>_strict_parity_DIMS.json")
     args = ap.parse_args(argv)
     dims = dict(DIMS[args.dims])
     ARCH["arch"] = dims.pop("arch", "qwen3")
     QWEN3_8B.update(dims)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / ("h200_strict_parity.json" if args.dims == "qwen3_8b" else f"h200_strict_parity_{args.dims}.json")
     import torch
+    card = card_name(torch.cuda.get_device_name()) if torch.cuda.is_available() else "gpu"
+    path = out_dir / (f"{card}_strict_parity.json" if args.dims == "qwen3_8b" else
+                      f"{card}_strict_parity_{args.dims}.json")
     if not torch.cuda.is_available():
         path.write_text(json.dumps({"skipped": "no CUDA device"}, indent=1))
         print("skipped: no CUDA device")

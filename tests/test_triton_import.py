@@ -131,7 +131,15 @@ def test_gpu_harness_skips_without_cuda(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_strict_parity.py"), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads((tmp_path / "h200_strict_parity.json").read_text()) == {"skipped": "no CUDA device"}
+    assert json.loads((tmp_path / "gpu_strict_parity.json").read_text()) == {"skipped": "no CUDA device"}
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from gpu_strict_parity import card_name
+    finally:
+        sys.path.pop(0)
+    names = ["NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA A100-SXM4-80GB", "AMD Instinct MI300X",
+             "Tesla"]
+    assert [card_name(n) for n in names] == ["h100", "h200", "gh200", "a100", "mi300", "gpu"]  # the result's prefix
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_loop.py"), "--out", str(tmp_path / "loop")],
                           capture_output=True, text=True, timeout=300)  # the loop harness: skips, writes nothing
     assert proc.returncode == 0 and last_json(proc.stdout)["skipped"].startswith("no CUDA device")
