@@ -149,9 +149,11 @@ def test_l2_prefetch_knob_adds_one_tensor_hint_a_round_and_no_arithmetic():
 
     base, pf = _compiled(GG.TWO_WAVES), _compiled(tile)
     ptx = pf.asm["ptx"]
-    hints = re.findall(r"@(%?\w+) cp\.async\.bulk\.prefetch\.tensor\.2d\.L2\.global\.tile \[%rd\d+, \{%r\d+, %r\d+\}\];", ptx)
+    hints = re.findall(r"@(%?\w+) cp\.async\.bulk\.prefetch\.tensor\.2d\.L2\.global\.tile "
+                       r"\[%rd\d+, \{%r\d+, %r\d+\}\];", ptx)
     assert len(hints) == 1, hints  # one request a round, predicated ...
-    assert re.search(r"mov\.u32 \w+, %laneid;\s*setp\.eq\.u32 " + re.escape(hints[0]) + r", \w+, 0;", ptx)  # ... on lane 0
+    lane0 = r"mov\.u32 \w+, %laneid;\s*setp\.eq\.u32 " + re.escape(hints[0]) + r", \w+, 0;"
+    assert re.search(lane0, ptx)  # ... on lane 0
     assert len(re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.gpu \[%rd\d+\], 128;", ptx)) == 1
     assert "cp.async.bulk.prefetch.L2" not in ptx  # session 50's per-row requests are gone
     assert "prefetch" not in base.asm["ptx"] and "tensormap::" not in base.asm["ptx"]  # the control: none by default
@@ -161,16 +163,18 @@ def test_l2_prefetch_knob_adds_one_tensor_hint_a_round_and_no_arithmetic():
 
 def test_l2_prefetch_tensor_map_is_encoded_over_w_as_stored():
     """The prefetch's tensor map: cuTensorMapEncodeTiled (libcuda, absent here, so its arguments are what is checked)
-    over W [N, K] as it lies — dims (K, N), row stride in bytes, a box of PREFETCH_STEPS x BK columns x the tile's rows,
-    bf16, no swizzle — and the 128 bytes it writes are the map; a failing encode and a W a map cannot describe are
-    refused with their reasons."""
+    over W [N, K] as it lies — dims (K, N), row stride in bytes, a box of PREFETCH_STEPS x BK columns x the tile's
+    rows, bf16, no swizzle — and the 128 bytes it writes are the map; a failing encode and a W a map cannot describe
+    are refused with their reasons."""
     import ctypes
 
     seen = {}
 
     def encode(ref, dtype, rank, addr, dims, strides, box, estrides, interleave, swizzle, l2, oob):
+        assert ref.value % 64 == 0  # cuda.h: a CUtensorMap is 64-byte aligned
         seen.update(dtype=dtype.value, rank=rank.value, addr=addr.value, dims=list(dims), strides=list(strides),
-                    box=list(box), estrides=list(estrides), modes=(interleave.value, swizzle.value, l2.value, oob.value))
+                    box=list(box), estrides=list(estrides),
+                    modes=(interleave.value, swizzle.value, l2.value, oob.value))
         ctypes.cast(ref, ctypes.POINTER(ctypes.c_uint64 * 16)).contents[:] = list(range(100, 116))
         return 0
 

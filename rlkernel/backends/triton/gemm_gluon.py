@@ -508,15 +508,16 @@ def prefetch_map_bytes(w, rows: int, encode=None) -> bytes:
                          f"{w.dtype}, strides {tuple(w.stride())}, rows {rows})")
     if encode is None:
         encode = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
-    buf = (ctypes.c_uint64 * 16)()  # CUtensorMap: 128 bytes, 64-byte aligned (ctypes gives 16: copied out below)
+    raw = (ctypes.c_uint8 * 192)()  # CUtensorMap: 128 bytes at a 64-byte aligned address inside this buffer
+    at = ctypes.addressof(raw) + (-ctypes.addressof(raw)) % 64
     u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
-    rc = encode(ctypes.byref(buf), ctypes.c_int(_TMAP_BF16), ctypes.c_uint32(2), ctypes.c_void_p(w.data_ptr()),
+    rc = encode(ctypes.c_void_p(at), ctypes.c_int(_TMAP_BF16), ctypes.c_uint32(2), ctypes.c_void_p(w.data_ptr()),
                 u64x2(K, N), (ctypes.c_uint64 * 1)(w.stride(0) * 2), u32x2(PREFETCH_STEPS * BK, rows), u32x2(1, 1),
                 ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(_TMAP_L2_256B), ctypes.c_int(0))
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled returned CUresult {rc} for the L2 prefetch's map of W "
                            f"{tuple(w.shape)} (box {rows} x {PREFETCH_STEPS * BK})")
-    return bytes(buf)
+    return ctypes.string_at(at, 128)
 
 
 def prefetch_map(w, rows: int, encode=None):
