@@ -66,12 +66,15 @@ def wall_sleep():
     import triton.language as tl
 
     @triton.jit
+    def _now():
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+    @triton.jit
     def _wall_sleep(ns):
-        t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        t0 = _now()
         t = t0
         while t - t0 < ns:
-            t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                          pack=1)
+            t = _now()
 
     return _wall_sleep
 

@@ -108,10 +108,11 @@ TILES = {t.name: t for t in (
     _t("256x192_s4_p", 256, 128, 64, 4, 1, 8, persistent=True, group_m=8),
     _t("256x192_s3_p", 256, 128, 64, 3, 1, 8, persistent=True, group_m=8),
     _t("128x192_s4_p", 128, 128, 64, 4, 1, 8, persistent=True, group_m=8),
-    # after session 50's device time (untimed): below the power cap, gate_up at M = 256 streams W ~9 % slower than
-    # cuBLAS (call 14). An L2 prefetch of W's next 4 K steps (512 bytes a row), 4 / 8 / 16 steps ahead of the ring's
-    # TMA loads (gemm_gluon `prefetch`: a hint, no bit; `gpu_session.py gemm_prefetch`); and 256 x 192 (W through L2
-    # once: 1,500 MHz at the cap, session 50) with it
+    # below the power cap, gate_up at M = 256 streams W ~9 % slower than cuBLAS (session 50, call 14): an L2 prefetch
+    # of W's next 4 K steps, 4-32 steps ahead of the ring's TMA loads (gemm_gluon `prefetch`: a hint, no bit;
+    # `gpu_session.py gemm_prefetch`), also on 256 x 192. All lost, bit-equal (an H100, session 51): one request a W
+    # row 0.45-0.53x at gate_up M = 256, one tensor-map request a round 0.64-0.76x, against 0.89x without
+    # (benchmarks/H100_session51/CALLS.md)
     _t("128x192_s5_p_pf4", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, prefetch=4),
     _t("128x192_s5_p_pf8", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, prefetch=8),
     _t("128x192_s5_p_pf16", 128, 128, 64, 5, 1, 8, persistent=True, group_m=8, prefetch=16),

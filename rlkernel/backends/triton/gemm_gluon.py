@@ -100,7 +100,7 @@ class Tile:
             raise ValueError(f"{self.name}: depth {self.depth}: 1, or more on an unsegmented tile")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"{self.name}: pdl {self.pdl} is not one of {sorted(PDL_MODES)}")
-        if self.prefetch < 0 or self.prefetch % PREFETCH_STEPS or (self.prefetch and self.bn1 + self.bn2 > 256):
+        if self.prefetch < 0 or self.prefetch % PREFETCH_STEPS or (self.prefetch and self.bn > 256):
             raise ValueError(f"{self.name}: prefetch {self.prefetch}: 0 or a multiple of {PREFETCH_STEPS} K steps, "
                              "over a tile of at most 256 W rows (a tensor map's box)")
         if self.segs > 1 and self.bn2:
